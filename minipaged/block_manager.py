@@ -1,0 +1,344 @@
+"""The KV block pool: who owns which block, and which blocks hold a reusable prefix.
+
+The KV cache is a fixed pool of blocks of ``block_size`` token slots. A request's *block table* lists its
+blocks in order; token t lives in block ``table[t // block_size]`` at offset ``t % block_size``. Blocks are
+handed out on demand, one at a time, so a request wastes at most the unused tail of its last block.
+
+Automatic prefix caching: a *full* block gets a hash that chains its parent's hash with its own token ids
+(and any extra keys), so equal hashes mean equal prefixes. A map from hash to block lets a new request
+reuse blocks another request computed. Blocks carry reference counts; shared blocks are read-only.
+
+A block whose ref count drops to 0 goes back to the free queue but keeps its hash and content: until the
+pool needs it, it is still a cache hit. The queue is LRU: blocks freed longest ago are taken (evicted)
+first; a request frees its blocks tail first, so among blocks freed together the deepest goes first.
+Blocks with no hash hold nothing reusable, so they go to the *front* of the queue and are reused first.
+
+All changes are written to ``changes`` (a ``KVChangeLog``) so the engine can report them in its StepEvent.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from .request import Request
+
+ROOT_HASH = 0  # the parent hash of a request's first block
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    """Hash of one full block: depends on everything before it (via the parent) and its own tokens.
+
+    ``extra_keys`` is the hook for anything else that changes a block's KV for the same tokens (a LoRA
+    adapter, an image id, a cache salt). Python's hash of ints and tuples of ints is stable across runs.
+    """
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[int] = None
+
+
+@dataclass
+class KVChangeLog:
+    """What happened to blocks since the last StepEvent (drained by the engine each step)."""
+
+    allocated: dict[str, list[int]] = field(default_factory=dict)
+    cache_hits: dict[str, list[int]] = field(default_factory=dict)
+    freed: dict[str, list[int]] = field(default_factory=dict)
+    cached: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    uncached: list[int] = field(default_factory=list)
+    swapped_out: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    swapped_in: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+class FreeBlockQueue:
+    """Free block ids in eviction order (front: taken first). O(1) removal of a block that becomes a hit."""
+
+    def __init__(self, block_ids: Iterable[int]) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in block_ids)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._queue
+
+    def pop_front(self) -> int:
+        block_id, _ = self._queue.popitem(last=False)
+        return block_id
+
+    def push_back(self, block_id: int) -> None:
+        self._queue[block_id] = None
+
+    def push_front(self, block_id: int) -> None:
+        self._queue[block_id] = None
+        self._queue.move_to_end(block_id, last=False)
+
+    def remove(self, block_id: int) -> None:
+        del self._queue[block_id]
+
+    def ids(self) -> list[int]:
+        return list(self._queue)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0        # prompt tokens looked up at admission
+    hits: int = 0           # of those, tokens found in the cache
+    evictions: int = 0      # cached blocks whose content was dropped to make room
+
+
+class KVCacheManager:
+    """Block tables of the running requests over one pool of ``num_blocks`` blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[int]] = {}        # hashes of the request's full blocks, in order
+        self.req_num_hashed: dict[str, int] = {}          # how many of its blocks have been registered
+        self.stats = PrefixCacheStats()
+        self.changes = KVChangeLog()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, counting cached-but-free ones: they can be taken at any time."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue.ids() if self.blocks[b].block_hash is not None)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """Hashes of the request's first ``num_full_blocks`` blocks, computed once and extended lazily."""
+        hashes = self.req_hashes.setdefault(req.request_id, [])
+        if len(hashes) < num_full_blocks:
+            tokens = req.all_token_ids
+            bs = self.block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], req_extra_keys(req))
+                hashes.append(parent)
+        return hashes[:num_full_blocks]
+
+    def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """Blocks holding the longest cached prefix of the request, and how many tokens need no compute.
+
+        If every token is cached we still recompute the last one: its logits are needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hits: list[int] = []
+        for h in self._block_hashes(req, req.num_tokens // self.block_size):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, min(len(hits) * self.block_size, req.num_tokens - 1)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    # ------------------------------------------------------------------ allocation
+    def num_blocks_to_allocate(self, req: Request, num_new_tokens: int, start: int,
+                               cached_blocks: Sequence[int] = ()) -> int:
+        """Free-queue entries this allocation consumes: new blocks plus cache hits that are now free."""
+        have = len(self.req_blocks.get(req.request_id, ())) + len(cached_blocks)
+        new_blocks = max(0, self.blocks_needed(start + num_new_tokens) - have)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        return new_blocks + revived
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, start: Optional[int] = None,
+                       cached_blocks: Sequence[int] = ()) -> bool:
+        """Make room for tokens ``start : start + num_new_tokens`` of the request; False if the pool is short.
+
+        ``cached_blocks`` are prefix-cache hits taken at admission (prefix-aware admission: only the blocks
+        beyond them are counted as needed). All or nothing: on False nothing has changed.
+        """
+        start = req.num_computed_tokens if start is None else start
+        if self.num_blocks_to_allocate(req, num_new_tokens, start, cached_blocks) > len(self.free_queue):
+            return False
+        rid = req.request_id
+        table = self.req_blocks.setdefault(rid, [])
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block_id)
+            block.ref_cnt += 1
+            table.append(block_id)
+        if cached_blocks:
+            self.changes.allocated.setdefault(rid, []).extend(cached_blocks)
+            self.changes.cache_hits.setdefault(rid, []).extend(cached_blocks)
+            self.req_num_hashed[rid] = len(table)
+        for _ in range(self.blocks_needed(start + num_new_tokens) - len(table)):
+            block_id = self._take_free_block()
+            table.append(block_id)
+            self.changes.allocated.setdefault(rid, []).append(block_id)
+        if self.enable_caching:
+            self._register_full_blocks(req, start + num_new_tokens)
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id = self.free_queue.pop_front()
+        block = self.blocks[block_id]
+        if block.block_hash is not None:                 # reusing a cached block: its prefix is gone
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+            self.stats.evictions += 1
+            self.changes.evicted.append(block_id)
+        block.ref_cnt = 1
+        return block_id
+
+    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the hashes of blocks that are full once this step's tokens are computed.
+
+        Publishing at allocation (as vLLM v1 does) lets a request admitted later in the same step share
+        them: within each layer the runner writes every new K/V before any attention reads the cache.
+        """
+        rid = req.request_id
+        table = self.req_blocks[rid]
+        done = self.req_num_hashed.get(rid, 0)
+        num_full = min(num_tokens // self.block_size, len(table))
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(done, num_full):
+            block = self.blocks[table[i]]
+            if block.block_hash is None and hashes[i] not in self.hash_to_block:
+                block.block_hash = hashes[i]
+                self.hash_to_block[hashes[i]] = block.block_id
+                self.changes.cached.append(block.block_id)
+        self.req_num_hashed[rid] = num_full
+
+    # ------------------------------------------------------------------ release
+    def free(self, req: Request, forget_hashes: bool = True) -> None:
+        """Drop the request's hold on its blocks (finish, abort or preemption)."""
+        rid = req.request_id
+        table = self.req_blocks.pop(rid, [])
+        self.req_num_hashed.pop(rid, None)
+        if forget_hashes:
+            self.req_hashes.pop(rid, None)
+        for block_id in reversed(table):               # tail first: deeper blocks are evicted first
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self.free_queue.push_back(block_id)
+                else:
+                    self.free_queue.push_front(block_id)
+        if table:
+            self.changes.freed.setdefault(rid, []).extend(table)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their content, they just stop being shareable)."""
+        dropped = [b.block_id for b in self.blocks if b.block_hash is not None]
+        for block_id in dropped:
+            self.blocks[block_id].block_hash = None
+        self.hash_to_block.clear()
+        for rid, table in self.req_blocks.items():
+            self.req_num_hashed[rid] = len(table)       # never re-publish what was just forgotten
+        self.changes.uncached.extend(dropped)
+        # Unhashed free blocks belong at the front; order among them does not matter.
+        return len(dropped)
+
+    # ------------------------------------------------------------------ swapping
+    def swap_out(self, req: Request, cpu_pool: "CpuBlockPool") -> Optional[list[tuple[int, int]]]:
+        """Give the request's GPU blocks up, with a CPU block per GPU block to copy into; None if CPU is full."""
+        table = self.req_blocks.get(req.request_id, [])
+        cpu_blocks = cpu_pool.allocate(req.request_id, len(table))
+        if cpu_blocks is None:
+            return None
+        mapping = list(zip(table, cpu_blocks))
+        self.free(req, forget_hashes=False)
+        self.changes.swapped_out[req.request_id] = mapping
+        return mapping
+
+    def can_swap_in(self, req: Request, cpu_pool: "CpuBlockPool") -> bool:
+        # one block of headroom so the request can also take its next token's slot
+        return len(cpu_pool.blocks_of(req.request_id)) + 1 <= len(self.free_queue)
+
+    def swap_in(self, req: Request, cpu_pool: "CpuBlockPool") -> list[tuple[int, int]]:
+        cpu_blocks = cpu_pool.release(req.request_id)
+        table = [self._take_free_block() for _ in cpu_blocks]
+        self.req_blocks[req.request_id] = table
+        self.req_num_hashed[req.request_id] = 0
+        if self.enable_caching:
+            self._register_full_blocks(req, req.num_computed_tokens)
+        mapping = list(zip(cpu_blocks, table))
+        self.changes.swapped_in[req.request_id] = mapping
+        return mapping
+
+    # ------------------------------------------------------------------ events and checks
+    def drain_changes(self) -> KVChangeLog:
+        changes, self.changes = self.changes, KVChangeLog()
+        return changes
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books do not balance (used by the property tests)."""
+        refs = [0] * self.num_blocks
+        for table in self.req_blocks.values():
+            for b in table:
+                refs[b] += 1
+        free = set(self.free_queue.ids())
+        assert len(free) == len(self.free_queue), "a block is queued twice"
+        for block in self.blocks:
+            assert block.ref_cnt == refs[block.block_id], f"block {block.block_id}: ref count disagrees"
+            assert block.ref_cnt >= 0
+            assert (block.block_id in free) == (block.ref_cnt == 0), f"block {block.block_id}: free xor used"
+            if block.block_hash is not None:
+                assert self.hash_to_block.get(block.block_hash) == block.block_id, "hash map disagrees"
+        for h, b in self.hash_to_block.items():
+            assert self.blocks[b].block_hash == h, "hash map points at a block with another hash"
+        assert len(free) + sum(1 for r in refs if r > 0) == self.num_blocks, "free + used != total"
+
+
+def req_extra_keys(req: Request) -> tuple:
+    """Extra inputs that change a block's KV for the same tokens. None yet: the hook for LoRA/multimodal."""
+    return ()
+
+
+class CpuBlockPool:
+    """Blocks in host memory that hold swapped-out requests (no caching: a plain free list)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._owned: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, request_id: str, n: int) -> Optional[list[int]]:
+        if n > len(self._free):
+            return None
+        blocks = [self._free.pop() for _ in range(n)]
+        self._owned[request_id] = blocks
+        return blocks
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self._owned.get(request_id, [])
+
+    def release(self, request_id: str) -> list[int]:
+        blocks = self._owned.pop(request_id, [])
+        self._free.extend(reversed(blocks))
+        return blocks

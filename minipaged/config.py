@@ -1,0 +1,84 @@
+"""Engine options, validated in one place so that a bad value fails at start-up with a clear message.
+
+Names follow vLLM's spelling (``block_size``, ``max_num_seqs`` ...) so that what you learn here carries over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+PreemptionMode = Literal["recompute", "swap"]
+Policy = Literal["continuous", "static"]
+
+
+class ConfigError(ValueError):
+    """An engine option has a value the engine cannot work with; the message names the fix."""
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. ``None`` means "derive it from the model or the memory budget"."""
+
+    model: str = "smollm2"
+    block_size: int = 16
+    num_blocks: Optional[int] = None          # KV blocks in the pool; None: from kv_cache_memory / gpu_memory_utilization
+    kv_cache_memory: Optional[float] = None   # GiB for the KV pool on CPU (default 1 GiB, capped by what max_model_len needs)
+    gpu_memory_utilization: float = 0.9       # on CUDA: share of the card the engine may use (weights + KV)
+    max_num_seqs: int = 256                   # at most this many requests run in one step
+    max_num_batched_tokens: Optional[int] = None  # the token budget of one step (default 2048)
+    max_model_len: Optional[int] = None       # longest sequence (prompt + output); default: the model's context
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: Policy = "continuous"
+    preemption_mode: PreemptionMode = "recompute"
+    swap_space: float = 0.5                   # GiB of CPU memory for swapped-out blocks
+    num_cpu_blocks: Optional[int] = None      # overrides swap_space when set
+    seed: int = 0
+    device: Optional[str] = None              # "cuda", "cpu", "mps"; None: CUDA when present, else CPU
+    dtype: Optional[str] = None               # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
+    attention_backend: Optional[str] = None   # "torch" or "triton"; None: triton on CUDA, torch elsewhere
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
+
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_cpu_blocks"):
+            positive(name)
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks == 0:
+            raise ConfigError("num_cpu_blocks must be positive.")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}.")
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        if self.policy not in ("continuous", "static"):
+            raise ConfigError(f"policy must be 'continuous' or 'static', got {self.policy!r}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ConfigError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill in the derived values once the model's context length is known."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is longer than the model's context ({model_max_len}); "
+                f"use max_model_len <= {model_max_len}.")
+        if self.max_num_batched_tokens is None:
+            # Without chunking a whole prompt must fit one step (vLLM's rule), so the budget grows to max_model_len.
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+        elif not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"with chunked prefill disabled every prompt must fit one step, but max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} < max_model_len={self.max_model_len}. Enable chunked prefill, "
+                f"raise max_num_batched_tokens, or lower max_model_len.")

@@ -1,0 +1,316 @@
+"""StepEvent: the one window onto the engine.
+
+Each ``Engine.step()`` returns one frozen, JSON-serialisable ``StepEvent`` saying what was scheduled, which
+KV blocks changed hands, what was cached, evicted, preempted, swapped and finished, and how long it took.
+The TUI, traces, metrics and lessons read these events and nothing else. ``EngineView`` (below) shows that
+this is enough: it rebuilds the block map and the request table from events alone.
+
+A trace file is JSON lines: first an ``EngineInfo`` header, then one ``StepEvent`` per line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any, Iterable, Iterator, Optional
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What does not change during a run: shown in headers, needed to draw an empty block map."""
+
+    model: str
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    policy: str
+    preemption_mode: str
+    kv_bytes_per_token: int
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+@dataclass(frozen=True)
+class RequestArrival:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    prompt_preview: str          # the first characters of the prompt, for the queue panel
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step. Tokens ``start:end`` of the request get their KV computed."""
+
+    request_id: str
+    kind: str                    # "prefill" (a whole prompt or a chunk of it, or a recompute) or "decode"
+    start: int                   # num_computed_tokens before the step
+    end: int                     # ... after it
+    prompt_len: int
+    num_cached_tokens: int       # tokens found in the prefix cache when admitted this step (else 0)
+    num_output_tokens: int       # generated tokens after this step
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Preemption:
+    request_id: str
+    mode: str                    # "recompute" or "swap"
+    num_blocks: int              # GPU blocks it gave up
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestFinish:
+    request_id: str
+    finish_reason: str           # "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    ttft_s: Optional[float]
+    e2e_s: float
+    mean_itl_s: Optional[float]
+
+
+@dataclass(frozen=True)
+class KVChanges:
+    """Every change to block ownership during the step, in order of kind (frees, then allocations).
+
+    ``allocated[r]`` lists blocks appended to request r's block table (new ones and cache hits alike, in
+    table order); ``cache_hits[r]`` says which of them were hits. ``freed[r]`` lists blocks r let go of.
+    """
+
+    allocated: dict[str, list[int]] = field(default_factory=dict)
+    cache_hits: dict[str, list[int]] = field(default_factory=dict)
+    freed: dict[str, list[int]] = field(default_factory=dict)
+    cached: list[int] = field(default_factory=list)          # blocks that became shareable (got a hash)
+    evicted: list[int] = field(default_factory=list)         # free cached blocks whose hash was dropped
+    uncached: list[int] = field(default_factory=list)        # hashes dropped by reset_prefix_cache
+    swapped_out: dict[str, list[tuple[int, int]]] = field(default_factory=dict)   # (gpu block, cpu block)
+    swapped_in: dict[str, list[tuple[int, int]]] = field(default_factory=dict)    # (cpu block, gpu block)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: int
+    time_s: float                # seconds since the engine started, at the end of the step
+    duration_s: float            # the whole step
+    schedule_s: float            # scheduling and KV bookkeeping
+    model_s: float               # the model's forward pass and sampling
+    budget_limit: int            # max_num_batched_tokens
+    budget_used: int             # tokens computed this step
+    max_num_seqs: int
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    arrivals: tuple[RequestArrival, ...] = ()
+    preempted: tuple[Preemption, ...] = ()
+    swapped_in: tuple[str, ...] = ()
+    finished: tuple[RequestFinish, ...] = ()
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_text: dict[str, str] = field(default_factory=dict)
+    kv: KVChanges = field(default_factory=KVChanges)
+    num_free_blocks: int = 0
+    num_cached_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_free_cpu_blocks: int = 0
+    num_total_cpu_blocks: int = 0
+    waiting: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    swapped: tuple[str, ...] = ()
+    counters: dict[str, float] = field(default_factory=dict)   # cumulative totals (see Engine.stats())
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.kind == "decode")
+
+    def to_json(self) -> str:
+        return json.dumps({"type": "step", **asdict(self)}, separators=(",", ":"))
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "StepEvent":
+        d = {k: v for k, v in d.items() if k != "type"}
+        kv = d.get("kv", {})
+        kv = KVChanges(**{k: ({r: [tuple(p) for p in pairs] for r, pairs in v.items()}
+                             if k in ("swapped_out", "swapped_in") else v) for k, v in kv.items()})
+        return StepEvent(
+            **{**d, "kv": kv,
+               "scheduled": tuple(ScheduledRequest(**s) for s in d.get("scheduled", ())),
+               "arrivals": tuple(RequestArrival(**a) for a in d.get("arrivals", ())),
+               "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
+               "finished": tuple(RequestFinish(**f) for f in d.get("finished", ())),
+               "swapped_in": tuple(d.get("swapped_in", ())),
+               "waiting": tuple(d.get("waiting", ())), "running": tuple(d.get("running", ())),
+               "swapped": tuple(d.get("swapped", ()))})
+
+
+# --------------------------------------------------------------------------------------------- traces
+
+def write_trace_header(fp: IO[str], info: EngineInfo) -> None:
+    fp.write(json.dumps({"type": "engine", **asdict(info)}) + "\n")
+
+
+def write_trace_event(fp: IO[str], event: StepEvent) -> None:
+    fp.write(event.to_json() + "\n")
+
+
+def read_trace(path: str) -> tuple[EngineInfo, list[StepEvent]]:
+    """Load a JSON-lines trace; raises ValueError with the line number if the file is not a trace."""
+    info: Optional[EngineInfo] = None
+    events: list[StepEvent] = []
+    with open(path, encoding="utf-8") as fp:
+        for lineno, line in enumerate(fp, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                kind = record.get("type")
+                if kind == "engine":
+                    info = EngineInfo(**{k: v for k, v in record.items() if k != "type"})
+                elif kind == "step":
+                    events.append(StepEvent.from_dict(record))
+                else:
+                    raise ValueError(f"unknown record type {kind!r}")
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a minipaged trace line ({exc})") from exc
+    if info is None:
+        raise ValueError(f"{path}: no engine header; record traces with `minipaged watch --record FILE`.")
+    return info, events
+
+
+# ------------------------------------------------------------------------------------ the observer's view
+
+@dataclass
+class RequestView:
+    """What an observer knows of one request from events alone."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    prompt_preview: str
+    state: str = "waiting"       # waiting, running, swapped, finished
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    text: str = ""
+    finish_reason: Optional[str] = None
+    num_preemptions: int = 0
+    blocks: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)
+
+
+class EngineView:
+    """Folds StepEvents into the block map and request table; used by the TUI, replay and tests.
+
+    Invariant checked by the tests: after every step, this view agrees with the engine's own block manager.
+    """
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.block_owners: list[list[str]] = [[] for _ in range(info.num_blocks)]  # ref count = len(owners)
+        self.block_cached: list[bool] = [False] * info.num_blocks
+        self.cpu_block_owner: list[Optional[str]] = [None] * info.num_cpu_blocks
+        self.requests: dict[str, RequestView] = {}
+        self.last_event: Optional[StepEvent] = None
+        self.step = 0
+
+    def apply(self, ev: StepEvent) -> None:
+        for a in ev.arrivals:
+            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt_preview)
+        kv = ev.kv
+        for rid, pairs in kv.swapped_out.items():
+            for _gpu, cpu in pairs:
+                self.cpu_block_owner[cpu] = rid
+            if rid in self.requests:
+                self.requests[rid].cpu_blocks = [cpu for _g, cpu in pairs]
+        for rid, blocks in kv.freed.items():
+            for b in blocks:
+                if rid in self.block_owners[b]:
+                    self.block_owners[b].remove(rid)
+            req = self.requests.get(rid)
+            if req is not None:
+                req.blocks = [b for b in req.blocks if b not in set(blocks)]
+        for b in kv.evicted + kv.uncached:
+            self.block_cached[b] = False
+        for rid, pairs in kv.swapped_in.items():
+            for cpu, gpu in pairs:
+                self.cpu_block_owner[cpu] = None
+                self.block_owners[gpu].append(rid)
+            if rid in self.requests:
+                self.requests[rid].blocks = [gpu for _c, gpu in pairs]
+                self.requests[rid].cpu_blocks = []
+        for rid, blocks in kv.allocated.items():
+            for b in blocks:
+                self.block_owners[b].append(rid)
+            if rid in self.requests:
+                self.requests[rid].blocks.extend(blocks)
+        for b in kv.cached:
+            self.block_cached[b] = True
+        for p in ev.preempted:
+            req = self.requests.get(p.request_id)
+            if req is not None:
+                req.num_preemptions += 1
+                if p.mode == "recompute":
+                    req.num_computed = 0
+        for s in ev.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is not None:
+                req.num_computed = s.end
+                req.num_output_tokens = s.num_output_tokens
+                if s.num_cached_tokens:
+                    req.num_cached_tokens = s.num_cached_tokens
+        for rid, text in ev.new_text.items():
+            if rid in self.requests:
+                self.requests[rid].text += text
+        for rid in ev.waiting:
+            if rid in self.requests:
+                self.requests[rid].state = "waiting"
+        for rid in ev.running:
+            if rid in self.requests:
+                self.requests[rid].state = "running"
+        for rid in ev.swapped:
+            if rid in self.requests:
+                self.requests[rid].state = "swapped"
+        for f in ev.finished:
+            req = self.requests.get(f.request_id)
+            if req is not None:
+                req.state = "finished"
+                req.finish_reason = f.finish_reason
+                req.num_output_tokens = f.num_output_tokens
+        self.last_event = ev
+        self.step = ev.step
+
+    def block_state(self, block_id: int) -> str:
+        """One of: free, cached (free but reusable), used, shared (ref count > 1)."""
+        owners = self.block_owners[block_id]
+        if not owners:
+            return "cached" if self.block_cached[block_id] else "free"
+        return "shared" if len(owners) > 1 else "used"
+
+    def num_free_blocks(self) -> int:
+        return sum(1 for owners in self.block_owners if not owners)
+
+
+def replay(info: EngineInfo, events: Iterable[StepEvent], upto: Optional[int] = None) -> EngineView:
+    """The view after the first ``upto`` events (all of them when None)."""
+    view = EngineView(info)
+    for i, ev in enumerate(events):
+        if upto is not None and i >= upto:
+            break
+        view.apply(ev)
+    return view
+
+
+def iter_json_lines(events: Iterable[StepEvent]) -> Iterator[str]:
+    for ev in events:
+        yield ev.to_json()

@@ -1,0 +1,143 @@
+"""A compact Llama forward pass over a flattened batch, reading and writing the paged KV cache.
+
+There is no batch dimension and no padding: the step's scheduled tokens of all requests are laid end to
+end (``input_ids[num_tokens]``, ``positions[num_tokens]``). Per-token work (norms, projections, MLP) runs
+on the whole flat batch at once; only attention needs to know where one request ends and the next begins,
+and it learns that from ``AttentionMetadata`` (block tables, sequence lengths, query offsets).
+
+The weights are the tensors transformers loaded (shared, not copied), so the math is the same model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from minipaged.kernels import paged_attention, write_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens are: built by the runner once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor        # [num_tokens] cache slot of each new token (-1: already cached)
+    block_tables: torch.Tensor        # [num_reqs, max_blocks]
+    seq_lens: torch.Tensor            # [num_reqs] context length after this step
+    query_start_loc: torch.Tensor     # [num_reqs + 1]
+    host_seq_lens: list[int]
+    host_query_start_loc: list[int]
+    backend: str = "torch"
+
+
+@dataclass
+class LlamaLayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor                 # q, k and v projections stacked: one matmul instead of three
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor             # gate and up projections stacked
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as transformers' LlamaRMSNorm computes it (in fp32, then back)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class CompactLlama:
+    """Llama: embeddings, N x (RMSNorm, attention with RoPE + GQA, RMSNorm, SwiGLU MLP), RMSNorm, LM head."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        cfg = hf_model.config
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        inner = hf_model.model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = hf_model.lm_head.weight            # the embedding itself when embeddings are tied
+        self.layers = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if getattr(att.q_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
+                raise NotImplementedError("Llama variants with projection biases are not supported yet.")
+            self.layers.append(LlamaLayerWeights(
+                input_norm=layer.input_layernorm.weight.data,
+                qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
+                o=att.o_proj.weight.data,
+                post_norm=layer.post_attention_layernorm.weight.data,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                down=mlp.down_proj.weight.data))
+        self.embed, self.final_norm, self.lm_head = self.embed.data, self.final_norm.data, self.lm_head.data
+        # RoPE tables from transformers' own rotary module, so every rope_type (default, llama3, ...) matches.
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self._cos: Optional[torch.Tensor] = None
+        self._sin: Optional[torch.Tensor] = None
+
+    def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < max_position:
+            n = max(max_position, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            positions = torch.arange(n, device=self.device, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq.to(self.device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+            self._sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        return self._cos, self._sin
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
+        """One tensor for the whole pool: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]."""
+        return torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                           dtype=self.dtype, device=device or self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Compute logits for the rows in ``logits_indices`` (the last token of each finished prefill/decode)."""
+        cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
+        cos = cos_table[positions].unsqueeze(1)               # [T, 1, head_dim]
+        sin = sin_table[positions].unsqueeze(1)
+        h = self.embed[input_ids]
+        num_tokens = h.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, self.eps)
+            q, k, v = F.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            # Write first, then read: a request may attend to blocks another request fills in this step.
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+            attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   self.scale, backend=meta.backend, host_seq_lens=meta.host_seq_lens,
+                                   host_query_start_loc=meta.host_query_start_loc)
+            h = h + F.linear(attn.reshape(num_tokens, q_size), w.o)
+            x = rms_norm(h, w.post_norm, self.eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+        h = rms_norm(h[logits_indices], self.final_norm, self.eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,130 @@
+"""A request, its sampling parameters and its life cycle.
+
+The one number that drives scheduling is ``num_computed_tokens``: how many of the request's tokens
+(prompt, then generated ones) already have their keys and values in the KV cache. Each step the scheduler
+grants ``num_new_tokens``: a whole prompt, a chunk of it, or one decode token. Prefill and decode differ
+only in that number (vLLM v1's unified view).
+
+    WAITING --admit--> RUNNING --finish--> FINISHED_*
+       ^                  |  \\
+       |   preempt        |   \\ preempt (swap)
+       +---(recompute)----+    +--> SWAPPED --swap in--> RUNNING
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                         RequestStatus.FINISHED_ABORTED)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (vLLM's names).
+
+    temperature 0 means greedy. ``seed`` makes a sampled request reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0                 # 0 or -1: off
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: int = 16
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}.")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}.")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings.")
+        if self.n > 1 and self.temperature == 0 and self.seed is None:
+            pass  # allowed: n greedy copies are identical, which is what vLLM does too
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """Mutable state of one request inside the engine (plain data; the scheduler and cache act on it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int                  # global arrival order: FCFS and preemption use it
+    arrival_time: float
+    prompt: Optional[str] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1         # prompt tokens served from the prefix cache at first admission (-1: not yet)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: Optional[str | int] = None
+    output_text: str = ""
+    num_preemptions: int = 0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+    sample_index: int = 0               # which of the n parallel samples this is
+    parent_id: Optional[str] = None     # the id the user sees when n > 1
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while tokens we already know (prompt, or generated tokens after a recompute) lack KV."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,82 @@
+"""The model runner: lays the step's scheduled tokens end to end and runs the model once.
+
+For each scheduled chunk it emits the chunk's token ids and positions, the cache slot each new token's K/V
+goes to (block id * block_size + offset, looked up in the request's block table), and, if the chunk
+reaches the end of the request's known tokens, the row whose logits are sampled. A chunk in the middle of
+a long prompt samples nothing: its job is only to fill the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import KVCacheManager
+from .model.llama import AttentionMetadata, CompactLlama
+from .request import Request
+from .scheduler import ScheduledChunk
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: CompactLlama, kv: KVCacheManager, kv_cache: torch.Tensor, backend: str) -> None:
+        self.model = model
+        self.kv = kv
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = kv_cache.device
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        bs = self.kv.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampled: list[Request] = []
+        for chunk in chunks:
+            req = chunk.request
+            table = self.kv.blocks_of(req.request_id)
+            input_ids.extend(req.all_token_ids[chunk.start:chunk.end])
+            for pos in range(chunk.start, chunk.end):
+                positions.append(pos)
+                slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(chunk.end)
+            tables.append(table)
+            if chunk.end == req.num_tokens:          # every known token has KV now: sample the next one
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(req)
+        width = max(len(t) for t in tables)
+        block_tables = [t + [0] * (width - len(t)) for t in tables]
+
+        def tensor(values: list, dtype=torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots), block_tables=tensor(block_tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
+            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend)
+        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled)
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
+                                  self.kv_cache, model_input.logits_indices)
+
+    def copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers, K and V) between pools: the data movement of swapping."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=src_cache.device)
+        dst = torch.tensor([d for _, d in pairs], device=dst_cache.device)
+        dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)

@@ -1,0 +1,55 @@
+"""Turning logits into the next token, one row per request that reached the end of its known tokens.
+
+Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p (nucleus), and draw
+with the request's own ``torch.Generator``: a request's random stream depends only on its seed, never on
+which other requests share the batch, so seeded outputs are reproducible under any scheduling.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .request import Request
+
+
+class Sampler:
+    def __init__(self, engine_seed: int) -> None:
+        self.engine_seed = engine_seed
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, req: Request) -> torch.Generator:
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            seed = req.params.seed + req.sample_index if req.params.seed is not None else \
+                hash((self.engine_seed, req.arrival_index)) & 0x7FFF_FFFF_FFFF
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            self._generators[req.request_id] = gen
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """logits: [len(requests), vocab] float32. Returns one token id per request."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for row, req in enumerate(requests):
+            if not req.params.greedy:
+                tokens[row] = self._sample_row(logits[row], req)
+        return tokens
+
+    def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
+        p = req.params
+        logits = logits.float().cpu() / p.temperature
+        if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the tokens ranked above it already cover top_p of the mass
+            drop = probs.cumsum(-1) - probs > p.top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+        probs = logits.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator_for(req)).item())

@@ -1,0 +1,224 @@
+"""The scheduler: each step, which requests run and how many new tokens each computes.
+
+One loop serves every case (vLLM v1's design): a request is granted ``num_new_tokens`` so that its
+``num_computed_tokens`` catches up with its known tokens. A whole prompt, a chunk of one, a recompute after
+preemption and a single decode token are all the same operation with different sizes.
+
+Policies
+  * chunked prefill on (default): first every running decode, then running prefills, then swapped
+    requests coming back, then new requests in arrival order; the last prefill that does not fit the token
+    budget is chunked. Decodes are never starved by long prompts.
+  * chunked prefill off (vLLM's old default): prefill-first. A step runs either whole prompts or decodes,
+    never both; a waiting prompt delays every running decode.
+  * static (teaching baseline): a batch is formed, and nothing new joins until its last request ends.
+
+Memory
+  * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
+    for tokens that are not cached.
+  * When a running request cannot get a block, the most recently arrived request that has not yet been
+    scheduled this step is preempted: ``recompute`` frees its blocks and requeues it at the head of the
+    waiting queue (its generated tokens kept); ``swap`` copies its blocks to the CPU pool first.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .block_manager import CpuBlockPool, KVCacheManager
+from .config import EngineConfig
+from .request import Request, RequestStatus
+
+logger = logging.getLogger("minipaged.scheduler")
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's work this step: compute KV for tokens ``start : start + num_new_tokens``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    num_cached_tokens: int = 0      # prefix-cache hit at admission this step (tokens)
+    cached_prefix_end: int = 0      # positions below this sit in cache-hit blocks: never rewrite their KV
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def kind(self) -> str:
+        """'decode' for one token past the prompt, else 'prefill' (a prompt, a chunk, or a recompute)."""
+        if self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens:
+            return "decode"
+        return "prefill"
+
+
+@dataclass
+class PreemptionRecord:
+    request: Request
+    mode: str
+    num_blocks: int
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[PreemptionRecord] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block) copies
+    swapped_in: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool) -> None:
+        self.config = config
+        self.kv = kv
+        self.cpu_pool = cpu_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    # ------------------------------------------------------------------ queues
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted request out of whichever queue holds it and free its memory."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+            self.cpu_pool.release(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        assert budget is not None
+        if self.config.policy == "static":
+            if not self.running and not self.swapped:
+                budget = self._admit_waiting(out, budget)
+            self._schedule_running(out, budget)
+        elif self.config.enable_chunked_prefill:
+            budget = self._schedule_running(out, budget)
+            if not out.preempted:
+                budget = self._swap_in(out, budget)
+                self._admit_waiting(out, budget)
+        else:
+            # Prefill-first: new prompts get the step to themselves; decodes wait for a step without them.
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+            if not out.chunks:
+                budget = self._schedule_running(out, budget)
+                if not out.preempted:
+                    self._swap_in(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
+        scheduled_ids = {c.request.request_id for c in out.chunks}
+        for req in sorted(self.running, key=lambda r: r.is_prefill):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._choose_victim(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+        return budget
+
+    def _choose_victim(self, scheduled_ids: set[str]) -> Request:
+        """FCFS: the most recently arrived running request not already scheduled in this step."""
+        candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        return max(candidates, key=lambda r: r.arrival_index)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        num_blocks = len(self.kv.blocks_of(victim.request_id))
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        mode = self.config.preemption_mode
+        mapping = self.kv.swap_out(victim, self.cpu_pool) if mode == "swap" else None
+        if mapping is not None:
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.swapped.sort(key=lambda r: r.arrival_index)
+            out.swap_out.extend(mapping)
+        else:
+            if mode == "swap":
+                logger.info("CPU swap pool is full; request %s falls back to recompute.", victim.request_id)
+            mode = "recompute"
+            self.kv.free(victim, forget_hashes=False)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+        self.num_preemptions[mode] += 1
+        out.preempted.append(PreemptionRecord(victim, mode, num_blocks))
+        total = sum(self.num_preemptions.values())
+        logger.warning(
+            "Request %s is preempted by PreemptionMode.%s because there is not enough KV cache space. "
+            "This can affect the end-to-end performance. Increase num_blocks (or kv_cache_memory, or "
+            "gpu_memory_utilization on CUDA) to provide more KV cache memory, or decrease max_num_seqs or "
+            "max_num_batched_tokens. total_cumulative_preemption_cnt=%d",
+            victim.request_id, mode.upper(), total)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped requests back (oldest first) before admitting anything new."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req, self.cpu_pool):
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(self.kv.swap_in(req, self.cpu_pool))
+            out.swapped_in.append(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req, num_new):
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+                budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit new requests in arrival order while the budget, max_num_seqs and the pool allow."""
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
+            if num_new > budget:
+                if not chunked:
+                    break                                  # whole prompts only: wait for a later step
+                num_new = budget
+            if not self.kv.allocate_slots(req, num_new, start=num_cached, cached_blocks=cached_blocks):
+                break                                      # FCFS: nobody jumps the queue
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, num_cached, num_new, num_cached_tokens=num_cached,
+                                             cached_prefix_end=len(cached_blocks) * self.kv.block_size))
+            budget -= num_new
+        return budget
