@@ -201,6 +201,7 @@ class Engine:
     def step(self) -> StepEvent:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        changes = self.kv.drain_changes()        # before the forward pass; finishes below are logged apart
         t1 = time.perf_counter()
         if sched.swap_out:
             self.runner.copy_blocks(self.kv_cache, self.cpu_kv_cache, sched.swap_out)
@@ -245,7 +246,7 @@ class Engine:
         self.counters["forward_seconds"] += t2 - t1
         self.counters["step_seconds"] += t3 - t0
         self._step_index += 1
-        event = self._make_event(sched, scheduled, new_token_ids, new_text, t0, t1, t2, t3)
+        event = self._make_event(sched, changes, scheduled, new_token_ids, new_text, t0, t1, t2, t3)
         for callback in list(self._subscribers):
             try:
                 callback(event)
@@ -317,8 +318,8 @@ class Engine:
                                    max(s.finished_time or 0.0 for s in samples),
                                    sum(s.num_preemptions for s in samples)))
 
-    def _make_event(self, sched, scheduled, new_token_ids, new_text, t0, t1, t2, t3) -> StepEvent:
-        changes = self.kv.drain_changes()
+    def _make_event(self, sched, changes, scheduled, new_token_ids, new_text, t0, t1, t2, t3) -> StepEvent:
+        finished_changes = self.kv.drain_changes()
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
         s = self.scheduler
@@ -331,7 +332,8 @@ class Engine:
             swapped_in=tuple(r.request_id for r in sched.swapped_in), finished=tuple(finishes),
             new_token_ids=new_token_ids, new_text=new_text,
             kv=KVChanges(changes.allocated, changes.cache_hits, changes.freed, changes.cached, changes.evicted,
-                         changes.uncached, changes.swapped_out, changes.swapped_in),
+                         changes.uncached, changes.swapped_out, changes.swapped_in,
+                         freed_on_finish=finished_changes.freed),
             num_free_blocks=self.kv.num_free_blocks, num_cached_free_blocks=self.kv.num_cached_free_blocks,
             num_total_blocks=self.kv.num_blocks, num_free_cpu_blocks=self.cpu_pool.num_free_blocks,
             num_total_cpu_blocks=self.cpu_pool.num_blocks,

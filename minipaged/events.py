@@ -82,10 +82,13 @@ class RequestFinish:
 
 @dataclass(frozen=True)
 class KVChanges:
-    """Every change to block ownership during the step, in order of kind (frees, then allocations).
+    """Every change to block ownership during the step.
 
-    ``allocated[r]`` lists blocks appended to request r's block table (new ones and cache hits alike, in
-    table order); ``cache_hits[r]`` says which of them were hits. ``freed[r]`` lists blocks r let go of.
+    Apply them in this order (``EngineView.apply`` does): ``swapped_out``, ``freed`` (aborts and preemptions,
+    before scheduling), ``evicted``/``uncached``, ``swapped_in``, ``allocated``, ``cached``, and last
+    ``freed_on_finish`` (requests that finished after the forward pass: a block can be taken and let go
+    in the same step). ``allocated[r]`` lists blocks appended to request r's block table (new ones and cache
+    hits alike, in table order); ``cache_hits[r]`` says which of them were hits.
     """
 
     allocated: dict[str, list[int]] = field(default_factory=dict)
@@ -96,6 +99,7 @@ class KVChanges:
     uncached: list[int] = field(default_factory=list)        # hashes dropped by reset_prefix_cache
     swapped_out: dict[str, list[tuple[int, int]]] = field(default_factory=dict)   # (gpu block, cpu block)
     swapped_in: dict[str, list[tuple[int, int]]] = field(default_factory=dict)    # (cpu block, gpu block)
+    freed_on_finish: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -233,13 +237,7 @@ class EngineView:
                 self.cpu_block_owner[cpu] = rid
             if rid in self.requests:
                 self.requests[rid].cpu_blocks = [cpu for _g, cpu in pairs]
-        for rid, blocks in kv.freed.items():
-            for b in blocks:
-                if rid in self.block_owners[b]:
-                    self.block_owners[b].remove(rid)
-            req = self.requests.get(rid)
-            if req is not None:
-                req.blocks = [b for b in req.blocks if b not in set(blocks)]
+        self._release(kv.freed)
         for b in kv.evicted + kv.uncached:
             self.block_cached[b] = False
         for rid, pairs in kv.swapped_in.items():
@@ -256,6 +254,7 @@ class EngineView:
                 self.requests[rid].blocks.extend(blocks)
         for b in kv.cached:
             self.block_cached[b] = True
+        self._release(kv.freed_on_finish)
         for p in ev.preempted:
             req = self.requests.get(p.request_id)
             if req is not None:
@@ -289,6 +288,16 @@ class EngineView:
                 req.num_output_tokens = f.num_output_tokens
         self.last_event = ev
         self.step = ev.step
+
+    def _release(self, freed: dict[str, list[int]]) -> None:
+        for rid, blocks in freed.items():
+            for b in blocks:
+                if rid in self.block_owners[b]:
+                    self.block_owners[b].remove(rid)
+            req = self.requests.get(rid)
+            if req is not None:
+                gone = set(blocks)
+                req.blocks = [b for b in req.blocks if b not in gone]
 
     def block_state(self, block_id: int) -> str:
         """One of: free, cached (free but reusable), used, shared (ref count > 1)."""

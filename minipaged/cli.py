@@ -1,0 +1,163 @@
+"""The ``minipaged`` command: watch (the TUI), generate, lessons, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from .config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> None:
+    """Every engine option as a flag: vLLM's words with dashes."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=model_default,
+                   help="'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama model")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool on CPU (default 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of GPU memory the engine may use")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 2048; max_model_len without chunked prefill)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: model's context)")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill-first scheduling with whole prompts (vLLM's old default)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--policy", choices=["continuous", "static"], default=d.policy,
+                   help="static batching is a teaching baseline")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
+    g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU memory for swapped blocks")
+    g.add_argument("--num-cpu-blocks", type=int, default=None, help="CPU swap blocks (overrides --swap-space)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", default=None, help="cuda, cpu or mps (default: cuda when present)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+
+
+ENGINE_ARG_NAMES = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+                    "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
+                    "policy", "preemption_mode", "swap_space", "num_cpu_blocks", "seed", "device", "dtype")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The Engine(**options) for parsed flags (only those the parser defined)."""
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+
+
+def build_engine(args: argparse.Namespace, progress=None):
+    from .engine import Engine
+    return Engine(args.model, load_progress=progress, **engine_options(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .request import SamplingParams
+    from rich.console import Console
+    err = Console(stderr=True)
+    engine = build_engine(args, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
+                            max_tokens=args.max_tokens, stop=args.stop or ())
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        err.print("[red]no prompt given[/]: pass prompts as arguments or on standard input.")
+        return 2
+    ids = []
+    for prompt in prompts:
+        if args.chat and getattr(engine.tokenizer, "chat_template", None):
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]
+        ids.append(engine.add_request(list(prompt) if not isinstance(prompt, str) else prompt, params))
+    # Stream: one prompt prints as it grows; several print in turn when each finishes.
+    stream = ids[0] if len(ids) == 1 else None
+    while engine.has_unfinished_requests():
+        event = engine.step()
+        if stream is not None and stream in event.new_text:
+            sys.stdout.write(event.new_text[stream])
+            sys.stdout.flush()
+        for out in engine.pop_finished():
+            if stream is None:
+                sys.stdout.write(f"--- [{out.request_id}] {out.prompt!r}\n{out.text}\n")
+            else:
+                sys.stdout.write("\n")
+            err.print(f"[dim][{out.request_id}] {len(out.token_ids)} tokens, finish={out.finish_reason}, "
+                      f"ttft={out.metrics.ttft:.3f}s, cached prompt tokens={out.num_cached_tokens}[/]")
+    stats = engine.stats()
+    err.print(f"[dim]steps={int(stats['steps'])} prefix-cache hit rate={stats['prefix_cache_hit_rate']:.0%} "
+              f"preemptions={int(stats['preemptions_recompute'] + stats['preemptions_swap'])}[/]")
+    return 0
+
+
+def cmd_lessons(args: argparse.Namespace) -> int:
+    try:
+        from minipaged.lessons import list_lessons
+    except ImportError:
+        print("No lessons are installed yet.")
+        return 1
+    for lesson in list_lessons():
+        print(f"{lesson.number}. {lesson.title}  -  minipaged watch --lesson {lesson.number}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="minipaged", formatter_class=fmt,
+                                     description="A compact LLM inference engine that shows how vLLM-style "
+                                                 "serving works: paged KV cache, continuous batching, prefix "
+                                                 "caching, chunked prefill, preemption.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    watch = sub.add_parser("watch", help="the live step-by-step TUI", formatter_class=fmt)
+    try:
+        from minipaged.tui import add_watch_arguments
+        add_watch_arguments(watch)
+    except ImportError:
+        add_engine_arguments(watch)
+
+    gen = sub.add_parser("generate", help="generate text, streaming it", formatter_class=fmt)
+    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on standard input)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", dest="seed_sample", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", dest="chat", action="store_false",
+                     help="send the prompt as raw text instead of through the model's chat template")
+    add_engine_arguments(gen)
+
+    sub.add_parser("lessons", help="list the guided lessons", formatter_class=fmt)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from .config import ConfigError
+    from .model import ModelNotAvailableError, UnsupportedModelError
+    from .request import InvalidRequestError
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "lessons":
+            return cmd_lessons(args)
+        if args.command == "watch":
+            from minipaged.tui import run_watch
+            return run_watch(args)
+    except (ConfigError, ModelNotAvailableError, UnsupportedModelError, InvalidRequestError) as exc:
+        print(f"minipaged: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

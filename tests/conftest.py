@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random Llama checkpoints built on the fly (offline, fast, same loading code)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach for the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from minipaged.model.testing import build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """GQA (4 query heads over 2 KV heads), tied embeddings."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_untied(tmp_path_factory) -> str:
+    """GQA 6:2, untied LM head, a different rope theta, three layers."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-untied"), tie_word_embeddings=False, num_heads=6,
+                                num_kv_heads=2, hidden_size=96, num_layers=3, rope_theta=50000.0, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_model):
+    """Build an Engine on the tiny model with the given options (blocks of 4 tokens by default)."""
+    from minipaged import Engine
+
+    def make(**options):
+        options.setdefault("block_size", 4)
+        options.setdefault("num_blocks", 256)
+        return Engine(tiny_model, **options)
+    return make
+
+
+def random_prompts(rng, n: int, lo: int, hi: int, vocab: int = 256) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
