@@ -1,0 +1,93 @@
+"""The public surface: model resolution errors, configuration errors, CLI, events as JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minipaged import ConfigError, Engine, SamplingParams, StepEvent
+from minipaged.cli import main
+from minipaged.events import EngineView, read_trace, write_trace_event, write_trace_header
+from minipaged.model import ModelNotAvailableError, UnsupportedModelError
+
+
+def test_tinyllama_offline_names_the_embedded_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))          # an empty cache
+    with pytest.raises(ModelNotAvailableError, match="--model smollm2") as info:
+        Engine("tinyllama")
+    assert "TinyLlama/TinyLlama-1.1B-Chat-v1.0" in str(info.value)
+
+
+def test_other_architectures_are_refused_clearly(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    with pytest.raises(UnsupportedModelError, match="Llama-architecture"):
+        Engine(str(tmp_path))
+
+
+def test_missing_folder_is_a_clear_error():
+    with pytest.raises(ModelNotAvailableError, match="not a folder"):
+        Engine("./no/such/folder")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=0), "block_size"), (dict(block_size=12), "power of two"),
+    (dict(max_num_seqs=-1), "max_num_seqs"), (dict(preemption_mode="drop"), "preemption_mode"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "chunked prefill"),
+    (dict(max_model_len=10**6), "max_model_len"), (dict(bogus=1), "unknown engine option"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+])
+def test_bad_engine_options_fail_at_start_with_the_fix(tiny_model, options, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine(tiny_model, **options)
+
+
+def test_pool_size_from_a_memory_budget(tiny_model):
+    engine = Engine(tiny_model, kv_cache_memory=0.001, block_size=16)      # ~1 MiB
+    per_block = engine.info.kv_bytes_per_token * 16
+    assert engine.info.num_blocks == int(0.001 * 2**30 // per_block)
+
+
+def test_events_are_json_round_trippable_and_replay_from_a_trace(tiny_engine_factory, tmp_path):
+    engine = tiny_engine_factory(num_blocks=20, preemption_mode="swap", num_cpu_blocks=40)
+    path = tmp_path / "trace.jsonl"
+    with open(path, "w") as fp:
+        write_trace_header(fp, engine.info)
+        engine.subscribe(lambda e: write_trace_event(fp, e))
+        engine.generate([list(range(i, i + 20)) for i in range(6)],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    info, events = read_trace(str(path))
+    assert info == engine.info
+    assert any(e.preempted for e in events) and any(e.kv.swapped_in for e in events)
+    for event in events:
+        assert StepEvent.from_dict(json.loads(event.to_json())) == event
+    view = EngineView(info)
+    for event in events:
+        view.apply(event)
+    assert view.num_free_blocks() == info.num_blocks
+    assert all(r.state == "finished" for r in view.requests.values())
+    assert all(owner is None for owner in view.cpu_block_owner)
+
+
+def test_bad_trace_file_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"type": "engine"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_trace(str(path))
+
+
+def test_cli_generate_streams_text(tiny_model, capsys):
+    assert main(["generate", "--model", tiny_model, "--max-tokens", "5", "--no-chat", "hello"]) == 0
+    out = capsys.readouterr()
+    assert "5 tokens" in out.err and out.out.strip()
+
+
+def test_cli_reports_bad_input_without_a_traceback(tiny_model, capsys):
+    assert main(["generate", "--model", tiny_model, "--max-tokens", "0", "hi"]) == 2
+    assert "max_tokens must be" in capsys.readouterr().err
+
+
+def test_subscriber_errors_do_not_stop_the_engine(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    engine.subscribe(lambda e: 1 / 0)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].finish_reason == "length"
