@@ -1,0 +1,279 @@
+"""Drive ``minipaged watch`` with Textual's Pilot: keys, selection, help, quit; replay against a live run.
+
+Replay tests use the committed trace (no model). Live tests run a tiny random Llama written to a temp
+folder, which loads in well under a second (importing torch is the slow part).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from pathlib import Path
+
+import pytest
+
+from minipaged.events import read_trace
+from minipaged.tui.app import SPEEDS, WatchApp
+from minipaged.tui.driver import LiveRun
+from minipaged.tui.help import HelpScreen
+from minipaged.tui.widgets.block_map import BlockMap
+from minipaged.workloads import Workload
+
+TRACE = Path(__file__).parent / "data" / "watch_trace.jsonl"
+
+
+def run_async(test):
+    """Run an async test with asyncio.run (no pytest async plugin needed); fixtures still work."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+    return wrapper
+
+
+def replay_app(**kw) -> WatchApp:
+    return WatchApp(replay=read_trace(str(TRACE)), paused=True, **kw)
+
+
+async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out waiting for the app"
+        await pilot.pause(0.02)
+
+
+def map_picture(app: WatchApp) -> list[list[tuple[str, str]]]:
+    """The GPU block map exactly as drawn: (text, style) of every segment of every line."""
+    block_map = app.query_one("#gpu-map", BlockMap)
+    return [[(seg.text, str(seg.style)) for seg in block_map.render_line(y)]
+            for y in range(block_map.content_size.height)]
+
+
+# ----------------------------------------------------------------------------------------- replay
+
+@run_async
+async def test_space_pauses_and_resumes():
+    app = replay_app(speed=0.0)                    # full speed once running
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert app.paused and app.position == 0
+        await pilot.press("space")
+        assert not app.paused
+        await wait_for(pilot, lambda: app.position >= 3)
+        await pilot.press("space")
+        assert app.paused
+        frozen = app.position
+        await pilot.pause(0.3)
+        assert app.position == frozen
+
+
+@run_async
+async def test_n_steps_once_and_b_steps_back():
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("n")
+        assert app.position == 1 and app.state.view.step == 1
+        await pilot.press("n", "n", "right")
+        assert app.position == 4
+        owners_at_4 = [list(o) for o in app.state.view.block_owners]
+        await pilot.press("n", "b", "left")
+        assert app.position == 3 and app.paused
+        await pilot.press("n")
+        assert app.state.view.block_owners == owners_at_4   # back then forward lands on the same state
+
+
+@run_async
+async def test_speed_keys_change_the_pace():
+    app = replay_app(speed=4.0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("plus")
+        assert app.speed == SPEEDS[SPEEDS.index(4.0) + 1]
+        await pilot.press("minus", "minus")
+        assert app.speed == SPEEDS[SPEEDS.index(4.0) - 1]
+
+
+@run_async
+async def test_selecting_a_request_highlights_its_blocks():
+    app = replay_app()
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.go_to(12)
+        await pilot.pause()
+        first = app.selected
+        assert first == "r0"                             # the first arrival is selected by default
+        await pilot.press("down")
+        second = app.selected
+        assert second != first
+        block_map = app.query_one("#gpu-map", BlockMap)
+        owned = set(app.state.view.requests[second].blocks)
+        group = block_map.grid.group
+        lit = {i for i, cell in enumerate(block_map.cells) if cell.selected}
+        assert lit == {b // group for b in owned} and lit
+        # A lit cell is drawn at full colour, other owners' cells are dimmed.
+        other = next(i for i, c in enumerate(block_map.cells) if c.owner and not c.selected)
+        lit_line = block_map.render_line(min(lit) // block_map.grid.cols * (1 + block_map.grid.row_gap))
+        assert app.state.colour(second) in str([seg.style for seg in lit_line])
+        assert block_map.cells[other].owner != second
+        # The output panel follows the selection.
+        assert second in str(app.query_one("#output").border_title)
+        await pilot.press("up")
+        assert app.selected == first
+
+
+@run_async
+async def test_clicking_a_block_selects_its_owner():
+    app = replay_app()
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.go_to(12)
+        await pilot.pause()
+        block_map = app.query_one("#gpu-map", BlockMap)
+        g = block_map.grid
+        index = next(i for i, c in enumerate(block_map.cells) if c.owner and c.owner != app.selected
+                     and c.kind == "used")
+        target = block_map.cells[index].owner
+        # Content starts after the border (1 column, 1 row) and the padding (1 column).
+        x = 2 + (index % g.cols) * g.cell_width
+        y = 1 + (index // g.cols) * (1 + g.row_gap)
+        await pilot.click("#gpu-map", offset=(x, y))
+        assert app.selected == target
+
+
+@run_async
+async def test_help_lists_every_key_and_closes():
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        shown = " ".join(str(w.render()) for w in app.screen.query("Static"))
+        for words in ["space", "Pause/Run", "Step", "Back", "Faster", "Slower", "Quit", "Help", "?", "←", "→"]:
+            assert words in shown, words
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@run_async
+async def test_q_quits():
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+@run_async
+async def test_a_failing_engine_is_reported_not_fatal():
+    def broken(progress):
+        progress("pretending to load")
+        raise RuntimeError("no such model")
+
+    app = WatchApp(live=LiveRun(broken, Workload("t", "", ())), paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine_error is not None)
+        assert "no such model" in app.engine_error
+        await pilot.press("n")                          # keys still work; nothing to step
+        await pilot.press("q")
+
+
+# ----------------------------------------------------------------------------------------- live
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from minipaged.model.testing import build_tiny_llama
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def live_args(model: str, *extra: str):
+    from minipaged.cli import make_parser
+    return make_parser().parse_args(["watch", "--model", model, "--workload", "chat", "--num-requests", "5",
+                                     "--rate", "1", "--max-tokens", "12", "--num-blocks", "48",
+                                     "--max-num-batched-tokens", "32", *extra])
+
+
+@run_async
+async def test_live_n_runs_exactly_one_engine_step_and_replay_matches(tiny_model, tmp_path):
+    from minipaged.tui import build_live_run
+
+    trace = tmp_path / "run.jsonl"
+    live = build_live_run(live_args(tiny_model, "--record", str(trace)))
+    engine_steps: list[int] = []
+    app = WatchApp(live=live, paused=True)
+    pictures = {}
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        live.engine.subscribe(lambda ev: engine_steps.append(ev.step))
+        for k in range(1, 9):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: not app.engine_busy)
+            assert engine_steps == list(range(1, k + 1))         # one key, one engine step
+            assert app.position == k and live.steps == k
+            await pilot.pause()
+            pictures[k] = map_picture(app)
+        await pilot.pause(0.3)
+        assert live.steps == 8                                   # paused: the engine waits
+        await pilot.press("b")
+        assert app.position == 7 and live.steps == 8             # stepping back needs no engine
+        assert map_picture(app) == pictures[7]
+        await pilot.press("q")
+    info, events = read_trace(str(trace))
+    assert len(events) == 8 and info == live.info
+
+    replay = WatchApp(replay=(info, events), paused=True)
+    async with replay.run_test(size=(160, 50)) as pilot:
+        for k in range(1, 9):
+            await pilot.press("n")
+            await pilot.pause()
+            assert map_picture(replay) == pictures[k], f"replay differs from the live run at step {k}"
+
+
+@run_async
+async def test_live_runs_to_the_end_while_the_ui_stays_responsive(tiny_model):
+    from minipaged.tui import build_live_run
+
+    live = build_live_run(live_args(tiny_model))
+    app = WatchApp(live=live, speed=0.0, paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine_done)
+        assert app.state.queues()["finished"] and not app.state.queues()["running"]
+        assert all(not owners for owners in app.state.view.block_owners)   # every block came back
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape", "q")
+
+
+@run_async
+async def test_a_pool_of_8192_blocks_is_grouped_to_fit():
+    from minipaged.events import EngineInfo, KVChanges, RequestArrival, ScheduledRequest, StepEvent
+
+    info = EngineInfo(model="synthetic", num_blocks=8192, num_cpu_blocks=0, block_size=16, max_num_seqs=8,
+                      max_num_batched_tokens=2048, max_model_len=8192, enable_chunked_prefill=True,
+                      enable_prefix_caching=True, policy="continuous", preemption_mode="recompute",
+                      kv_bytes_per_token=64, device="cpu", dtype="float32", attention_backend="torch")
+    event = StepEvent(step=1, time_s=0.1, duration_s=0.1, schedule_s=0.0, model_s=0.1, budget_limit=2048,
+                      budget_used=2048, max_num_seqs=8, arrivals=(RequestArrival("big", 32768, 1, "long"),),
+                      scheduled=(ScheduledRequest("big", "prefill", 0, 2048, 32768, 0, 0),),
+                      kv=KVChanges(allocated={"big": list(range(0, 6000, 3))}), running=("big",),
+                      num_total_blocks=8192, num_free_blocks=8192 - 2000)
+    app = WatchApp(replay=(info, [event]), paused=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("n")
+        block_map = app.query_one("#gpu-map", BlockMap)
+        group = block_map.grid.group
+        assert group > 1 and f"1 cell = {group} blocks" in str(block_map.border_subtitle)
+        assert len(block_map.cells) * group >= 8192
+        assert sum(c.used for c in block_map.cells) == 2000
+        assert any(c.used < c.size for c in block_map.cells if c.owner)      # partly used cells drawn partly
+        lines = [block_map.render_line(y) for y in range(block_map.content_size.height)]
+        assert all(line.cell_length == block_map.content_size.width for line in lines)
+
+
+@run_async
+async def test_side_panel_and_step_listeners_for_lessons():
+    from textual.widgets import Static
+
+    app = replay_app()
+    seen: list[int] = []
+    app.step_listeners.append(lambda event, state: seen.append(event.step))
+    async with app.run_test(size=(160, 50)) as pilot:
+        assert not app.query_one("#side").display
+        app.set_side_panel(Static("Lesson 1: paged attention", id="lesson-text"))
+        await pilot.pause()
+        assert app.query_one("#side").display and app.query_one("#lesson-text")
+        await pilot.press("n", "n")
+        assert seen == [1, 2]

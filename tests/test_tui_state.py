@@ -1,0 +1,228 @@
+"""The TUI's model: everything on screen folded from StepEvents (no Textual app needed), the block-map
+layout, the workload presets, the live driver's arrival logic and the --no-tui printer."""
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from minipaged.events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
+                              StepEvent, read_trace)
+from minipaged.request import SamplingParams
+from minipaged.tui.driver import LiveRun
+from minipaged.tui.plain import print_run
+from minipaged.tui.state import PALETTE, WatchState, clean_preview, describe_event, printable
+from minipaged.tui.widgets.block_map import choose_layout, cpu_cells, gpu_cells
+from minipaged.workloads import PRESETS, Arrival, Workload, arrival_steps, format_prompt, make_workload
+
+TRACE = Path(__file__).parent / "data" / "watch_trace.jsonl"
+
+
+def info(num_blocks: int = 8, num_cpu_blocks: int = 4) -> EngineInfo:
+    return EngineInfo(model="synthetic", num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_size=4,
+                      max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=True,
+                      enable_prefix_caching=True, policy="continuous", preemption_mode="swap",
+                      kv_bytes_per_token=64, device="cpu", dtype="float32", attention_backend="torch")
+
+
+def step(n: int, **kw) -> StepEvent:
+    base = dict(step=n, time_s=n * 0.1, duration_s=0.1, schedule_s=0.01, model_s=0.09, budget_limit=8,
+                budget_used=0, max_num_seqs=4, num_total_blocks=8, num_free_blocks=8, num_total_cpu_blocks=4,
+                num_free_cpu_blocks=4)
+    base.update(kw)
+    return StepEvent(**base)
+
+
+def synthetic_events() -> list[StepEvent]:
+    """A: 8-token prompt in two chunks; B shares A's first block; B is swapped out and back; both finish."""
+    return [
+        step(1, arrivals=(RequestArrival("A", 8, 2, "Hello there"),),
+             scheduled=(ScheduledRequest("A", "prefill", 0, 4, 8, 0, 0),), budget_used=4,
+             kv=KVChanges(allocated={"A": [0]}, cached=[0]), running=("A",), num_free_blocks=7),
+        step(2, arrivals=(RequestArrival("B", 6, 2, "Hello you"),),
+             scheduled=(ScheduledRequest("A", "prefill", 4, 8, 8, 0, 1), ScheduledRequest("B", "prefill", 4, 6, 6, 4, 1)),
+             budget_used=6, new_token_ids={"A": [1], "B": [2]}, new_text={"A": "x", "B": "y"},
+             kv=KVChanges(allocated={"A": [1, 2], "B": [0, 3]}, cache_hits={"B": [0]}, cached=[1]),
+             running=("A", "B"), num_free_blocks=4, counters={"prefix_cache_hit_rate": 0.5}),
+        step(3, preempted=(Preemption("B", "swap", 2, "no room"),), scheduled=(ScheduledRequest("A", "decode", 8, 9, 8, 0, 2),),
+             budget_used=1, new_token_ids={"A": [3]}, new_text={"A": "z"},
+             kv=KVChanges(freed={"B": [0, 3], "A": [0, 1, 2]}, swapped_out={"B": [(0, 0), (3, 1)]}),
+             finished=(RequestFinish("A", "length", 8, 2, 0, 0.2, 0.3, 0.1),),
+             running=(), swapped=("B",), num_free_blocks=8, num_free_cpu_blocks=2),
+        step(4, swapped_in=("B",), scheduled=(ScheduledRequest("B", "decode", 6, 7, 6, 0, 2),), budget_used=1,
+             new_token_ids={"B": [4]}, kv=KVChanges(swapped_in={"B": [(0, 5), (1, 6)]}),
+             finished=(RequestFinish("B", "length", 6, 2, 4, 0.1, 0.3, 0.1),), running=(), num_free_blocks=8),
+    ]
+
+
+def test_fold_matches_the_events():
+    evs = synthetic_events()
+    state = WatchState.from_events(info(), evs[:2])
+    assert state.view.block_owners[0] == ["A", "B"]             # shared by a prefix-cache hit
+    assert state.view.block_state(0) == "shared"
+    assert state.colour("A") == PALETTE[0] and state.colour("B") == PALETTE[1]
+    assert state.view.requests["A"].text == "x"
+    assert state.queues()["running"] == ["A", "B"]
+    kinds = [line.kind for line in state.log]
+    assert kinds == ["arrive", "admit", "chunk", "arrive", "chunk", "admit", "hit", "chunk"]
+    assert "prefill chunk 0→4 of 8" in state.log[2].text
+    assert "(last chunk)" in state.log[4].text
+    state.apply(evs[2])
+    assert state.view.cpu_block_owner[:2] == ["B", "B"]
+    assert state.view.requests["B"].state == "swapped"
+    assert any(line.kind == "preempt" and "swap" in line.text for line in state.log)
+    assert state.ttft_ms.last == pytest.approx(200)
+    state.apply(evs[3])
+    assert state.view.requests["B"].blocks == [5, 6] and state.view.cpu_block_owner[:2] == [None, None]
+    assert state.queues()["finished"] == ["B", "A"]
+    assert state.tokens_per_s.last == pytest.approx(4 / 0.4)
+
+
+def test_going_back_is_refolding():
+    evs = synthetic_events()
+    forward = WatchState.from_events(info(), evs)
+    back = WatchState.from_events(info(), evs[:2])
+    again = WatchState.from_events(info(), evs[:2])
+    assert back.view.block_owners == again.view.block_owners
+    assert forward.view.block_owners != back.view.block_owners
+
+
+def test_describe_event_names_recompute_and_eviction():
+    i = info()
+    state = WatchState.from_events(i, synthetic_events()[:2])
+    ev = step(3, preempted=(Preemption("B", "recompute", 2, "no room"),), kv=KVChanges(evicted=[7]))
+    lines = describe_event(ev, state.view)
+    assert [line.kind for line in lines] == ["preempt", "evict"]
+    assert "recompute" in lines[0].text
+
+
+@pytest.mark.parametrize("num_blocks", [64, 500, 2048, 8192, 20000])
+def test_block_map_layout_fits_any_pool(num_blocks):
+    for width, height in [(60, 15), (120, 40), (30, 6)]:
+        g = choose_layout(num_blocks, width, height)
+        cells = -(-num_blocks // g.group)
+        assert g.cols * g.cell_width <= width
+        rows = -(-cells // g.cols)
+        assert rows * g.pitch - g.row_gap <= height
+        assert g.group & (g.group - 1) == 0                      # a power of two: "1 cell = 8 blocks"
+    assert choose_layout(64, 120, 40).group == 1
+
+
+def test_grouped_cells_summarise_their_blocks():
+    state = WatchState.from_events(info(), synthetic_events()[:2])
+    cells = gpu_cells(state, 4, "B")
+    assert [c.size for c in cells] == [4, 4]
+    assert cells[0].used == 4 and cells[0].kind == "shared" and cells[0].selected and cells[0].owner == "B"
+    assert cells[1].kind == "free"
+    one = gpu_cells(state, 1, None)
+    assert [c.kind for c in one[:5]] == ["shared", "used", "used", "used", "free"]
+    state.apply(synthetic_events()[2])
+    assert [c.kind for c in cpu_cells(state, 1, None)] == ["swapped", "swapped", "free", "free"]
+    assert gpu_cells(state, 1, None)[1].kind == "cached"       # A's freed block keeps its cached prefix
+
+
+def test_text_is_made_safe_to_draw():
+    assert printable("a\x11b\nc") == "a·b\nc"
+    assert clean_preview("<|im_start|>system\nYou are <|im_end|>") == "You are"
+
+
+def test_workloads_are_deterministic_and_shaped():
+    for name in PRESETS:
+        a, b = make_workload(name, seed=3), make_workload(name, seed=3)
+        assert a == b and a.arrivals
+        assert all(x.step >= 1 for x in a.arrivals)
+    shared = make_workload("shared-system-prompt")
+    assert len({x.system for x in shared.arrivals}) == 1
+    assert make_workload("burst").arrivals[-1].step == 1                  # everyone at once
+    assert make_workload("oversubscribed").engine_options["num_blocks"] < 100
+    custom = make_workload("chat", num_requests=5, rate=2, max_tokens=7, prompts=["p1", "p2"])
+    assert [x.prompt for x in custom.arrivals] == ["p1", "p2", "p1", "p2", "p1"]
+    assert [x.step for x in custom.arrivals] == [1, 1, 2, 2, 3]
+    assert all(x.params.max_tokens == 7 for x in custom.arrivals)
+    assert arrival_steps(3, 0.5) == [1, 3, 5]
+    with pytest.raises(ValueError):
+        make_workload("nope")
+    assert format_prompt(None, Arrival(1, "q", SamplingParams(), system="s")) == "s\n\nq"
+
+
+class FakeEngine:
+    """Finishes each request two steps after it is added; records what the driver did."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[int, str]] = []
+        self.age: dict[str, int] = {}
+        self.steps = 0
+        self.info = info()
+        self.tokenizer = None
+
+    def add_request(self, prompt, params, request_id=None):
+        self.added.append((self.steps + 1, request_id))
+        self.age[request_id] = 0
+        return request_id
+
+    def has_unfinished_requests(self):
+        return bool(self.age)
+
+    def step(self):
+        self.steps += 1
+        for rid in list(self.age):
+            self.age[rid] += 1
+            if self.age[rid] >= 2:
+                del self.age[rid]
+        return step(self.steps)
+
+
+def test_live_run_adds_requests_on_their_step_and_skips_idle_gaps(tmp_path):
+    arrivals = tuple(Arrival(s, f"p{i}", SamplingParams()) for i, s in enumerate([1, 1, 2, 10]))
+    engine = FakeEngine()
+    run = LiveRun(lambda progress: engine, Workload("t", "", arrivals), record=str(tmp_path / "t.jsonl"))
+    run.load()
+    events = list(iter(run.step, None))
+    run.close()
+    # r3 was due at step 10, but the engine fell idle after step 3: the gap is skipped.
+    assert engine.added == [(1, "r0"), (1, "r1"), (2, "r2"), (4, "r3")]
+    assert run.done and len(events) == 5
+    trace_info, trace_events = read_trace(str(tmp_path / "t.jsonl"))
+    assert trace_info == engine.info and trace_events == events
+
+
+def test_no_tui_prints_one_block_per_step():
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, color_system=None)
+    print_run(console, info(), synthetic_events())
+    out = buf.getvalue()
+    assert out.count("step ") >= 4
+    for words in ["prefill chunk 0→4 of 8", "cache hit", "preempted (swap)", "swapped in", "finished (length)",
+                  "done: 4 steps"]:
+        assert words in out
+
+
+def test_no_tui_replay_through_run_watch(capsys):
+    from minipaged.tui import run_watch
+
+    args = argparse.Namespace(replay=str(TRACE), record=None, tui=False)
+    assert run_watch(args) == 0
+    out = capsys.readouterr().out
+    assert "minipaged watch" in out and "done:" in out
+
+
+def test_workload_suggestions_yield_to_the_users_flags():
+    from minipaged.cli import make_parser
+    from minipaged.tui import engine_options_for
+
+    suggested = {"num_blocks": 48, "max_num_batched_tokens": 256}
+    parse = make_parser().parse_args
+    assert engine_options_for(parse(["watch"]), suggested)["num_blocks"] == 48
+    assert engine_options_for(parse(["watch", "--num-blocks", "7"]), suggested)["num_blocks"] == 7
+    # Without chunking every prompt must fit one step, so a small suggested budget is not applied.
+    options = engine_options_for(parse(["watch", "--no-chunked-prefill"]), suggested)
+    assert options["max_num_batched_tokens"] is None and options["enable_chunked_prefill"] is False
+
+
+def test_long_previews_keep_their_distinct_end():
+    preview = "<|im_start|>system\nYou are a helpful assistant. " * 3 + "<|im_start|>user\nWhy is the sky blue?"
+    short = clean_preview(preview, 40)
+    assert len(short) == 40 and short.startswith("You are") and short.endswith("Why is the sky blue?")

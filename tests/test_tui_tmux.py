@@ -1,0 +1,90 @@
+"""``minipaged watch`` in a real terminal: started in tmux as a user would, driven with keys, read back with
+capture-pane. Catches what Pilot cannot: the console entry point, terminal set-up and a clean exit.
+
+Needs the ``tmux`` binary (``apt-get install -y tmux``); skipped with a reason when it is missing.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRACE = REPO / "tests" / "data" / "watch_trace.jsonl"
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (apt-get install -y tmux)")
+
+
+class Tmux:
+    """One tmux server on a private socket, so a user's own sessions are never touched."""
+
+    def __init__(self, name: str) -> None:
+        self.socket = f"minipaged-test-{os.getpid()}-{name}"
+        self.session = "watch"
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=check,
+                              timeout=30)
+
+    def screen(self) -> str:
+        result = self.run("capture-pane", "-p", "-t", self.session, check=False)
+        return result.stdout
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if text in screen:
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} never appeared; the screen was:\n{screen}")
+
+    def keys(self, *keys: str) -> None:
+        self.run("send-keys", "-t", self.session, *keys)
+
+    def alive(self) -> bool:
+        return self.run("has-session", "-t", self.session, check=False).returncode == 0
+
+    def kill(self) -> None:
+        self.run("kill-server", check=False)
+
+
+def test_watch_replay_in_tmux(tmp_path):
+    status_file = tmp_path / "exit-status"
+    command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m minipaged watch "
+               f"--replay {shlex.quote(str(TRACE))} --paused; echo $? > {shlex.quote(str(status_file))}")
+    tmux = Tmux("replay")
+    try:
+        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "160", "-y", "50",
+                 "-e", "TERM=xterm-256color", command)
+        screen = tmux.wait_for("GPU KV blocks")
+        assert "REPLAY" in screen and "step 0/" in screen and "PAUSED" in screen
+        tmux.keys("n")
+        screen = tmux.wait_for("step 1/")
+        tmux.keys("n", "n")
+        screen = tmux.wait_for("step 3/")
+        assert "Requests" in screen and "Events" in screen and "Metrics" in screen
+        tmux.keys("b")
+        tmux.wait_for("step 2/")
+        tmux.keys("?")
+        tmux.wait_for("minipaged watch: keys")
+        tmux.keys("Escape")
+        deadline = time.monotonic() + 20
+        while "minipaged watch: keys" in tmux.screen() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        tmux.keys("q")
+        deadline = time.monotonic() + 30
+        while not status_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status_file.exists(), f"the app did not quit; the screen was:\n{tmux.screen()}"
+        assert status_file.read_text().strip() == "0"
+    finally:
+        tmux.kill()

@@ -1,0 +1,162 @@
+"""``minipaged watch``: see a paged-KV, continuously batched engine work, one step at a time.
+
+The CLI calls ``add_watch_arguments`` to define the flags and ``run_watch`` to run. Textual and the engine
+are imported inside them, so that ``minipaged generate`` does not pay for the TUI, and a replay does not
+pay for torch.
+
+Pieces: ``state`` (everything shown, folded from StepEvents), ``driver`` (the live engine fed by a
+workload), ``app`` (the Textual app), ``widgets/`` (one panel each), ``plain`` (``--no-tui``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import sys
+from typing import Any, Iterator, Optional
+
+DEFAULT_SPEED = 4.0
+# argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
+# ".0s" prints it as nothing, so these flags read "(default: the workload's)" instead.
+FROM_WORKLOAD = " (default: the workload's)%(default).0s"
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every ``minipaged watch`` flag: what to run, how to show it, and every engine option."""
+    from minipaged.workloads import DEFAULT_WORKLOAD, PRESETS
+
+    g = parser.add_argument_group("what to run")
+    g.add_argument("--workload", choices=list(PRESETS), default=DEFAULT_WORKLOAD,
+                   help="preset: " + " ".join(f"{name}: {p.description}" for name, p in PRESETS.items()))
+    g.add_argument("--prompts", metavar="FILE", default=None,
+                   help="one prompt per line, used instead of the workload's own prompts%(default).0s")
+    g.add_argument("--num-requests", type=int, default=None, help="how many requests" + FROM_WORKLOAD)
+    g.add_argument("--rate", type=float, default=None,
+                   help="arrivals per engine step, e.g. 0.5 = one every two steps" + FROM_WORKLOAD)
+    g.add_argument("--max-tokens", type=int, default=None, help="new tokens per request" + FROM_WORKLOAD)
+
+    v = parser.add_argument_group("watching")
+    v.add_argument("--replay", metavar="FILE", default=None,
+                   help="replay a recorded trace (no model needed); step back with b or the left arrow%(default).0s")
+    v.add_argument("--record", metavar="FILE", default=None, help="write the run's events to a JSON-lines trace%(default).0s")
+    v.add_argument("--no-tui", dest="tui", action="store_false",
+                   help="print one compact block per step instead of the full-screen app%(default).0s")
+    v.add_argument("--speed", type=float, default=DEFAULT_SPEED,
+                   help="steps per second shown (0 = as fast as the engine goes); + and - change it")
+    v.add_argument("--paused", action="store_true", help="start paused (space runs, n steps once)%(default).0s")
+
+    from minipaged.cli import add_engine_arguments
+    add_engine_arguments(parser)
+    parser.epilog = ("The workload suggests engine options (a small pool that visibly fills, a token budget that "
+                     "shows chunking); any engine flag you give wins over the suggestion.")
+
+
+def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> dict[str, Any]:
+    """The engine options: the user's flags, and the workload's suggestions where a flag was left unset."""
+    from minipaged.cli import engine_options
+
+    options = engine_options(args)
+    for name, value in suggested.items():
+        if options.get(name) is not None:
+            continue
+        if name == "max_num_batched_tokens" and options.get("enable_chunked_prefill") is False:
+            continue    # without chunking every prompt must fit one step: keep the engine's own budget
+        options[name] = value
+    return options
+
+
+def build_live_run(args: argparse.Namespace):
+    """The workload and a LiveRun that will build the engine (in the worker thread, when it loads)."""
+    from minipaged.workloads import make_workload, read_prompts_file
+
+    from .driver import LiveRun
+
+    prompts = read_prompts_file(args.prompts) if args.prompts else None
+    workload = make_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
+                             max_tokens=args.max_tokens, seed=args.seed, prompts=prompts)
+    options = engine_options_for(args, workload.engine_options)
+
+    def build_engine(progress):
+        from minipaged.engine import Engine
+        return Engine(args.model, load_progress=progress, **options)
+
+    return LiveRun(build_engine, workload, record=args.record)
+
+
+def run_watch(args: argparse.Namespace) -> int:
+    """Run ``minipaged watch`` with parsed flags; returns the exit code."""
+    from minipaged.events import read_trace
+
+    if args.replay and args.record:
+        print("minipaged watch: --record writes a new trace from a live run; it cannot be combined with --replay.",
+              file=sys.stderr)
+        return 2
+    replay = None
+    live = None
+    description = ""
+    if args.replay:
+        try:
+            replay = read_trace(args.replay)
+        except (OSError, ValueError) as exc:
+            print(f"minipaged watch: cannot replay {args.replay}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            live = build_live_run(args)
+        except (OSError, ValueError) as exc:
+            print(f"minipaged watch: {exc}", file=sys.stderr)
+            return 2
+        description = f"workload {live.workload.name}: {live.workload.description}"
+
+    if not args.tui:
+        return _run_plain(replay, live, description)
+
+    from .app import WatchApp
+    app = WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused, description=description)
+    with _log_lines_held_back():
+        code = app.run()
+    if app.engine_error:
+        print(f"minipaged watch: {app.engine_error}", file=sys.stderr)
+        return 1
+    return code or 0
+
+
+@contextlib.contextmanager
+def _log_lines_held_back() -> Iterator[None]:
+    """Log handlers that write to the terminal (the engine's preemption warnings, for one) would scribble
+    over the full-screen app. Hold their lines back while it runs and print them once it has exited; the
+    event log shows the same events meanwhile."""
+    held = io.StringIO()
+    swapped = []
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
+            swapped.append((handler, handler.setStream(held)))
+    try:
+        yield
+    finally:
+        for handler, stream in swapped:
+            handler.setStream(stream)
+        if held.getvalue():
+            sys.stderr.write(held.getvalue())
+
+
+def _run_plain(replay: Optional[tuple], live: Any, description: str) -> int:
+    from rich.console import Console
+
+    from .plain import print_run
+
+    console = Console()
+    if replay is not None:
+        info, events = replay
+        print_run(console, info, events)
+        return 0
+    info = live.load(progress=lambda message: console.print(f"[dim]{message}[/]"))
+    try:
+        print_run(console, info, iter(live.step, None), description)
+    finally:
+        live.close()
+    return 0
+
+
+__all__ = ["add_watch_arguments", "run_watch"]

@@ -1,0 +1,366 @@
+"""``WatchApp``: the Textual app behind ``minipaged watch``.
+
+How it works, in three sentences. The screen shows a ``WatchState``: the fold of the StepEvents seen so
+far (events 0..position-1). Moving forward applies the next event; moving back refolds from event 0; the
+app keeps every event, so both work on a live run as well as on a replayed trace. Live, the engine sits in
+a Textual thread worker that runs one ``engine.step()`` each time the UI asks for one and hands the event
+back with ``call_from_thread``: the UI thread never waits on the model, so it stays responsive while
+paused, while stepping and while the model loads.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Container, Horizontal, Vertical
+from textual.widget import Widget
+from textual.widgets import Footer, Static
+from textual.worker import get_current_worker
+
+from minipaged.events import EngineInfo, StepEvent
+
+from .driver import LiveRun
+from .help import HelpScreen
+from .state import WatchState
+from .widgets.batch import BatchPanel
+from .widgets.block_map import BlockMap, legend
+from .widgets.event_log import EventLog
+from .widgets.gauges import Gauges
+from .widgets.output import OutputPanel
+from .widgets.queues import RequestTable
+
+SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 0.0)    # steps per second; 0 = as fast as possible
+MAX_SPEED_BATCH = 8                                     # events applied per tick at full speed (replay)
+REFRESH_INTERVAL = 1 / 20                               # redraw at most 20 times a second
+
+
+def speed_label(speed: float) -> str:
+    return "max speed" if speed == 0 else f"{speed:g} steps/s"
+
+
+class WatchApp(App[int]):
+    """Watch an engine work, step by step: live (``live=LiveRun``) or from a trace (``replay=(info, events)``)."""
+
+    CSS_PATH = "watch.tcss"
+    TITLE = "minipaged watch"
+    ENABLE_COMMAND_PALETTE = False      # every action has its key; a palette would only distract in class
+    BINDINGS = [
+        Binding("space", "toggle_pause", "Pause/Run"),
+        Binding("n", "step", "Step"),
+        Binding("right", "step", "Step", show=False, priority=True),
+        Binding("b", "back", "Back"),
+        Binding("left", "back", "Back", show=False, priority=True),
+        Binding("plus,equals_sign", "faster", "Faster", key_display="+"),
+        Binding("minus,underscore", "slower", "Slower", key_display="-"),
+        Binding("up", "select(-1)", "Select previous request", show=False),
+        Binding("down", "select(1)", "Select next request", show=False),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, *, live: Optional[LiveRun] = None,
+                 replay: Optional[tuple[EngineInfo, list[StepEvent]]] = None, speed: float = 4.0,
+                 paused: bool = False, description: str = "", lesson: Any = None) -> None:
+        super().__init__()
+        if (live is None) == (replay is None):
+            raise ValueError("give exactly one of live= or replay=")
+        self.live = live
+        self.events: list[StepEvent] = list(replay[1]) if replay else []
+        self.info: Optional[EngineInfo] = replay[0] if replay else None
+        self.state: Optional[WatchState] = WatchState(self.info) if self.info else None
+        self.position = 0                    # events applied to self.state
+        self.selected: Optional[str] = None
+        self.paused = paused
+        self.speed = speed if speed in SPEEDS else min(SPEEDS[:-1], key=lambda s: abs(s - speed))
+        self.description = description
+        self.lesson = lesson                 # a later issue: lesson text and checkpoints in the side panel
+        # Called as listener(event, state) after each event is shown (lessons check their checkpoints here).
+        self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
+        self.status = "loading the model ..." if live else "replaying a recorded trace"
+        self.engine_busy = False             # a step was asked of the worker and has not come back
+        self.engine_done = replay is not None
+        self.engine_error: Optional[str] = None
+        self._commands: "queue.Queue[str]" = queue.Queue()
+        self._ticker: Any = None
+        self._last_refresh = 0.0
+        self._refresh_pending = False
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        yield Static(id="topbar")
+        with Horizontal(id="body"):
+            with Vertical(id="main"):
+                with Horizontal(id="upper"):
+                    with Vertical(id="maps"):
+                        yield BlockMap("gpu", id="gpu-map")
+                        yield BlockMap("cpu", id="cpu-map")
+                        yield Static(legend(), id="legend")
+                    with Vertical(id="stats"):
+                        yield BatchPanel(id="batch")
+                        yield Gauges(id="gauges")
+                with Horizontal(id="lower"):
+                    yield RequestTable(id="requests")
+                    with Vertical(id="right-lower"):
+                        yield EventLog(id="log")
+                        yield OutputPanel(id="output")
+            # Lessons (a later issue) put their text and checkpoints here; hidden until then.
+            yield Container(id="side")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#side").display = self.lesson is not None
+        self.query_one("#cpu-map").display = bool(self.info and self.info.num_cpu_blocks)
+        self._restart_ticker()
+        if self.live is not None:
+            self.run_worker(self._engine_loop, thread=True, exclusive=True, name="engine", group="engine")
+        self.refresh_panels()
+
+    # ------------------------------------------------------------------ the engine worker (live only)
+    def _engine_loop(self) -> None:
+        """Runs in a worker thread: load the model, then one engine step per "step" command."""
+        worker = get_current_worker()
+        live = self.live
+        assert live is not None
+        # Loading can take half a minute (first GGUF conversion). It runs in a daemon thread so that
+        # quitting meanwhile exits at once instead of waiting for the load to finish.
+        outcome: dict[str, Any] = {}
+
+        def load() -> None:
+            try:
+                outcome["info"] = live.load(
+                    progress=lambda message: self._from_thread(self._engine_progress, message))
+            except Exception as exc:    # shown on screen; the app stays open so the message can be read
+                outcome["error"] = exc
+
+        loader = threading.Thread(target=load, name="minipaged-load", daemon=True)
+        loader.start()
+        while loader.is_alive():
+            loader.join(0.1)
+            if worker.is_cancelled:
+                return
+        if "error" in outcome:
+            self._from_thread(self._engine_failed, f"could not start the engine: {outcome['error']}")
+            return
+        self._from_thread(self._engine_ready, outcome["info"])
+        try:
+            while not worker.is_cancelled:
+                try:
+                    command = self._commands.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if command == "stop":
+                    break
+                try:
+                    event = live.step()
+                except Exception as exc:
+                    self._from_thread(self._engine_failed, f"engine step failed: {exc}")
+                    break
+                self._from_thread(self._engine_stepped, event)
+        finally:
+            live.close()
+
+    def _from_thread(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self.call_from_thread(callback, *args)
+        except RuntimeError:            # the app is closing; nobody is left to tell
+            pass
+
+    def _engine_progress(self, message: str) -> None:
+        self.status = f"loading: {message}"
+        self.query_one("#gpu-map", BlockMap).placeholder = f"loading the model: {message}"
+        self.refresh_panels()
+
+    def _engine_ready(self, info: EngineInfo) -> None:
+        self.info = info
+        self.state = WatchState(info)
+        self.query_one("#cpu-map").display = bool(info.num_cpu_blocks)
+        self.status = self.description or "running"
+        self.refresh_panels()
+
+    def _engine_failed(self, message: str) -> None:
+        self.engine_error = message
+        self.engine_busy = False
+        self.status = message
+        self.notify(message, severity="error", timeout=30)
+        self.refresh_panels()
+
+    def _engine_stepped(self, event: Optional[StepEvent]) -> None:
+        self.engine_busy = False
+        if event is None:
+            self.engine_done = True
+            self.status = "all requests finished: b steps back through the run, q quits"
+            self.refresh_panels()
+            return
+        self.events.append(event)
+        if self.position == len(self.events) - 1:
+            self._apply(event)
+        if not self.paused and self.speed == 0:
+            self._advance()
+
+    # ------------------------------------------------------------------ moving through events
+    def _restart_ticker(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+        interval = 1 / 30 if self.speed == 0 else 1 / self.speed
+        self._ticker = self.set_interval(interval, self._tick, name="player")
+
+    def _tick(self) -> None:
+        if self.paused or self.state is None:
+            return
+        for _ in range(MAX_SPEED_BATCH if self.speed == 0 else 1):
+            if not self._advance():
+                break
+
+    def _advance(self) -> bool:
+        """Show the next event; live and at the newest event, ask the engine for one (True if shown now)."""
+        if self.state is None:
+            return False
+        if self.position < len(self.events):
+            self._apply(self.events[self.position])
+            return True
+        if self.live is not None and not self.engine_done and not self.engine_busy and not self.engine_error:
+            self.engine_busy = True
+            self._commands.put("step")
+        elif self.engine_done and not self.paused and self.live is None:
+            self.status = "end of the trace: b steps back, q quits"
+            self.refresh_panels()
+        return False
+
+    def _apply(self, event: StepEvent) -> None:
+        assert self.state is not None
+        self.state.apply(event)
+        self.position += 1
+        self._keep_selection_valid()
+        for listener in self.step_listeners:
+            listener(event, self.state)
+        self.request_refresh()
+
+    def _keep_selection_valid(self) -> None:
+        """Something is always selected once a request exists, so the output panel has a story to tell."""
+        assert self.state is not None
+        if self.selected is None or self.selected not in self.state.view.requests:
+            self.selected = self.state.arrival_order[0] if self.state.arrival_order else None
+
+    def go_to(self, position: int) -> None:
+        """Show the state after ``position`` events: refold from the start (how replay steps backwards)."""
+        assert self.info is not None
+        position = max(0, min(position, len(self.events)))
+        self.state = WatchState.from_events(self.info, self.events[:position])
+        self.position = position
+        self._keep_selection_valid()
+        self.refresh_panels()
+
+    def set_side_panel(self, *widgets: Widget) -> None:
+        """Fill the optional right-hand column (lessons use it) and show it."""
+        side = self.query_one("#side")
+        side.remove_children()
+        side.mount(*widgets)
+        side.display = True
+
+    # ------------------------------------------------------------------ drawing
+    def request_refresh(self) -> None:
+        """Redraw now, or soon: at full speed many events land between two frames."""
+        wait = REFRESH_INTERVAL - (time.monotonic() - self._last_refresh)
+        if wait <= 0:
+            self.refresh_panels()
+        elif not self._refresh_pending:
+            self._refresh_pending = True
+            self.set_timer(wait, self.refresh_panels)
+
+    def refresh_panels(self) -> None:
+        self._refresh_pending = False
+        self._last_refresh = time.monotonic()
+        state, selected = self.state, self.selected
+        self.query_one("#topbar", Static).update(self._topbar())
+        self.query_one("#gpu-map", BlockMap).show(state, selected)
+        self.query_one("#cpu-map", BlockMap).show(state, selected)
+        self.query_one(BatchPanel).show(state)
+        self.query_one(Gauges).show(state)
+        self.query_one(RequestTable).show(state, selected)
+        self.query_one(EventLog).show(state)
+        self.query_one(OutputPanel).show(state, selected)
+
+    def _topbar(self) -> Text:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(" minipaged watch ", style="bold reverse")
+        mode = "LIVE" if self.live is not None else "REPLAY"
+        text.append(f" {mode} ", style="bold #59a14f" if mode == "LIVE" else "bold #b07aa1")
+        info = self.info
+        if info is not None:
+            text.append(f"{Path(info.model).name if '/' in info.model else info.model}  ", style="bold")
+            text.append(f"step {self.position}" + (f"/{len(self.events)}" if self.live is None else ""))
+            text.append("  PAUSED" if self.paused else f"  ▶ {speed_label(self.speed)}",
+                        style="bold #edc948" if self.paused else "bold")
+            text.append(f"  │ {info.num_blocks} blocks x {info.block_size} tok, budget "
+                        f"{info.max_num_batched_tokens} tok, {info.max_num_seqs} seqs, chunked prefill "
+                        f"{'on' if info.enable_chunked_prefill else 'off'}, prefix cache "
+                        f"{'on' if info.enable_prefix_caching else 'off'}, preempt {info.preemption_mode}",
+                        style="dim")
+        text.append("\n")
+        text.append(f" {self.status}", style="red" if self.engine_error else "italic")
+        return text
+
+    # ------------------------------------------------------------------ actions (keys)
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.refresh_panels()
+
+    def action_step(self) -> None:
+        """Exactly one step forward; pauses first, so that it stays one."""
+        self.paused = True
+        if not self._advance():
+            self.refresh_panels()
+
+    def action_back(self) -> None:
+        self.paused = True
+        if self.position > 0:
+            self.go_to(self.position - 1)
+        else:
+            self.refresh_panels()
+
+    def action_faster(self) -> None:
+        self._set_speed(+1)
+
+    def action_slower(self) -> None:
+        self._set_speed(-1)
+
+    def _set_speed(self, direction: int) -> None:
+        i = SPEEDS.index(self.speed) + direction
+        self.speed = SPEEDS[max(0, min(i, len(SPEEDS) - 1))]
+        self._restart_ticker()
+        self.refresh_panels()
+
+    def action_select(self, offset: int) -> None:
+        if self.state is None:
+            return
+        order = self.state.ordered_requests()
+        if not order:
+            return
+        i = order.index(self.selected) + offset if self.selected in order else 0
+        self.select(order[max(0, min(i, len(order) - 1))])
+
+    def select(self, request_id: str) -> None:
+        if self.selected != request_id:
+            self.selected = request_id
+            self.refresh_panels()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.BINDINGS, replay=self.live is None))
+
+    async def action_quit(self) -> None:
+        self._commands.put("stop")
+        self.exit(0)
+
+    # ------------------------------------------------------------------ messages from widgets
+    def on_request_table_selected(self, message: RequestTable.Selected) -> None:
+        self.select(message.request_id)
+
+    def on_block_map_request_clicked(self, message: BlockMap.RequestClicked) -> None:
+        self.select(message.request_id)

@@ -1,0 +1,86 @@
+"""``minipaged watch --no-tui``: the same information as the TUI, printed with Rich, one block per step.
+
+For logs, CI and terminals where a full-screen app is unwelcome. It folds the same ``WatchState`` and
+prints the same event-log lines, so the words match what the TUI shows.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from rich.console import Console
+from rich.text import Text
+
+from minipaged.events import EngineInfo, StepEvent
+
+from .state import WatchState
+from .widgets.batch import budget_bar
+from .widgets.event_log import ICONS
+
+
+def block_strip(state: WatchState, width: int) -> Text:
+    """The GPU pool as one line: each character is a group of blocks, coloured by its main owner."""
+    view = state.view
+    n = len(view.block_owners)
+    group = max(1, -(-n // width))
+    text = Text()
+    for start in range(0, n, group):
+        owners = [rid for b in range(start, min(start + group, n)) for rid in view.block_owners[b]]
+        if owners:
+            rid = max(set(owners), key=owners.count)
+            shared = any(len(view.block_owners[b]) > 1 for b in range(start, min(start + group, n)))
+            text.append("▓" if shared else "█", state.colour(rid))
+        elif any(view.block_cached[b] for b in range(start, min(start + group, n))):
+            text.append("░", "#7d8fa3")
+        else:
+            text.append("·", "#4a4a4a")
+    return text
+
+
+def print_header(console: Console, info: EngineInfo, description: str = "") -> None:
+    console.print(f"[bold]minipaged watch[/] {info.model}: {info.num_blocks} KV blocks x {info.block_size} tokens\n"
+                  f"budget {info.max_num_batched_tokens} tokens, max {info.max_num_seqs} seqs, chunked prefill "
+                  f"{'on' if info.enable_chunked_prefill else 'off'}, prefix caching "
+                  f"{'on' if info.enable_prefix_caching else 'off'}, preemption {info.preemption_mode}")
+    if description:
+        console.print(f"[italic]{description}[/]")
+
+
+def print_step(console: Console, state: WatchState) -> None:
+    """One compact block: numbers, budget bar, block strip, the step's log lines."""
+    ev = state.last_event
+    assert ev is not None
+    q = state.queues()
+    width = min(80, max(20, console.width - 30))
+    head = Text()
+    head.append(f"step {ev.step:>4}", style="bold")
+    head.append(f"  {ev.duration_s * 1e3:6.1f} ms  tokens {ev.budget_used:>4}/{ev.budget_limit} (prefill "
+                f"{ev.num_prefill_tokens}, decode {ev.num_decode_tokens})  seqs {len(ev.scheduled)}/{ev.max_num_seqs}\n")
+    head.append(f"  KV {ev.num_total_blocks - ev.num_free_blocks}/{ev.num_total_blocks} used "
+                f"({ev.num_cached_free_blocks} free cached), hit rate "
+                f"{ev.counters.get('prefix_cache_hit_rate', 0.0):.0%}  ")
+    head.append(f"run {len(q['running'])} wait {len(q['waiting'])} swap {len(q['swapped'])} "
+                f"done {len(q['finished'])}", style="dim")
+    console.print(head)
+    console.print(Text("  budget ").append_text(budget_bar(state, width)))
+    console.print(Text("  blocks ").append_text(block_strip(state, width)))
+    for line in state.log:
+        if line.step == ev.step:
+            icon, colour = ICONS.get(line.kind, ("·", "white"))
+            console.print(Text("  ").append(icon, colour).append(" " + line.text), highlight=False)
+
+
+def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[StepEvent]],
+              description: str = "") -> WatchState:
+    """Print every event as it comes (``events`` may be a live generator); returns the final state."""
+    print_header(console, info, description)
+    state = WatchState(info)
+    for ev in events:
+        if ev is None:
+            break
+        state.apply(ev)
+        print_step(console, state)
+    stats = state.last_event.counters if state.last_event else {}
+    console.print(f"[bold]done[/]: {state.num_events} steps, {int(stats.get('requests_finished', 0))} requests "
+                  f"finished, prefix-cache hit rate {stats.get('prefix_cache_hit_rate', 0.0):.0%}, preemptions "
+                  f"{int(stats.get('preemptions_recompute', 0) + stats.get('preemptions_swap', 0))}")
+    return state

@@ -1,0 +1,184 @@
+"""Everything the screen shows, computed from StepEvents alone.
+
+``WatchState`` folds events one at a time: the block map and request table (``EngineView`` from
+``minipaged.events``), a colour for each request, the event log and the metric histories behind the
+sparklines. It never touches the engine, which is why a replayed trace shows exactly what the live run
+showed, and why stepping backwards is simply "fold events 0..k-1 again".
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from minipaged.events import EngineInfo, EngineView, StepEvent
+
+# Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
+PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
+           "#9c755f", "#a0cbe8", "#8cd17d", "#d37295", "#f1ce63", "#86bcb6", "#d4a6c8", "#ffbe7d")
+
+HISTORY_LEN = 120          # points kept for each sparkline
+LOG_LEN = 400              # event log lines kept
+RATE_WINDOW = 10           # steps averaged for tokens per second
+
+# Chat-template markup (ChatML's "<|im_start|>user", Llama's "[INST]", "<s>" ...) and the role word after it.
+_CHAT_MARKUP = re.compile(r"<\|im_start\|>\w+|<\|(?:system|user|assistant)\|>|<\|[^|>]{1,20}\|>|</?s>|\[/?INST\]")
+_UNDRAWABLE = ("Cc", "Cf", "Cn", "Co", "Cs", "Mn", "Me")   # controls, unassigned, lone combining marks
+
+
+def printable(text: str) -> str:
+    """Text as it is safe to draw in a grid of cells: control characters and combining marks (random test
+    models emit plenty, and they shift the columns after them) become a middle dot."""
+    return "".join("·" if ch not in "\n" and unicodedata.category(ch) in _UNDRAWABLE else ch for ch in text)
+
+
+def clean_preview(preview: str, width: int = 0) -> str:
+    """A prompt preview for one line: chat-template markers and newlines removed; when ``width`` is given
+    and the text is longer, its start and its end, since prompts that share a long prefix (a system prompt)
+    differ only at the end."""
+    text = " ".join(printable(_CHAT_MARKUP.sub(" ", preview)).split())
+    if width and len(text) > width:
+        head = width // 4
+        text = text[:head] + "…" + text[-(width - head - 1):]
+    return text
+
+
+@dataclass(frozen=True)
+class LogLine:
+    step: int
+    kind: str                 # arrive, admit, chunk, hit, evict, preempt, swap, finish
+    text: str
+    request_id: Optional[str] = None
+
+
+class Metric:
+    """One gauge: the latest value and a bounded history for its sparkline."""
+
+    def __init__(self) -> None:
+        self.history: deque[float] = deque(maxlen=HISTORY_LEN)
+
+    def add(self, value: float) -> None:
+        self.history.append(value)
+
+    @property
+    def last(self) -> Optional[float]:
+        return self.history[-1] if self.history else None
+
+
+def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
+    """What happened in one step, in words, in the order it happened. ``before`` is the view before ``ev``."""
+    lines: list[LogLine] = []
+    bs = before.info.block_size
+
+    def add(kind: str, text: str, rid: Optional[str] = None) -> None:
+        lines.append(LogLine(ev.step, kind, text, rid))
+
+    for a in ev.arrivals:
+        add("arrive", f"{a.request_id} arrived: {a.prompt_len}-token prompt, max {a.max_tokens} new",
+            a.request_id)
+    for p in ev.preempted:
+        if p.mode == "swap":
+            add("preempt", f"{p.request_id} preempted (swap): {p.num_blocks} blocks to CPU", p.request_id)
+        else:
+            add("preempt", f"{p.request_id} preempted (recompute): {p.num_blocks} blocks freed", p.request_id)
+    for rid in ev.swapped_in:
+        add("swap", f"{rid} swapped in: {len(ev.kv.swapped_in.get(rid, ()))} blocks from CPU", rid)
+    if ev.kv.evicted:
+        n = len(ev.kv.evicted)
+        add("evict", f"evicted {n} cached block{'s' if n > 1 else ''} (least recently used) for new KV")
+    for s in ev.scheduled:
+        prior = before.requests.get(s.request_id)
+        if prior is None or prior.state == "waiting":
+            again = " again (recomputes its KV)" if prior is not None and prior.num_preemptions else ""
+            add("admit", f"{s.request_id} admitted{again}", s.request_id)
+        if s.num_cached_tokens:
+            add("hit", f"{s.request_id} cache hit: {s.num_cached_tokens // bs} blocks ({s.num_cached_tokens} "
+                       f"tokens) reused", s.request_id)
+        if s.kind == "prefill":
+            # Tokens whose KV is known to be needed: the prompt, plus generated ones after a recompute.
+            target = s.prompt_len + (prior.num_output_tokens if prior is not None else 0)
+            if s.start == s.num_cached_tokens and s.end >= target:
+                what = "rest of prompt" if s.num_cached_tokens else "whole prompt"
+                add("chunk", f"{s.request_id} prefill {s.start}→{s.end} ({what})", s.request_id)
+            else:
+                last = " (last chunk)" if s.end >= target else ""
+                add("chunk", f"{s.request_id} prefill chunk {s.start}→{s.end} of {target}{last}", s.request_id)
+    for f in ev.finished:
+        ttft = "" if f.ttft_s is None else f", TTFT {f.ttft_s * 1e3:.0f} ms"
+        add("finish", f"{f.request_id} finished ({f.finish_reason}): {f.num_output_tokens} tokens{ttft}",
+            f.request_id)
+    return lines
+
+
+class WatchState:
+    """The fold of events 0..k: view, colours, log and metrics. Rebuild it to go back in time."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.view = EngineView(info)
+        self.colours: dict[str, str] = {}
+        self.arrival_order: list[str] = []
+        self.log: deque[LogLine] = deque(maxlen=LOG_LEN)
+        self.num_events = 0
+        self.kv_usage = Metric()         # share of GPU blocks in use (cached-but-free counts as free)
+        self.hit_rate = Metric()         # prefix-cache hit rate, cumulative
+        self.tokens_per_s = Metric()     # generated tokens per second of engine time (pauses excluded)
+        self.step_ms = Metric()
+        self.ttft_ms = Metric()          # one point per finished request
+        self.itl_ms = Metric()           # one point per finished request (its mean inter-token latency)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
+
+    @classmethod
+    def from_events(cls, info: EngineInfo, events: Iterable[StepEvent]) -> "WatchState":
+        state = cls(info)
+        for ev in events:
+            state.apply(ev)
+        return state
+
+    def colour(self, request_id: str) -> str:
+        """A request's colour: by arrival order, so live and replayed runs colour alike."""
+        return self.colours.get(request_id, "#888888")
+
+    def apply(self, ev: StepEvent) -> None:
+        for a in ev.arrivals:
+            if a.request_id not in self.colours:
+                self.colours[a.request_id] = PALETTE[len(self.arrival_order) % len(PALETTE)]
+                self.arrival_order.append(a.request_id)
+        self.log.extend(describe_event(ev, self.view))
+        self.view.apply(ev)
+        self.num_events += 1
+
+        total = ev.num_total_blocks or self.info.num_blocks
+        self.kv_usage.add((total - ev.num_free_blocks) / total if total else 0.0)
+        self.hit_rate.add(float(ev.counters.get("prefix_cache_hit_rate", 0.0)))
+        self.step_ms.add(ev.duration_s * 1e3)
+        self._recent.append((sum(len(t) for t in ev.new_token_ids.values()), ev.duration_s))
+        busy = sum(d for _n, d in self._recent)
+        self.tokens_per_s.add(sum(n for n, _d in self._recent) / busy if busy > 0 else 0.0)
+        for f in ev.finished:
+            if f.ttft_s is not None:
+                self.ttft_ms.add(f.ttft_s * 1e3)
+            if f.mean_itl_s is not None:
+                self.itl_ms.add(f.mean_itl_s * 1e3)
+
+    @property
+    def last_event(self) -> Optional[StepEvent]:
+        return self.view.last_event
+
+    def queues(self) -> dict[str, list[str]]:
+        """Request ids by queue, in the engine's order (finished: most recent first)."""
+        ev = self.last_event
+        finished = [rid for rid in reversed(self.arrival_order) if self.view.requests[rid].state == "finished"]
+        if ev is None:
+            return {"running": [], "waiting": [], "swapped": [], "finished": finished}
+        return {"running": list(ev.running), "waiting": list(ev.waiting), "swapped": list(ev.swapped),
+                "finished": finished}
+
+    def ordered_requests(self) -> list[str]:
+        """All requests in the order the request table lists them."""
+        q = self.queues()
+        seen = q["running"] + q["swapped"] + q["waiting"]
+        rest = [rid for rid in self.arrival_order if rid not in set(seen) and rid not in set(q["finished"])]
+        return seen + rest + q["finished"]

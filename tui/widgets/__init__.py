@@ -1,0 +1,1 @@
+"""The panels of ``minipaged watch``: one widget per module."""

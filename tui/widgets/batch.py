@@ -1,0 +1,92 @@
+"""The current step's batch: which requests ran, and how many tokens each computed.
+
+Continuous batching in one picture: prefill chunks and single decode tokens of different requests share
+one forward pass. The bar is the step's token budget (``max_num_batched_tokens``); tokens served from the
+prefix cache cost nothing, so they are listed but take no room in the bar.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+from textual.widget import Widget
+
+from ..state import WatchState
+
+DECODE_COLOUR = "#c9c9c9"
+EMPTY = "#3a3a3a"
+
+
+def budget_bar(state: WatchState, width: int) -> Text:
+    """The token budget as a bar: one coloured run per prefill, one run for all decodes, then what is left.
+
+    Every non-empty run gets at least one column so nothing that ran is invisible; the numbers beside the
+    bar are exact.
+    """
+    ev = state.last_event
+    text = Text()
+    if ev is None or width <= 0:
+        return text.append("░" * max(width, 0), EMPTY)
+    limit = max(ev.budget_limit, ev.budget_used, 1)
+    runs: list[tuple[int, str, str]] = [(s.num_new_tokens, "█", state.colour(s.request_id))
+                                         for s in ev.scheduled if s.kind == "prefill" and s.num_new_tokens]
+    if ev.num_decode_tokens:
+        runs.append((ev.num_decode_tokens, "▌", DECODE_COLOUR))
+    used_cols = 0
+    for tokens, glyph, colour in runs:
+        cols = max(1, round(tokens / limit * width))
+        cols = min(cols, width - used_cols)
+        text.append(glyph * cols, colour)
+        used_cols += cols
+    return text.append("░" * (width - used_cols), EMPTY)
+
+
+class BatchPanel(Widget):
+    """Budget bar, sequence count and one line per scheduled request."""
+
+    def __init__(self, *, id: Optional[str] = None) -> None:
+        super().__init__(id=id)
+        self.state: Optional[WatchState] = None
+        self.border_title = "This step's batch"
+
+    def show(self, state: Optional[WatchState]) -> None:
+        self.state = state
+        self.refresh()
+
+    def render(self) -> Text:
+        state = self.state
+        width = max(self.content_size.width, 10)
+        if state is None or state.last_event is None:
+            return Text("no step yet", style="dim")
+        ev = state.last_event
+        self.border_title = f"Step {ev.step} batch: {ev.duration_s * 1e3:.1f} ms (model {ev.model_s * 1e3:.1f} ms)"
+        label = f" {ev.budget_used}/{ev.budget_limit} tok"
+        text = Text()
+        text.append("budget ")
+        text.append_text(budget_bar(state, max(4, width - 7 - len(label))))
+        text.append(label + "\n")
+        seqs = len(ev.scheduled)
+        cached = sum(s.num_cached_tokens for s in ev.scheduled)
+        text.append(f"seqs {seqs}/{ev.max_num_seqs}   ", style="bold")
+        text.append(f"prefill {ev.num_prefill_tokens}", style="bold")
+        text.append(f" + decode {ev.num_decode_tokens} tok")
+        if cached:
+            text.append(f"   {cached} cached", style="#7d8fa3")
+        rows = max(0, self.content_size.height - 2)
+        listed = sorted(ev.scheduled, key=lambda s: (s.kind != "prefill", -s.num_new_tokens))
+        for i, s in enumerate(listed):
+            if i == rows - 1 and len(listed) > rows:
+                text.append(f"\n... and {len(listed) - i} more", style="dim")
+                break
+            text.append("\n")
+            text.append("██", state.colour(s.request_id))
+            text.append(f" {s.request_id:<5}")
+            if s.kind == "prefill":
+                text.append(f"prefill {s.num_new_tokens:>4}", style="bold")
+                text.append(f"  {s.start}→{s.end} of {s.prompt_len}", style="dim")
+                if s.num_cached_tokens:
+                    text.append(f"  +{s.num_cached_tokens} cached", style="#7d8fa3")
+            else:
+                text.append(f"decode  {s.num_new_tokens:>4}")
+                text.append(f"  token {s.num_output_tokens}", style="dim")
+        return text

@@ -1,0 +1,48 @@
+"""Gauges with history: KV usage, prefix-cache hit rate, tokens per second, step time, TTFT and ITL.
+
+Every number is computed from events (times included: they are the engine's own measurements carried in
+each StepEvent), so a replayed trace shows the numbers of the original run, not of the replaying machine.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, Sparkline
+
+from ..state import Metric, WatchState
+
+# (id, label, how to read the metric off the state, how to format its latest value)
+GAUGES: tuple[tuple[str, str, Callable[[WatchState], Metric], Callable[[Metric], str]], ...] = (
+    ("kv", "KV used", lambda s: s.kv_usage, lambda m: f"{(m.last or 0) * 100:5.1f} %"),
+    ("hit", "cache hits", lambda s: s.hit_rate, lambda m: f"{(m.last or 0) * 100:5.1f} %"),
+    ("tps", "gen tok/s", lambda s: s.tokens_per_s, lambda m: f"{m.last or 0:7.1f}"),
+    ("step", "step ms", lambda s: s.step_ms, lambda m: f"{m.last or 0:7.1f}"),
+    ("ttft", "TTFT ms", lambda s: s.ttft_ms, lambda m: "      -" if m.last is None else f"{m.last:7.0f}"),
+    ("itl", "ITL ms", lambda s: s.itl_ms, lambda m: "      -" if m.last is None else f"{m.last:7.1f}"),
+)
+
+
+class Gauges(Vertical):
+    """One row per metric: name, latest value, sparkline of the recent past."""
+
+    def __init__(self, *, id: Optional[str] = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "Metrics"
+
+    def compose(self) -> ComposeResult:
+        for key, label, _get, _fmt in GAUGES:
+            with Horizontal(classes="gauge-row"):
+                yield Label(label, classes="gauge-label")
+                yield Label("", id=f"gauge-{key}", classes="gauge-value")
+                yield Sparkline([], id=f"spark-{key}", classes="gauge-spark")
+
+    def show(self, state: Optional[WatchState]) -> None:
+        for key, _label, get, fmt in GAUGES:
+            value = self.query_one(f"#gauge-{key}", Label)
+            spark = self.query_one(f"#spark-{key}", Sparkline)
+            metric = get(state) if state is not None else None
+            value.update(fmt(metric) if metric is not None else "")
+            spark.data = list(metric.history) if metric is not None else []
+            spark.visible = len(spark.data) >= 2      # fewer points draw only a baseline or a solid bar

@@ -1,0 +1,79 @@
+"""The request table: running, swapped, waiting and finished requests with their progress.
+
+A request's life in one row: its prompt's KV being computed (prefill, maybe in chunks, maybe partly from
+the prefix cache), then one generated token per step (decode), until it finishes. Preemption sends it back
+to waiting (recompute) or to the swapped queue. Move the cursor to select a request: its blocks light up in
+the map and its text streams in the output panel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+from textual import events
+from textual.message import Message
+from textual.widgets import DataTable
+
+from ..state import WatchState, clean_preview
+
+STATE_STYLE = {"running": "bold #59a14f", "waiting": "#edc948", "swapped": "#b07aa1", "finished": "dim"}
+
+
+def progress(done: int, total: int, width: int = 6) -> str:
+    """A small text bar: how much of ``total`` is done."""
+    total = max(total, 1)
+    filled = min(width, round(done / total * width))
+    return "▰" * filled + "▱" * (width - filled)
+
+
+class RequestTable(DataTable):
+    """One row per request; the cursor shows the selected request.
+
+    The app owns the selection (arrow keys, clicks here or on the block map): the table never takes focus
+    and only reports clicks, so that rebuilding its rows every step cannot change what is selected.
+    """
+
+    can_focus = False
+
+    class Selected(Message):
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+            super().__init__()
+
+    COLUMNS = ("", "id", "state", "prompt KV", "output", "blocks", "cached", "pre", "prompt")
+
+    def __init__(self, *, id: Optional[str] = None) -> None:
+        super().__init__(id=id, cursor_type="row", zebra_stripes=False)
+        self._rows: list[str] = []
+
+    def on_mount(self) -> None:
+        self.add_columns(*self.COLUMNS)
+        self.border_title = "Requests"
+
+    def show(self, state: Optional[WatchState], selected: Optional[str]) -> None:
+        """Rebuild the rows (cheap at workshop scale) and put the cursor on the selection."""
+        self.clear()
+        self._rows = []
+        if state is None:
+            return
+        q = state.queues()
+        counts = ", ".join(f"{len(q[k])} {k}" for k in ("running", "waiting", "swapped", "finished") if q[k])
+        self.border_title = f"Requests: {counts}" if counts else "Requests"
+        for rid in state.ordered_requests():
+            r = state.view.requests[rid]
+            prompt_done = min(r.num_computed, r.prompt_len)
+            blocks = str(len(r.blocks)) if r.blocks else (f"{len(r.cpu_blocks)} cpu" if r.cpu_blocks else "")
+            self.add_row(
+                Text("██", style=state.colour(rid)), rid, Text(r.state, style=STATE_STYLE.get(r.state, "")),
+                f"{progress(prompt_done, r.prompt_len, 4)} {prompt_done:>4}/{r.prompt_len}",
+                f"{r.num_output_tokens:>3}/{r.max_tokens}", blocks, str(r.num_cached_tokens or ""),
+                str(r.num_preemptions or ""), clean_preview(r.prompt_preview, 60), key=rid)
+            self._rows.append(rid)
+        if selected in self._rows:
+            self.move_cursor(row=self._rows.index(selected), animate=False, scroll=True)
+
+    async def _on_click(self, event: events.Click) -> None:
+        row = event.style.meta.get("row")
+        if isinstance(row, int) and 0 <= row < len(self._rows):
+            self.post_message(self.Selected(self._rows[row]))
+        event.stop()
