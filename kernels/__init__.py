@@ -5,16 +5,28 @@ installed, torch otherwise. Triton is imported lazily so machines without it (Ma
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any
 
 import torch
 
 from .reference import paged_attention_reference, paged_attention_torch, write_kv_cache
 
-__all__ = ["paged_attention", "write_kv", "paged_attention_reference", "paged_attention_torch",
-           "write_kv_cache", "triton_available", "choose_backend"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
+           "write_kv", "triton_available", "choose_backend", "BACKENDS"]
+# paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
+# out of __all__ so that ``import *`` never pulls in Triton.
+
+BACKENDS = ("triton", "torch", "reference")
+
+# Optional hints each backend understands. Callers (the model runner) may pass the hints of either backend;
+# the dispatcher translates or drops the ones the chosen backend has no use for, so switching backends never
+# needs a different call site.
+_TORCH_HINTS = {"host_seq_lens", "host_query_start_loc"}
+_TRITON_HINTS = {"max_query_len", "max_seq_len", "num_splits", "tile_n"}
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -23,34 +35,59 @@ def triton_available() -> bool:
     return True
 
 
-def choose_backend(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
-    if backend is not None:
-        return backend
-    return "triton" if tensor.is_cuda and triton_available() else "torch"
+def choose_backend(t: torch.Tensor, backend: str | None = None) -> str:
+    """The backend to use for tensor ``t``: ``backend`` itself when given (checked), else Triton for CUDA
+    tensors when Triton is installed, torch otherwise."""
+    if backend is None:
+        return "triton" if t.is_cuda and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return backend
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    backend: Optional[str] = None, *, host_seq_lens: Optional[list[int]] = None,
-                    host_query_start_loc: Optional[list[int]] = None, **kwargs) -> torch.Tensor:
-    """Attention of every scheduled query token over its request's paged context (see reference.py)."""
-    if choose_backend(q, backend) == "triton":
+                    backend: str | None = None, **kw: Any) -> torch.Tensor:
+    """Attention over the paged KV cache with the chosen backend (None: Triton on CUDA, else torch).
+
+    Extra keyword hints: ``host_seq_lens`` / ``host_query_start_loc`` (Python lists, saves syncs; the
+    Triton path derives ``max_seq_len`` / ``max_query_len`` from them),
+    ``max_query_len`` / ``max_seq_len`` / ``num_splits`` / ``tile_n`` (Triton path).
+    """
+    unknown = set(kw) - _TORCH_HINTS - _TRITON_HINTS
+    if unknown:
+        raise TypeError(f"paged_attention() got unexpected keyword arguments {sorted(unknown)}")
+    backend = choose_backend(q, backend)
+    if backend == "triton":
         from .triton_paged_attention import paged_attention_triton
-        if host_seq_lens is not None and host_query_start_loc is not None:
-            q_lens = [b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])]
-            kwargs.setdefault("max_query_len", max(q_lens, default=1))
-            kwargs.setdefault("max_seq_len", max(host_seq_lens, default=1))
+        hints = {k: v for k, v in kw.items() if k in _TRITON_HINTS}
+        host_seq_lens, host_starts = kw.get("host_seq_lens"), kw.get("host_query_start_loc")
+        if host_seq_lens is not None and "max_seq_len" not in hints:
+            hints["max_seq_len"] = max(host_seq_lens, default=0)
+        if host_starts is not None and "max_query_len" not in hints:
+            hints["max_query_len"] = max((b - a for a, b in zip(host_starts, host_starts[1:])), default=0)
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      **kwargs)
-    return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                 host_seq_lens=host_seq_lens, host_query_start_loc=host_query_start_loc)
+                                      **hints)
+    if backend == "torch":
+        hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
+        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: Optional[str] = None) -> None:
-    """Store the step's new keys and values in their cache slots."""
-    if choose_backend(key, backend) == "triton":
+             slot_mapping: torch.Tensor, backend: str | None = None) -> None:
+    """Write new tokens' K/V into their cache slots (slot -1: skip) with the chosen backend."""
+    backend = choose_backend(key, backend)
+    if backend == "triton":
         from .triton_paged_attention import write_kv_cache_triton
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
-        return
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def __getattr__(name: str) -> Any:
+    # ``from minipaged.kernels import paged_attention_triton`` works, but only imports Triton when asked.
+    if name in ("paged_attention_triton", "write_kv_cache_triton"):
+        from . import triton_paged_attention
+        return getattr(triton_paged_attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

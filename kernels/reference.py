@@ -71,7 +71,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                          scale: float, *, decode_mask: torch.Tensor | None = None,
+                          scale: float, *,
                           host_seq_lens: list[int] | None = None,
                           host_query_start_loc: list[int] | None = None) -> torch.Tensor:
     """The same math, fast enough to serve on a CPU.
