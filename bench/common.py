@@ -70,13 +70,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
-def drive(engine, arrivals: list[tuple[int, list[int], object]]) -> tuple[dict, list]:
-    """Step the engine, adding each (step, prompt, params) when its step comes; returns outputs and events.
+def drive(engine, arrivals: list[tuple[int, list[int], object]]) -> tuple[dict, list, dict]:
+    """Step the engine, adding each (step, prompt, params) when its step comes.
 
     Arrivals are counted in engine steps, so every configuration sees the same arrival pattern.
+    Returns the outputs, the events, and for each request its time to first token counted in steps.
     """
     pending = sorted(arrivals, key=lambda a: a[0])
     ids: list[str] = []
+    arrived_at: dict[str, int] = {}
+    ttft_steps: dict[str, int] = {}
     events = []
     outputs = {}
     step = 0
@@ -84,11 +87,15 @@ def drive(engine, arrivals: list[tuple[int, list[int], object]]) -> tuple[dict, 
         while pending and pending[0][0] <= step:
             _, prompt, params = pending.pop(0)
             ids.append(engine.add_request(prompt, params))
-        events.append(engine.step())
+            arrived_at[ids[-1]] = step
+        event = engine.step()
+        events.append(event)
+        for rid in event.new_token_ids:
+            ttft_steps.setdefault(rid, step + 1 - arrived_at[rid])
         for out in engine.pop_finished():
             outputs[out.request_id] = out
         step += 1
-    return {rid: outputs[rid] for rid in ids}, events
+    return {rid: outputs[rid] for rid in ids}, events, ttft_steps
 
 
 def percentile(values: Sequence[float], q: float) -> float:
