@@ -35,6 +35,10 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=None,
                    help="arrivals per engine step, e.g. 0.5 = one every two steps" + FROM_WORKLOAD)
     g.add_argument("--max-tokens", type=int, default=None, help="new tokens per request" + FROM_WORKLOAD)
+    g.add_argument("--lesson", metavar="N", default=None,
+                   help="open guided lesson N (list them: minipaged lessons): its scenario, with the lesson "
+                        "text, checkpoints and quiz beside it; engine flags you give pick the run it compares "
+                        "with, e.g. --lesson 2 --policy static%(default).0s")
 
     v = parser.add_argument_group("watching")
     v.add_argument("--replay", metavar="FILE", default=None,
@@ -94,6 +98,7 @@ def run_watch(args: argparse.Namespace) -> int:
         return 2
     replay = None
     live = None
+    lesson = None
     description = ""
     if args.replay:
         try:
@@ -101,7 +106,16 @@ def run_watch(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"minipaged watch: cannot replay {args.replay}: {exc}", file=sys.stderr)
             return 2
-    else:
+    if getattr(args, "lesson", None):
+        from .lesson_panel import build_lesson_run
+        try:
+            lesson, lesson_run, description = build_lesson_run(args)
+        except ValueError as exc:
+            print(f"minipaged watch: {exc}", file=sys.stderr)
+            return 2
+        if replay is None:
+            live = lesson_run
+    elif not args.replay:
         try:
             live = build_live_run(args)
         except (OSError, ValueError) as exc:
@@ -110,10 +124,14 @@ def run_watch(args: argparse.Namespace) -> int:
         description = f"workload {live.workload.name}: {live.workload.description}"
 
     if not args.tui:
+        if lesson is not None:
+            print(lesson.markdown)
         return _run_plain(replay, live, description)
 
     from .app import WatchApp
-    app = WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused, description=description)
+    # A lesson starts paused: its text says when to press n.
+    app = WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused or lesson is not None,
+                   description=description, lesson=lesson)
     with _log_lines_held_back():
         code = app.run()
     if app.engine_error:

@@ -109,8 +109,11 @@ class WatchApp(App[int]):
                     with Vertical(id="right-lower"):
                         yield EventLog(id="log")
                         yield OutputPanel(id="output")
-            # Lessons (a later issue) put their text and checkpoints here; hidden until then.
-            yield Container(id="side")
+            # The lesson's text, checkpoints and quiz (minipaged watch --lesson N); hidden otherwise.
+            with Container(id="side"):
+                if self.lesson is not None:
+                    from .lesson_panel import LessonPanel
+                    yield LessonPanel(self.lesson)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -180,6 +183,8 @@ class WatchApp(App[int]):
         self.info = info
         self.state = WatchState(info)
         self.query_one("#cpu-map").display = bool(info.num_cpu_blocks)
+        for panel in self.query("LessonPanel"):
+            panel.start(info)                # the lesson knows which of its runs this is before step 1
         self.status = self.description or "running"
         self.refresh_panels()
 

@@ -1,0 +1,72 @@
+"""``python -m minipaged.lessons``: list the lessons, print one, or measure them again.
+
+    python -m minipaged.lessons              # list
+    python -m minipaged.lessons 3            # lesson 3's text, numbers filled in
+    python -m minipaged.lessons --update     # rerun every scenario headless, rewrite measured.json
+    python -m minipaged.lessons --check      # rerun and compare with measured.json (exit 1 if different)
+
+Scenarios are measured on a tiny random Llama written to a temporary folder (seconds); ``--model smollm2``
+measures on the embedded model instead and must give the same numbers (they depend on scheduling only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from typing import Any, Optional, Sequence
+
+from .core import MEASURED_FILE, get_lesson, list_lessons, run_scenario
+
+
+def measure_all(model: Optional[str] = None) -> dict[str, dict[str, Any]]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("minipaged").setLevel(logging.ERROR)      # preemption warnings are expected here
+    with tempfile.TemporaryDirectory() as tmp:
+        if model is None:
+            from minipaged.model.testing import build_tiny_llama
+            model = str(build_tiny_llama(os.path.join(tmp, "tiny")))
+        return {str(lesson.number): run_scenario(lesson, model).values for lesson in list_lessons()}
+
+
+def write_measured(values: dict[str, dict[str, Any]]) -> None:
+    MEASURED_FILE.write_text(json.dumps(values, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minipaged.lessons", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("lesson", nargs="?", help="print this lesson's text")
+    parser.add_argument("--update", action="store_true", help="measure every scenario, rewrite measured.json")
+    parser.add_argument("--check", action="store_true", help="measure every scenario, compare with measured.json")
+    parser.add_argument("--model", default=None, help="model to measure on (default: a tiny random Llama)")
+    args = parser.parse_args(argv)
+    if args.update or args.check:
+        values = measure_all(args.model)
+        if args.update:
+            write_measured(values)
+            print(f"wrote {MEASURED_FILE}")
+            return 0
+        stored = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
+        diffs = [(n, k, stored.get(n, {}).get(k), v) for n, vals in values.items() for k, v in vals.items()
+                 if stored.get(n, {}).get(k) != v]
+        for n, k, old, new in diffs:
+            print(f"lesson {n}: {k}: measured.json has {old!r}, this run gives {new!r}")
+        print("all lesson numbers reproduced" if not diffs else f"{len(diffs)} number(s) differ")
+        return 1 if diffs else 0
+    if args.lesson:
+        try:
+            print(get_lesson(args.lesson).markdown)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return 0
+    for lesson in list_lessons():
+        print(f"{lesson.number}. {lesson.title}: {lesson.summary}  -  minipaged watch --lesson {lesson.number}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

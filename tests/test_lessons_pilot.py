@@ -1,0 +1,178 @@
+"""The lesson side panel, driven with Textual's Pilot: on its own in a minimal app, and inside
+``minipaged watch --lesson N`` on a tiny random model. A checkpoint ticks exactly when the run shows it."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import pytest
+from textual.app import App, ComposeResult
+
+from minipaged.cli import make_parser
+from minipaged.events import read_trace
+from minipaged.lessons import get_lesson, run_variant
+from minipaged.tui.app import WatchApp
+from minipaged.tui.lesson_panel import LessonPanel, build_lesson_run
+
+
+def run_async(test):
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+    return wrapper
+
+
+async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out waiting for the app"
+        await pilot.pause(0.02)
+
+
+async def leave(pilot, app) -> None:
+    """Quit once the engine is idle and the last redraw has happened (WatchApp schedules a redraw up to
+    50 ms after each event; quitting before it fires races with the app's shutdown)."""
+    await wait_for(pilot, lambda: not app.engine_busy)
+    await pilot.pause(0.15)
+    await pilot.press("q")
+
+
+def watch_args(model: str, *extra: str):
+    return make_parser().parse_args(["watch", "--model", model, *extra])
+
+
+def checkpoint_index(lesson, words: str) -> int:
+    return next(i for i, cp in enumerate(lesson.checkpoints) if words in cp.text)
+
+
+@pytest.fixture(autouse=True)
+def quiet_engine():
+    logging.getLogger("minipaged").setLevel(logging.ERROR)
+
+
+# ------------------------------------------------------------------------------------ the panel alone
+
+class PanelApp(App):
+    def __init__(self, lesson) -> None:
+        super().__init__()
+        self.lesson = lesson
+
+    def compose(self) -> ComposeResult:
+        yield LessonPanel(self.lesson)
+
+
+@run_async
+async def test_panel_ticks_checkpoints_from_events_and_runs_the_quiz(tiny_model):
+    lesson = get_lesson(3)
+    run = run_variant(lesson.scenario, tiny_model, "cache-on")
+    app = PanelApp(lesson)
+    async with app.run_test(size=(70, 50)) as pilot:
+        panel = app.query_one(LessonPanel)
+        assert app.focused is panel
+        hit = checkpoint_index(lesson, "cache hit")
+        for event in run.events[:2]:
+            panel.feed(event, run.info)
+        assert hit not in panel.tracker.ticked and "Checkpoints 1/" in str(panel.checkpoints_text())
+        assert panel.feed(run.events[2], run.info) == [hit]
+        text = str(panel.checkpoints_text())
+        assert "✔ a request is admitted reusing cached blocks" in text and "12 blocks reused" in text
+        assert "without the cache" in text and "--no-prefix-caching" in text   # the other run's checkpoint
+        # The quiz: 1-4 answer the current question; the next one follows.
+        quiz = lesson.render_quiz()
+        await pilot.press(str(quiz[0].answer + 1))
+        assert panel.answers == [quiz[0].answer]
+        wrong = (quiz[1].answer + 1) % len(quiz[1].choices)
+        await pilot.press(str(wrong + 1))
+        shown = str(panel.quiz_text())
+        assert "Quiz 1/3 right" in shown and "✗ Q2" in shown and quiz[1].explanation in shown
+        await pilot.press("pagedown", "pageup")
+        for event in run.events[3:]:
+            panel.feed(event, run.info)
+        assert len(panel.tracker.ticked) == panel.tracker.num_active
+
+
+# ------------------------------------------------------------------------------------ inside minipaged watch
+
+@run_async
+async def test_watch_lesson_opens_and_a_checkpoint_ticks_after_the_right_steps(tiny_model):
+    lesson, live, description = build_lesson_run(watch_args(tiny_model, "--lesson", "3"))
+    app = WatchApp(live=live, paused=True, description=description, lesson=lesson)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        panel = app.query_one(LessonPanel)
+        assert app.query_one("#side").display and panel.tracker.variant == "cache-on"
+        assert "lesson 3: Prefix caching" in description
+        hit = checkpoint_index(lesson, "cache hit")
+        for step in (1, 2):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: app.position == step)
+            assert hit not in panel.tracker.ticked, f"ticked too early, at step {step}"
+        await pilot.press("n")                                  # step 3: r2 arrives and is admitted
+        await wait_for(pilot, lambda: app.position == 3)
+        assert panel.tracker.ticked[hit][0] == 3
+        assert "r2: 12 blocks reused (192 tokens)" in panel.tracker.ticked[hit][1]
+        # The panel has focus, yet the app's keys still work.
+        await pilot.press("down")
+        assert app.selected == "r1"
+        await pilot.press("b")
+        assert app.position == 2 and panel.tracker.ticked[hit][0] == 3     # stays ticked
+        await pilot.press("n")
+        await leave(pilot, app)
+
+
+@run_async
+async def test_flags_open_the_other_run_of_a_lesson(tiny_model):
+    lesson, live, description = build_lesson_run(watch_args(tiny_model, "--lesson", "2", "--policy", "static"))
+    app = WatchApp(live=live, paused=True, description=description, lesson=lesson)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        panel = app.query_one(LessonPanel)
+        assert panel.tracker.variant == "static" and app.info.policy == "static"
+        idle = checkpoint_index(lesson, "slots sit idle")
+        refill = checkpoint_index(lesson, "takes the freed slot")
+        assert panel.tracker.active(idle) and not panel.tracker.active(refill)
+        for _ in range(4):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: not app.engine_busy)
+        assert idle in panel.tracker.ticked
+        await leave(pilot, app)
+
+
+def test_every_variant_command_opens_that_variant(tiny_model):
+    for number in range(1, 6):
+        lesson = get_lesson(number)
+        for name in lesson.scenario.variants:
+            command = lesson.variant_command(name).split()[2:]           # drop "minipaged watch"
+            _, run, description = build_lesson_run(watch_args(tiny_model, *command))
+            assert f"the {name} run" in description, (number, name, description)
+
+
+@run_async
+async def test_a_recorded_lesson_replays_with_the_same_ticks(tiny_model, tmp_path):
+    trace = tmp_path / "lesson5.jsonl"
+    args = watch_args(tiny_model, "--lesson", "5", "--preemption-mode", "swap", "--record", str(trace))
+    lesson, live, description = build_lesson_run(args)
+    app = WatchApp(live=live, speed=0.0, description=description, lesson=lesson)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.engine_done)
+        live_ticks = dict(app.query_one(LessonPanel).tracker.ticked)
+        await leave(pilot, app)
+    assert checkpoint_index(lesson, "copied to the CPU pool") in live_ticks
+    replay = WatchApp(replay=read_trace(str(trace)), speed=0.0, lesson=lesson)
+    async with replay.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: replay.position == len(replay.events))
+        assert {i: step for i, (step, _) in replay.query_one(LessonPanel).tracker.ticked.items()} == \
+               {i: step for i, (step, _) in live_ticks.items()}
+        await pilot.press("space")
+        await leave(pilot, replay)
+
+
+def test_watch_lesson_errors_and_plain_mode(tiny_model, capsys):
+    from minipaged.tui import run_watch
+    assert run_watch(watch_args(tiny_model, "--lesson", "9")) == 2
+    assert "no lesson 9" in capsys.readouterr().err
+    assert run_watch(watch_args(tiny_model, "--lesson", "1", "--no-tui")) == 0
+    out = capsys.readouterr().out
+    assert "Paged KV blocks" in out and "{{" not in out

@@ -1,0 +1,251 @@
+"""The lesson side panel of ``minipaged watch --lesson N``, and the live run that feeds a lesson's scenario.
+
+``LessonPanel`` shows a lesson's text (Markdown), its checkpoints, which tick when the run shows the thing,
+and a short quiz. It reads StepEvents only: the app calls ``on_step(event, state)`` after showing each event
+(``WatchApp.step_listeners``), and the panel hands them to a ``CheckpointTracker`` from
+``minipaged.lessons``. So it works the same on a live run, a replayed trace, or events fed by a test.
+
+Keys while the panel has focus (it takes it when it mounts; nothing else in the app is focusable): 1-4
+answer the quiz, PageUp/PageDown scroll the text. Every other key goes on to the app (space, n, b, arrows).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Markdown, Static
+
+from minipaged.events import EngineInfo, StepEvent
+from minipaged.lessons import CheckpointTracker, Lesson, ScenarioFeed
+from minipaged.workloads import Workload
+
+from .driver import LiveRun
+
+TICK, NEXT, TODO, OTHER = "✔", "▶", "○", "·"
+
+
+class LessonPanel(Vertical, can_focus=True):
+    """Lesson text, checkpoints with ticks, and a quiz, for the right-hand column."""
+
+    DEFAULT_CSS = """
+    LessonPanel { height: 1fr; }
+    LessonPanel #lesson-title { height: auto; background: $boost; text-style: bold; padding: 0 1; }
+    LessonPanel #lesson-text { height: 1fr; min-height: 6; scrollbar-size-vertical: 1; }
+    LessonPanel Markdown { padding: 0 1 0 0; margin: 0; }
+    LessonPanel #lesson-progress { height: auto; max-height: 45%; border-top: solid $accent; }
+    LessonPanel #lesson-checkpoints, LessonPanel #lesson-quiz { height: auto; }
+    LessonPanel #lesson-quiz { border-top: dashed $accent 50%; }
+    """
+    BINDINGS = [
+        Binding("1", "answer(0)", "Answer 1", show=False),
+        Binding("2", "answer(1)", "Answer 2", show=False),
+        Binding("3", "answer(2)", "Answer 3", show=False),
+        Binding("4", "answer(3)", "Answer 4", show=False),
+        Binding("pageup", "scroll_text(-1)", "Scroll lesson up", show=False),
+        Binding("pagedown", "scroll_text(1)", "Scroll lesson down", show=False),
+    ]
+
+    def __init__(self, lesson: Lesson, *, id: Optional[str] = "lesson") -> None:
+        super().__init__(id=id)
+        self.lesson = lesson
+        self.tracker: Optional[CheckpointTracker] = None
+        self.quiz = lesson.render_quiz()
+        self.answers: list[int] = []            # the learner's choice for each question answered so far
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        yield Static(self._title(), id="lesson-title")
+        with VerticalScroll(id="lesson-text", can_focus=False):
+            # The title bar above already names the lesson: drop the text's own "# Lesson N" heading.
+            yield Markdown(self.lesson.markdown.split("\n", 1)[1].lstrip("\n"), open_links=False)
+        with VerticalScroll(id="lesson-progress", can_focus=False):
+            yield Static(id="lesson-checkpoints")
+            yield Static(id="lesson-quiz")
+
+    def on_mount(self) -> None:
+        if self.parent is not None and self.parent.id == "side":      # WatchApp's right-hand column
+            self.parent.styles.width = "35%"
+            self.parent.styles.min_width = 44
+            self.parent.styles.max_width = 72
+        listeners = getattr(self.app, "step_listeners", None)
+        if listeners is not None:
+            listeners.append(self.on_step)
+        info = getattr(self.app, "info", None)
+        if isinstance(info, EngineInfo):
+            self.start(info)
+        self.focus()
+        self.refresh_progress()
+
+    def _title(self) -> Text:
+        text = Text(f"Lesson {self.lesson.number}: {self.lesson.title}")
+        if self.tracker is not None:
+            variant = self.tracker.variant
+            text.append(f"\n{'this run: ' + variant if variant else 'a run with your own options'}", style="dim")
+        text.append("\nn step · space run · 1-4 quiz · PgUp/PgDn text", style="dim italic")
+        return text
+
+    # ------------------------------------------------------------------ events in
+    def start(self, info: EngineInfo) -> None:
+        """A run begins (live: once the model is loaded; replay: at once)."""
+        if self.tracker is None or self.tracker.info != info:
+            self.tracker = self.lesson.tracker(info)
+            self.query_one("#lesson-title", Static).update(self._title())
+            self.refresh_progress()
+
+    def on_step(self, event: StepEvent, state: Any) -> None:
+        """The app showed ``event``; ``state`` is its WatchState (only ``state.info`` is used)."""
+        self.feed(event, state.info)
+
+    def feed(self, event: StepEvent, info: EngineInfo) -> list[int]:
+        self.start(info)
+        assert self.tracker is not None
+        new = self.tracker.feed(event)
+        for i in new:
+            text, _hint = self.lesson.render_checkpoint(i)
+            self.app.notify(f"{TICK} {text}", title="Checkpoint", timeout=4)
+        if new:
+            self.refresh_progress()
+        return new
+
+    # ------------------------------------------------------------------ drawing
+    def refresh_progress(self) -> None:
+        self.query_one("#lesson-checkpoints", Static).update(self.checkpoints_text())
+        self.query_one("#lesson-quiz", Static).update(self.quiz_text())
+
+    def checkpoints_text(self) -> Text:
+        lesson, tracker = self.lesson, self.tracker
+        active = [i for i in range(len(lesson.checkpoints)) if tracker is None or tracker.active(i)]
+        done = len(tracker.ticked) if tracker else 0
+        out = Text()
+        out.append(f"Checkpoints {done}/{len(active)}\n", style="bold")
+        next_index = tracker.next_index if tracker else (active[0] if active else None)
+        for i, cp in enumerate(lesson.checkpoints):
+            text, hint = lesson.render_checkpoint(i)
+            if tracker is not None and i in tracker.ticked:
+                step, detail = tracker.ticked[i]
+                out.append(f" {TICK} ", style="bold #59a14f")
+                out.append(text)
+                out.append(f"  step {step}\n", style="dim")
+                if detail:
+                    out.append(f"   {detail}\n", style="#59a14f")
+            elif i in active:
+                mark, style = (NEXT, "bold #edc948") if i == next_index else (TODO, "")
+                out.append(f" {mark} ", style=style)
+                out.append(text + "\n", style=style)
+                if i == next_index and hint:
+                    out.append(f"   → {hint}\n", style="italic #edc948")
+            else:
+                variants = cp.variants or ()
+                out.append(f" {OTHER} {text}\n", style="dim")
+                if variants:
+                    out.append(f"   in another run: {lesson.variant_command(variants[0])}\n", style="dim italic")
+        return out
+
+    def quiz_text(self) -> Text:
+        """The question to answer now, and how the last answer went (not the whole history: it stays short)."""
+        right = sum(1 for q, a in zip(self.quiz, self.answers) if q.answer == a)
+        out = Text()
+        out.append(f"Quiz {right}/{len(self.quiz)} right", style="bold")
+        if len(self.answers) < len(self.quiz):
+            out.append(f"  press 1-{len(self.quiz[len(self.answers)].choices)} to answer", style="dim")
+        out.append("\n")
+        if self.answers:
+            k = len(self.answers) - 1
+            q, a = self.quiz[k], self.answers[k]
+            ok = a == q.answer
+            out.append(f" {TICK if ok else '✗'} Q{k + 1}: ", style="bold #59a14f" if ok else "bold #e15759")
+            out.append(("right: " if ok else f"not {a + 1}; it is {q.answer + 1}) ") + q.choices[q.answer] + "\n")
+            out.append(f"   {q.explanation}\n", style="dim")
+        if len(self.answers) < len(self.quiz):
+            q = self.quiz[len(self.answers)]
+            out.append(f" Q{len(self.answers) + 1}. {q.question}\n", style="bold")
+            for j, choice in enumerate(q.choices):
+                out.append(f"   {j + 1}) {choice}\n")
+        else:
+            out.append(" All answered.\n", style="italic")
+        return out
+
+    # ------------------------------------------------------------------ keys
+    def action_answer(self, choice: int) -> None:
+        if len(self.answers) >= len(self.quiz):
+            return
+        if choice >= len(self.quiz[len(self.answers)].choices):
+            return
+        self.answers.append(choice)
+        self.refresh_progress()
+        quiz = self.query_one("#lesson-quiz", Static)
+        self.call_after_refresh(quiz.scroll_visible, animate=False)
+
+    def action_scroll_text(self, direction: int) -> None:
+        scroller = self.query_one("#lesson-text", VerticalScroll)
+        if direction < 0:
+            scroller.scroll_page_up(animate=False)
+        else:
+            scroller.scroll_page_down(animate=False)
+
+    def on_markdown_link_clicked(self, message: Markdown.LinkClicked) -> None:
+        """Links point at source files: say where, rather than opening a browser."""
+        message.stop()
+        path = (self.lesson.markdown_path.parent / message.href).resolve()
+        self.app.notify(f"{path}", title="Source (open it in your editor)", timeout=8)
+
+
+# ---------------------------------------------------------------------------------------- the live run
+
+class LessonRun(LiveRun):
+    """A LiveRun that feeds the lesson's scenario (token-id prompts, fixed arrival steps) to the engine,
+    by the same rule as the headless runner that measured the lesson's numbers."""
+
+    def __init__(self, build_engine: Any, lesson: Lesson, record: Optional[str] = None) -> None:
+        super().__init__(build_engine, Workload(f"lesson-{lesson.number}", lesson.title, ()), record=record)
+        self.lesson = lesson
+        self.feed: Optional[ScenarioFeed] = None
+
+    def load(self, progress: Any = lambda message: None) -> EngineInfo:
+        info = super().load(progress)
+        self.feed = ScenarioFeed(self.lesson.scenario, self.engine.tokenizer)
+        return info
+
+    def _add_due_requests(self) -> None:
+        assert self.feed is not None
+        self.feed.add_due(self.engine, self.steps)
+
+    @property
+    def done(self) -> bool:
+        return self.feed is not None and self.feed.done and not self.engine.has_unfinished_requests()
+
+
+def explicit_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user actually gave: those whose value differs from the flag's default."""
+    from minipaged.cli import engine_options
+
+    from . import add_watch_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_watch_arguments(parser)
+    defaults = engine_options(parser.parse_args([]))
+    return {k: v for k, v in engine_options(args).items() if v != defaults.get(k)}
+
+
+def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
+    """``minipaged watch --lesson N``: the lesson, its live run and a one-line description.
+
+    The scenario's options win, except for engine flags the user gave: those pick the variant they name
+    (``--policy static`` opens lesson 2's static run) and then apply on top.
+    """
+    from minipaged.lessons import get_lesson
+
+    lesson = get_lesson(args.lesson)
+    variant, options = lesson.options_for(explicit_engine_options(args))
+
+    def build_engine(progress: Any) -> Any:
+        from minipaged.engine import Engine
+        return Engine(args.model, load_progress=progress, **options)
+
+    run = LessonRun(build_engine, lesson, record=getattr(args, "record", None))
+    which = f"the {variant} run" if variant else "your own options (the lesson's numbers may differ)"
+    return lesson, run, f"lesson {lesson.number}: {lesson.title}, {which}"
