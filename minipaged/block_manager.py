@@ -17,29 +17,34 @@ All changes are written to ``changes`` (a ``KVChangeLog``) so the engine can rep
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from .request import Request
 
-ROOT_HASH = 0  # the parent hash of a request's first block
+BlockHash = bytes
+ROOT_HASH: BlockHash = b""  # the parent hash of a request's first block
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
     """Hash of one full block: depends on everything before it (via the parent) and its own tokens.
 
     ``extra_keys`` is the hook for anything else that changes a block's KV for the same tokens (a LoRA
-    adapter, an image id, a cache salt). Python's hash of ints and tuples of ints is stable across runs.
+    adapter, an image id, a cache salt). SHA-256, as in vLLM since CVE-2025-25183: a hit is trusted without
+    comparing tokens, so two prefixes whose hashes collided would silently share KV. Python's 64-bit
+    ``hash()`` makes collisions findable on purpose and is salted per process for strings.
     """
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    payload = repr((list(token_ids), extra_keys)).encode()
+    return hashlib.sha256(parent_hash + payload).digest()
 
 
 @dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: Optional[int] = None
+    block_hash: Optional[BlockHash] = None
 
 
 @dataclass
@@ -102,9 +107,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[BlockHash, int] = {}
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}        # hashes of the request's full blocks, in order
+        self.req_hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks, in order
         self.req_num_hashed: dict[str, int] = {}          # how many of its blocks have been registered
         self.stats = PrefixCacheStats()
         self.changes = KVChangeLog()
@@ -125,7 +130,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first ``num_full_blocks`` blocks, computed once and extended lazily."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         if len(hashes) < num_full_blocks:
@@ -273,8 +278,12 @@ class KVCacheManager:
         return mapping
 
     def can_swap_in(self, req: Request, cpu_pool: "CpuBlockPool") -> bool:
-        # one block of headroom so the request can also take its next token's slot
-        return len(cpu_pool.blocks_of(req.request_id)) + 1 <= len(self.free_queue)
+        """Room for the swapped blocks and for the next token's slot (a new block only if the last is full).
+
+        Never more than the request needs, so a request that once held the whole pool can come back.
+        """
+        need = max(len(cpu_pool.blocks_of(req.request_id)), self.blocks_needed(req.num_computed_tokens + 1))
+        return need <= len(self.free_queue)
 
     def swap_in(self, req: Request, cpu_pool: "CpuBlockPool") -> list[tuple[int, int]]:
         cpu_blocks = cpu_pool.release(req.request_id)

@@ -11,6 +11,7 @@ Policies
   * chunked prefill off (vLLM's old default): prefill-first. A step runs either whole prompts or decodes,
     never both; a waiting prompt delays every running decode.
   * static (teaching baseline): a batch is formed, and nothing new joins until its last request ends.
+  * In every policy, swapped-out requests come back before any new request is admitted.
 
 Memory
   * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
@@ -109,14 +110,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         assert budget is not None
         if self.config.policy == "static":
-            if not self.running and not self.swapped:
-                budget = self._admit_waiting(out, budget)
-            self._schedule_running(out, budget)
-        elif self.config.enable_chunked_prefill:
+            # The batch is running + swapped; it takes no newcomer until all of it has finished.
             budget = self._schedule_running(out, budget)
             if not out.preempted:
                 budget = self._swap_in(out, budget)
-                self._admit_waiting(out, budget)
+                if not self.running and not self.swapped:
+                    self._admit_waiting(out, budget)
+        elif self.config.enable_chunked_prefill:
+            budget = self._schedule_running(out, budget)
+            if not out.preempted:                          # memory is short this step: admit nobody
+                budget = self._swap_in(out, budget)
+                if not self.swapped:                       # swapped requests come back before newcomers
+                    self._admit_waiting(out, budget)
         else:
             # Prefill-first: new prompts get the step to themselves; decodes wait for a step without them.
             if not self.swapped:

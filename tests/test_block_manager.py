@@ -6,7 +6,7 @@ import itertools
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minipaged.block_manager import CpuBlockPool, KVCacheManager, hash_block_tokens
+from minipaged.block_manager import ROOT_HASH, CpuBlockPool, KVCacheManager, hash_block_tokens
 from minipaged.request import Request, SamplingParams
 
 BLOCK = 4
@@ -104,9 +104,9 @@ TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, d
 
 
 def test_hash_chains_the_parent():
-    a = hash_block_tokens(0, [1, 2, 3, 4])
-    assert hash_block_tokens(a, [5, 6, 7, 8]) != hash_block_tokens(hash_block_tokens(0, [9, 2, 3, 4]), [5, 6, 7, 8])
-    assert hash_block_tokens(0, [1, 2, 3, 4], ("lora-1",)) != a       # extra keys change the hash
+    a = hash_block_tokens(ROOT_HASH, [1, 2, 3, 4])
+    assert hash_block_tokens(a, [5, 6, 7, 8]) != hash_block_tokens(hash_block_tokens(ROOT_HASH, [9, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block_tokens(ROOT_HASH, [1, 2, 3, 4], ("lora-1",)) != a       # extra keys change the hash
 
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru_deepest_first():
