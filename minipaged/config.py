@@ -51,18 +51,26 @@ class EngineConfig:
             raise ConfigError("num_cpu_blocks must be positive.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}.")
-        if self.swap_space < 0:
-            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if self.kv_cache_memory is not None and (not number(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+            raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory!r}.")
+        if not number(self.swap_space) or self.swap_space < 0:
+            raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}.")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks is None and self.swap_space == 0:
+            raise ConfigError("preemption_mode='swap' needs CPU blocks to swap into, but swap_space is 0; give "
+                              "swap_space > 0 (GiB) or num_cpu_blocks, or use preemption_mode='recompute'.")
         if self.policy not in ("continuous", "static"):
             raise ConfigError(f"policy must be 'continuous' or 'static', got {self.policy!r}.")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ConfigError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.device is not None and str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
 

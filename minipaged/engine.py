@@ -37,6 +37,8 @@ logger = logging.getLogger("minipaged")
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_CPU_KV_GIB = 1.0
+PREVIEW_CHARS = 150          # a prompt preview keeps its first third and its last two thirds of this
+PREVIEW_TOKENS = 24          # token-id prompts: decode this many tokens from each end for the preview
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +54,12 @@ class Engine:
         self.config = config = EngineConfig(model=model, **options)
         config.validate()
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was asked for, but torch sees no CUDA device here (a CPU build of "
+                              "torch, or no GPU); leave device unset to use the CPU.")
+        if self.device.type == "mps" and not torch.backends.mps.is_available():
+            raise ConfigError("device='mps' was asked for, but Apple's MPS is not available here; leave device "
+                              "unset to use the CPU.")
         dtype_name = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
         self.tokenizer = self.loaded.tokenizer
@@ -124,13 +132,28 @@ class Engine:
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Validate and queue one prompt; returns its request id. Raises InvalidRequestError on bad input."""
+        token_ids, text, params = self._validate(prompt, params)
+        return self._queue(token_ids, text, params, request_id)
+
+    def _validate(self, prompt: Prompt, params: Optional[SamplingParams]) -> tuple[list[int], Optional[str],
+                                                                                  SamplingParams]:
+        """Everything that can be wrong with a request, checked before anything is queued."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a minipaged.SamplingParams.")
         token_ids, text = self._tokenize(prompt)
         self._check_fits(token_ids, params)
-        request_id = str(next(self._id_counter)) if request_id is None else str(request_id)
-        if request_id in self._requests or request_id in self._children or request_id in self._finished:
+        return token_ids, text, params
+
+    def _id_in_use(self, request_id: str) -> bool:
+        return request_id in self._requests or request_id in self._children or request_id in self._finished
+
+    def _queue(self, token_ids: list[int], text: Optional[str], params: SamplingParams,
+               request_id: Optional[str]) -> str:
+        if request_id is None:                    # the next number that nobody has taken by hand
+            request_id = next(rid for rid in map(str, self._id_counter) if not self._id_in_use(rid))
+        request_id = str(request_id)
+        if self._id_in_use(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pass a new one or None.")
         now = time.perf_counter()
         ids = [request_id] if params.n == 1 else [f"{request_id}.{i}" for i in range(params.n)]
@@ -140,9 +163,21 @@ class Engine:
                           sample_index=i, parent_id=request_id)
             self._requests[rid] = req
             self.scheduler.add(req)
-            preview = (text if text is not None else str(list(token_ids[:12])))[:80]
-            self._pending_arrivals.append(RequestArrival(rid, len(token_ids), params.max_tokens, preview))
+            self._pending_arrivals.append(
+                RequestArrival(rid, len(token_ids), params.max_tokens, self._prompt_preview(token_ids, text)))
         return request_id
+
+    def _prompt_preview(self, token_ids: list[int], text: Optional[str]) -> str:
+        """The prompt's start and end for the queue panel: prompts that share a long system prompt differ
+        only at the end. Token-id prompts are decoded (only their two ends), so every view shows text."""
+        n = PREVIEW_TOKENS
+        if text is None and len(token_ids) <= 2 * n:
+            text = self.tokenizer.decode(token_ids)
+        elif text is None:
+            text = self.tokenizer.decode(token_ids[:n]) + " … " + self.tokenizer.decode(token_ids[-n:])
+        if len(text) <= PREVIEW_CHARS:
+            return text
+        return text[:PREVIEW_CHARS // 3] + " … " + text[-(PREVIEW_CHARS - PREVIEW_CHARS // 3):]
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):
@@ -207,7 +242,7 @@ class Engine:
             self.runner.copy_blocks(self.kv_cache, self.cpu_kv_cache, sched.swap_out)
         if sched.swap_in:
             self.runner.copy_blocks(self.cpu_kv_cache, self.kv_cache, sched.swap_in)
-        sampled_tokens: list[int] = []
+        sampled_tokens: list[Optional[int]] = []
         sampled_requests: list[Request] = []
         forward_start = forward_end = time.perf_counter()
         if sched.chunks:
@@ -232,14 +267,16 @@ class Engine:
                 self.counters["prompt_tokens_computed"] += chunk.num_new_tokens
             req.num_computed_tokens = chunk.end
             token = tokens_by_request.get(req.request_id)
-            if token is not None:
+            if token is None and req.request_id in tokens_by_request:
+                self._finish(req, RequestStatus.FINISHED_ABORTED, t2)       # its sampling failed
+            elif token is not None:
                 delta = self._append_token(req, token, t2)
                 new_token_ids[req.request_id] = [token]
                 if delta:
                     new_text[req.request_id] = delta
             scheduled.append(ScheduledRequest(req.request_id, kind, chunk.start, chunk.end, req.num_prompt_tokens,
                                               chunk.num_cached_tokens, len(req.output_token_ids)))
-        self.counters["generation_tokens"] += len(sampled_tokens)
+        self.counters["generation_tokens"] += len(new_token_ids)
         for p in sched.preempted:
             self.counters[f"preemptions_{p.mode}"] += 1
         self.counters["blocks_swapped_out"] += len(sched.swap_out)
@@ -286,9 +323,18 @@ class Engine:
         if status is None and (len(req.output_token_ids) >= p.max_tokens
                                or req.num_tokens >= self.config.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
-        delta = req.output_text[old_len:] if len(req.output_text) >= old_len else ""
         if status is not None:
             self._finish(req, status, now)
+        return self._stream_delta(req, finished=status is not None)
+
+    @staticmethod
+    def _stream_delta(req: Request, finished: bool) -> str:
+        """The text to stream now. Until the request finishes, its last ``len(longest stop string) - 1``
+        characters are held back: they may be the start of a stop string, which the final text leaves out."""
+        hold = 0 if finished or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+        end = max(req.num_streamed_chars, len(req.output_text) - hold)
+        delta = req.output_text[req.num_streamed_chars:end]
+        req.num_streamed_chars = end
         return delta
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
@@ -317,7 +363,7 @@ class Engine:
             request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
             outputs=[CompletionOutput(s.sample_index, s.output_text, list(s.output_token_ids), s.status.value,
                                       s.stop_reason, list(s.token_times)) for s in samples],
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=max(max(s.num_cached_tokens for s in samples), 0),   # samples after the first hit
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max(s.finished_time or 0.0 for s in samples),
                                    sum(s.num_preemptions for s in samples)))
@@ -360,7 +406,8 @@ class Engine:
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts.")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, param_list)]
+        checked = [self._validate(p, sp) for p, sp in zip(prompts, param_list)]   # all or none are queued
+        ids = [self._queue(token_ids, text, sp, None) for token_ids, text, sp in checked]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() and len(prompts) >= 4 if use_tqdm is None else use_tqdm

@@ -57,30 +57,45 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, int) or not isinstance(self.stop_token_ids, Sequence):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}.")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}.")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got "
+                                      f"{self.temperature!r}.")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}.")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings.")
-        if self.n > 1 and self.temperature == 0 and self.seed is None:
-            pass  # allowed: n greedy copies are identical, which is what vLLM does too
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are greedy (as in vLLM): dividing logits by them overflows."""
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -99,6 +114,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[str | int] = None
     output_text: str = ""
+    num_streamed_chars: int = 0         # output_text[:this] has gone out in StepEvents' new_text
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

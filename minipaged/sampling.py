@@ -6,11 +6,14 @@ which other requests share the batch, so seeded outputs are reproducible under a
 """
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import Optional, Sequence
 
 import torch
 
 from .request import Request
+
+logger = logging.getLogger("minipaged.sampling")
 
 
 class Sampler:
@@ -21,7 +24,8 @@ class Sampler:
     def generator_for(self, req: Request) -> torch.Generator:
         gen = self._generators.get(req.request_id)
         if gen is None:
-            seed = req.params.seed + req.sample_index if req.params.seed is not None else \
+            # any integer seed, folded into the 64 bits torch.Generator takes
+            seed = (req.params.seed + req.sample_index) % 2**64 if req.params.seed is not None else \
                 hash((self.engine_seed, req.arrival_index)) & 0x7FFF_FFFF_FFFF
             gen = torch.Generator(device="cpu").manual_seed(seed)
             self._generators[req.request_id] = gen
@@ -30,12 +34,17 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """logits: [len(requests), vocab] float32. Returns one token id per request."""
-        tokens = logits.argmax(dim=-1).tolist()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[Optional[int]]:
+        """logits: [len(requests), vocab] float32. Returns one token id per request, or None for a request
+        whose sampling failed: the engine aborts that one request and serves the others."""
+        tokens: list[Optional[int]] = logits.argmax(dim=-1).tolist()
         for row, req in enumerate(requests):
             if not req.params.greedy:
-                tokens[row] = self._sample_row(logits[row], req)
+                try:
+                    tokens[row] = self._sample_row(logits[row], req)
+                except (RuntimeError, ValueError) as exc:
+                    logger.error("sampling failed for request %s (%s); it is aborted.", req.request_id, exc)
+                    tokens[row] = None
         return tokens
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:

@@ -36,6 +36,8 @@ def test_missing_folder_is_a_clear_error():
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "chunked prefill"),
     (dict(max_model_len=10**6), "max_model_len"), (dict(bogus=1), "unknown engine option"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(preemption_mode="swap", swap_space=0), "swap_space > 0"), (dict(kv_cache_memory="1"), "kv_cache_memory"),
+    (dict(swap_space="big"), "swap_space"), (dict(device="tpu"), "device must be"),
 ])
 def test_bad_engine_options_fail_at_start_with_the_fix(tiny_model, options, message):
     with pytest.raises(ConfigError, match=message):
@@ -91,3 +93,25 @@ def test_subscriber_errors_do_not_stop_the_engine(tiny_engine_factory):
     engine = tiny_engine_factory()
     engine.subscribe(lambda e: 1 / 0)
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].finish_reason == "length"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown where CUDA is missing")
+def test_asking_for_cuda_without_it_says_so(tiny_model):
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        Engine(tiny_model, device="cuda")
+
+
+def test_prompt_previews_are_text_and_keep_the_end_of_long_prompts(tiny_engine_factory):
+    """Observers see prompts only through RequestArrival.prompt_preview: token-id prompts are decoded, and
+    prompts behind a shared system prompt stay distinguishable by their ends."""
+    engine = tiny_engine_factory()
+    system = "You are a careful assistant who answers questions about geography. " * 4
+    engine.add_request(system + "Where is Lima?", SamplingParams(max_tokens=1), request_id="text")
+    engine.add_request(engine.tokenizer("hello world").input_ids, SamplingParams(max_tokens=1), request_id="ids")
+    engine.add_request(list(engine.tokenizer(system + "Where is Quito?").input_ids), SamplingParams(max_tokens=1),
+                       request_id="long-ids")
+    previews = {a.request_id: a.prompt_preview for a in engine.step().arrivals}
+    assert previews["ids"] == "hello world"
+    for rid, end in (("text", "Where is Lima?"), ("long-ids", "Where is Quito?")):
+        assert previews[rid].startswith("You are a careful") and previews[rid].endswith(end)
+        assert len(previews[rid]) < len(system)

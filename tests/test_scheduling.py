@@ -54,6 +54,8 @@ VARIANTS = {
     "preempt-chunked-off-cache-off": dict(num_blocks=24, enable_chunked_prefill=False,
                                           enable_prefix_caching=False),
     "static": dict(policy="static", max_num_seqs=4),
+    "preempt-swap-static": dict(policy="static", max_num_seqs=6, num_blocks=24, preemption_mode="swap",
+                                num_cpu_blocks=64),
     "max-num-seqs-3": dict(max_num_seqs=3, max_num_batched_tokens=20),
 }
 
@@ -66,7 +68,7 @@ def test_greedy_outputs_do_not_depend_on_engine_features(name, baseline, tiny_en
     stats = engine.stats()
     if name.startswith("preempt"):
         assert stats["preemptions_recompute"] + stats["preemptions_swap"] > 0
-    if name in ("preempt-swap", "preempt-swap-cpu-full"):
+    if name in ("preempt-swap", "preempt-swap-cpu-full", "preempt-swap-static"):
         assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0
     if name == "preempt-swap-cpu-full":
         assert stats["preemptions_recompute"] > 0           # fell back when the CPU pool was full
@@ -112,12 +114,19 @@ def test_static_batching_admits_nobody_until_the_batch_is_done(tiny_engine_facto
     assert len(cont_events) < len(events)                # continuous batching needs fewer steps
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def rng_cpu_blocks(seed: int) -> int:
+    """A CPU swap pool from tiny (swap falls back to recompute) to roomy."""
+    return random.Random(seed).choice([4, 16, 64])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(budget=st.integers(4, 96), seed=st.integers(0, 10_000), num_blocks=st.integers(30, 120),
-       chunked=st.booleans(), max_num_seqs=st.integers(1, 8), aborts=st.integers(0, 3))
+       chunked=st.booleans(), max_num_seqs=st.integers(1, 8), aborts=st.integers(0, 3),
+       preemption_mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["continuous", "static"]))
 def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget, seed, num_blocks, chunked,
-                                                    max_num_seqs, aborts):
-    options = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked)
+                                                    max_num_seqs, aborts, preemption_mode, policy):
+    options = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
+                   preemption_mode=preemption_mode, policy=policy, num_cpu_blocks=rng_cpu_blocks(seed))
     if chunked:
         options["max_num_batched_tokens"] = budget
     engine = tiny_engine_factory(**options)
@@ -133,6 +142,7 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
             for rid in rng.sample(ids, aborts):
                 engine.abort(rid)
         decoders = {r.request_id for r in engine.scheduler.running if not r.is_prefill}
+        waiting = {r.request_id for r in engine.scheduler.waiting}
         event = engine.step()
         view.apply(event)
         step += 1
@@ -142,6 +152,8 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
         preempted = {p.request_id for p in event.preempted}
         if event.num_prefill_tokens and chunked:
             assert decoders <= scheduled | preempted, "a prefill ran while a decode waited"
+        if event.swapped:
+            assert not scheduled & waiting, "a waiting request was admitted while another sat swapped out"
         # the observer's view, built from events alone, agrees with the block manager
         for block in engine.kv.blocks:
             assert len(view.block_owners[block.block_id]) == block.ref_cnt
@@ -210,6 +222,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_engine_factory):
     assert [s.num_cached_tokens for s in first.scheduled] == [0, 28, 28]    # siblings hit 7 full blocks
     assert first.budget_used == 30 + 2 + 2
     assert len(out.outputs) == 3 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert out.num_cached_tokens == 28                                       # what the samples found cached
     again = tiny_engine_factory().generate([prompt], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
                                                                     ignore_eos=True))[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
@@ -255,7 +268,9 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_engine_
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k"), (dict(n=0), "n must"),
-    (dict(stop=[""]), "stop"),
+    (dict(stop=[""]), "stop"), (dict(top_k=True), "top_k"), (dict(temperature=float("inf")), "temperature"),
+    (dict(seed=1.5), "seed"), (dict(stop_token_ids=5), "list of token ids"), (dict(stop_token_ids=[-1]), "non-negative"),
+    (dict(n=True), "n must"),
 ])
 def test_invalid_sampling_values_are_refused(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -300,3 +315,106 @@ def test_preemption_logs_a_warning_in_vllm_style(tiny_engine_factory, caplog):
     warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
     assert warnings and "PreemptionMode.RECOMPUTE" in warnings[0]
     assert "max_num_seqs" in warnings[0] and f"total_cumulative_preemption_cnt={len(warnings)}" in warnings[-1]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_swapped_requests_come_back_before_anyone_new_is_admitted(tiny_engine_factory, chunked):
+    engine = tiny_engine_factory(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64,
+                                 enable_chunked_prefill=chunked)
+    rng = random.Random(0)
+    for prompt in random_prompts(rng, 12, 10, 40):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    swaps = 0
+    while engine.has_unfinished_requests():
+        waiting = {r.request_id for r in engine.scheduler.waiting}
+        event = engine.step()
+        swaps += len(event.swapped_in)
+        admitted = {s.request_id for s in event.scheduled} & waiting
+        assert not (admitted and event.swapped), f"step {event.step}: {admitted} admitted ahead of {event.swapped}"
+    assert swaps > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and engine.cpu_pool.num_free_blocks == 64
+
+
+def test_a_swapped_request_that_held_the_whole_pool_comes_back(tiny_engine_factory):
+    """V shares R's 8-token prefix and fills all 4 blocks; swapped out, it must be able to return."""
+    engine = tiny_engine_factory(num_blocks=4, preemption_mode="swap", num_cpu_blocks=16)
+    prefix = list(range(10, 18))
+    engine.add_request(prefix, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="R")
+    engine.add_request(prefix + list(range(30, 36)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       request_id="V")
+    events = [engine.step() for _ in range(40) if engine.has_unfinished_requests()]
+    assert not engine.has_unfinished_requests(), "a swapped-out request never came back"
+    assert any(p.request_id == "V" and p.mode == "swap" for e in events for p in e.preempted)
+    assert {o.request_id: o.finish_reason for o in engine.pop_finished()} == {"R": "length", "V": "length"}
+
+
+def test_a_request_whose_sampling_fails_is_aborted_and_the_others_go_on(tiny_engine_factory, monkeypatch):
+    engine = tiny_engine_factory()
+    sample_row = engine.sampler._sample_row
+
+    def flaky(logits, req):
+        if req.request_id == "bad" and len(req.output_token_ids) == 2:
+            raise RuntimeError("probability tensor contains nan")
+        return sample_row(logits, req)
+
+    monkeypatch.setattr(engine.sampler, "_sample_row", flaky)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True)
+    engine.add_request([1, 2, 3], sampled, request_id="bad")
+    engine.add_request([4, 5, 6], sampled, request_id="good")
+    engine.add_request([7, 8, 9], GREEDY, request_id="greedy")
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = {o.request_id: o for o in engine.pop_finished()}
+    assert outs["bad"].finish_reason == "abort" and len(outs["bad"].token_ids) == 2
+    assert outs["good"].finish_reason == "length" and len(outs["good"].token_ids) == 6
+    assert len(outs["greedy"].token_ids) == 16
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_temperatures_near_zero_are_greedy_and_any_integer_seed_works(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    greedy = engine.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    assert engine.generate([[1, 2, 3]], SamplingParams(temperature=1e-40, max_tokens=16,
+                                                       ignore_eos=True))[0].token_ids == greedy
+    for seed in (-3, 2**64 + 7):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        first, again = (engine.generate([[1, 2, 3]], params)[0].token_ids for _ in range(2))
+        assert len(first) == 8 and first == again
+
+
+def test_generate_queues_nothing_when_one_prompt_is_bad(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate([[1, 2, 3], [4, 5, 6], []], GREEDY)
+    assert not engine.has_unfinished_requests()
+    outs = engine.generate([[7, 8, 9]], GREEDY)
+    assert len(outs) == 1 and engine.pop_finished() == []     # nothing left over from the failed call
+
+
+def test_generated_ids_skip_the_ones_callers_chose(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    engine.add_request([1, 2], GREEDY, request_id="0")
+    engine.add_request([1, 2], GREEDY, request_id="1")
+    assert engine.add_request([1, 2], GREEDY) == "2"
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request([1, 2], GREEDY, request_id="1")
+
+
+def test_a_stop_string_is_never_streamed(tiny_engine_factory):
+    """The stream (StepEvents' new_text) and the final text agree: a stop string's first characters, seen
+    before the rest of it arrives, are held back and then dropped with it."""
+    engine = tiny_engine_factory()
+    free = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
+    # three printable ASCII characters: with the byte-level test tokenizer they arrive one token at a time
+    cut = next(i for i in range(1, len(free) - 3)
+               if free[i:i + 3].isascii() and free[i:i + 3].isprintable() and free.find(free[i:i + 3]) == i)
+    stop = free[cut:cut + 3]
+    streamed = []
+    engine.subscribe(lambda e: streamed.append(e.new_text.get("s", "")))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True),
+                       request_id="s")
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_finished()[0]
+    assert out.finish_reason == "stop" and out.text == free[:cut]
+    assert "".join(streamed) == out.text
