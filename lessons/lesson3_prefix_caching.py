@@ -113,16 +113,19 @@ def _hit_on_free_blocks(t: Trace) -> Any:
 
 
 def _evicted(t: Trace) -> Any:
+    """r6's long prompt of its own is what needs the room (short prompts evict a block here and there too)."""
     ev = t.last.kv.evicted
-    return ev and f"step {t.last.step}: {len(ev)} cached block(s) evicted, least recently used first"
+    if ev and "r6" in t.admitted():
+        return f"step {t.last.step}: r6 evicted {len(ev)} cached block(s), least recently used first"
+    return None
 
 
 def _hit_after_eviction(t: Trace) -> Any:
-    if not any(ev.kv.evicted for ev in t.events[:-1]):
+    if "r7" not in t.admitted() or not any("r6" in ev.kv.allocated for ev in t.events):
         return None
-    for s in t.last.scheduled:
-        if s.num_cached_tokens >= SYS.num_tokens:
-            return f"{s.request_id} found all {s.num_cached_tokens} system-prompt tokens still cached"
+    r7 = next(s for s in t.last.scheduled if s.request_id == "r7")
+    if r7.num_cached_tokens >= SYS.num_tokens:
+        return f"r7 found all {r7.num_cached_tokens} system-prompt tokens still cached"
     return None
 
 

@@ -87,6 +87,15 @@ def test_no_number_in_the_text_is_written_by_hand(number):
 
 
 @pytest.mark.parametrize("number", [1, 2, 3, 4, 5])
+def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
+    """Lessons quote vLLM's documents to test their claims: a quoted number never stands alone."""
+    text = re.sub(r"```.*?```", "", get_lesson(number).template, flags=re.S)
+    for paragraph in re.split(r"\n\s*\n", text):
+        if any(re.search(r"\d", q) for q in re.findall(r'"([^"]*)"', paragraph, flags=re.S)):
+            assert "{{measured." in paragraph, f"lesson {number}: a quoted number without ours: {paragraph[:80]}"
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5])
 def test_links_point_at_files_that_exist(number):
     lesson = get_lesson(number)
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
@@ -196,6 +205,21 @@ def test_every_checkpoint_ticks_in_its_own_run(results):
                     assert i in tracker.ticked, f"lesson {number}, {name}: never ticked: {cp.text}"
             ticked_somewhere |= set(tracker.ticked)
         assert ticked_somewhere == set(range(len(lesson.checkpoints)))
+
+
+def test_lesson3_checkpoints_tick_when_the_text_says(results):
+    """Ticking at all is not enough: each checkpoint ticks at the moment the lesson's steps point at."""
+    lesson, run, v = get_lesson(3), results[3].runs["cache-on"], results[3].values
+    tracker = lesson.tracker(run.info)
+    for event in run.events:
+        tracker.feed(event)
+    step_of = {lesson.checkpoints[i].text: step for i, (step, _) in tracker.ticked.items()}
+    by_words = lambda words: next(step for text, step in step_of.items() if words in text)
+    assert by_words("cache hit") == v["r2_step"] == run.first_scheduled_step("r2")
+    assert by_words("three requests") == run.first_scheduled_step("r3")
+    assert by_words("nobody was using") == run.first_scheduled_step("r5")
+    assert by_words("evicts cached blocks") == v["r6_step"]
+    assert by_words("r7 still finds") == run.first_scheduled_step("r7")
 
 
 def test_a_checkpoint_ticks_once_and_replayed_events_do_not_count_twice(results):

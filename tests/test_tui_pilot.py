@@ -118,6 +118,24 @@ async def test_selecting_a_request_highlights_its_blocks():
 
 
 @run_async
+async def test_a_finished_selection_does_not_dim_the_map():
+    """Once the selected request has finished it holds no block: the others must not stay dimmed."""
+    app = replay_app()
+    async with app.run_test(size=(160, 50)) as pilot:
+        position = next(i for i in range(1, len(app.events) + 1)
+                        if any(f.request_id == "r0" for f in app.events[i - 1].finished))
+        app.go_to(position)
+        await pilot.pause()
+        assert app.selected == "r0" and app.state.view.requests["r0"].state == "finished"
+        block_map = app.query_one("#gpu-map", BlockMap)
+        assert any(c.owner for c in block_map.cells)
+        lines = lambda: [block_map.render_line(y) for y in range(block_map.content_size.height)]
+        with_finished_selected = lines()
+        block_map.selected = None
+        assert lines() == with_finished_selected
+
+
+@run_async
 async def test_clicking_a_block_selects_its_owner():
     app = replay_app()
     async with app.run_test(size=(160, 50)) as pilot:

@@ -236,7 +236,9 @@ class BlockMap(Widget):
         if line >= grid.cell_height:
             return Strip.blank(width)
         row = self.cells[y // grid.pitch * grid.cols:(y // grid.pitch + 1) * grid.cols]
-        dim = self.selected is not None and self.selected in self.state.view.requests
+        # Dim the others only while the selected request holds blocks: there is something to pick out.
+        selected = self.state.view.requests.get(self.selected) if self.selected is not None else None
+        dim = selected is not None and bool(selected.blocks or selected.cpu_blocks)
         segments = []
         for cell in row:
             colour = self.state.colour(cell.owner) if cell.owner else FREE
