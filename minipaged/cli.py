@@ -10,32 +10,42 @@ from .config import EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> None:
-    """Every engine option as a flag: vLLM's words with dashes."""
+    """Every engine option as a flag: vLLM's words with dashes.
+
+    Engine flags parse to None unless given, so that code can tell "left unset" from "set to the default"
+    (a workload's or a lesson's own options give way only to flags the user typed). Help shows the default
+    the engine applies.
+    """
     d = EngineConfig()
     g = parser.add_argument_group("engine")
+
+    def flag(*names: str, help: str, default: object = "", **kwargs: object) -> None:
+        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        shown = getattr(d, str(dest)) if default == "" else default
+        g.add_argument(*names, default=None, help=f"{help} (default: {shown})%(default).0s", **kwargs)
+
     g.add_argument("--model", default=model_default,
                    help="'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama model")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV pool on CPU (default 1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="share of GPU memory the engine may use")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default 2048; max_model_len without chunked prefill)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: model's context)")
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="prefill-first scheduling with whole prompts (vLLM's old default)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off")
-    g.add_argument("--policy", choices=["continuous", "static"], default=d.policy,
-                   help="static batching is a teaching baseline")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
-    g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU memory for swapped blocks")
-    g.add_argument("--num-cpu-blocks", type=int, default=None, help="CPU swap blocks (overrides --swap-space)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--device", default=None, help="cuda, cpu or mps (default: cuda when present)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    flag("--block-size", type=int, help="tokens per KV block")
+    flag("--num-blocks", type=int, help="KV blocks in the pool", default="from the memory budget")
+    flag("--kv-cache-memory", type=float, help="GiB for the KV pool on CPU", default="1")
+    flag("--gpu-memory-utilization", type=float, help="share of GPU memory the engine may use")
+    flag("--max-num-seqs", type=int, help="most requests in one step")
+    flag("--max-num-batched-tokens", type=int, help="token budget per step",
+         default="2048; max_model_len without chunked prefill")
+    flag("--max-model-len", type=int, help="longest sequence", default="the model's context")
+    flag("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default="chunked",
+         help="prefill-first scheduling with whole prompts (vLLM's old default)")
+    flag("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default="caching on",
+         help="turn automatic prefix caching off")
+    flag("--policy", choices=["continuous", "static"], help="static batching is a teaching baseline")
+    flag("--preemption-mode", choices=["recompute", "swap"], help="what a preempted request loses")
+    flag("--swap-space", type=float, help="GiB of CPU memory for swapped blocks")
+    flag("--num-cpu-blocks", type=int, help="CPU swap blocks (overrides --swap-space)", default="from --swap-space")
+    flag("--seed", type=int, help="engine seed (also picks a workload's prompts)")
+    flag("--device", help="cuda, cpu or mps", default="cuda when present")
+    flag("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache",
+         default="float32 on CPU, bfloat16 on CUDA")
 
 
 ENGINE_ARG_NAMES = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
@@ -44,8 +54,8 @@ ENGINE_ARG_NAMES = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_u
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The Engine(**options) for parsed flags (only those the parser defined)."""
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+    """The Engine(**options) the user gave as flags; everything else keeps the engine's default."""
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if getattr(args, name, None) is not None}
 
 
 def build_engine(args: argparse.Namespace, progress=None):
@@ -92,14 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lessons(args: argparse.Namespace) -> int:
-    try:
-        from minipaged.lessons import list_lessons
-    except ImportError:
-        print("No lessons are installed yet.")
-        return 1
-    for lesson in list_lessons():
-        print(f"{lesson.number}. {lesson.title}  -  minipaged watch --lesson {lesson.number}")
-    return 0
+    """List the lessons, or print one with its numbers filled in (the same as ``python -m minipaged.lessons``)."""
+    from minipaged.lessons.__main__ import main as lessons_main
+    return lessons_main([args.lesson] if args.lesson else [])
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -130,7 +135,10 @@ def make_parser() -> argparse.ArgumentParser:
                      help="send the prompt as raw text instead of through the model's chat template")
     add_engine_arguments(gen)
 
-    sub.add_parser("lessons", help="list the guided lessons", formatter_class=fmt)
+    lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
+    lessons.add_argument("lesson", nargs="?", default=None,
+                         help="print lesson N's text, its numbers filled in from its measured run; open it "
+                              "live with: minipaged watch --lesson N%(default).0s")
     return parser
 
 

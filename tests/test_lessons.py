@@ -43,7 +43,10 @@ def test_cli_lists_the_lessons(capsys):
     assert main(["lessons"]) == 0
     out = capsys.readouterr().out
     for lesson in list_lessons():
-        assert f"{lesson.number}. {lesson.title}" in out and f"--lesson {lesson.number}" in out
+        assert f"{lesson.number}. {lesson.title}: {lesson.summary}" in out and f"--lesson {lesson.number}" in out
+    assert main(["lessons", "3"]) == 0
+    assert capsys.readouterr().out.strip() == get_lesson(3).markdown.strip()
+    assert main(["lessons", "9"]) == 2 and "no lesson 9" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- text

@@ -113,6 +113,14 @@ async def test_watch_lesson_opens_and_a_checkpoint_ticks_after_the_right_steps(t
         await wait_for(pilot, lambda: app.position == 3)
         assert panel.tracker.ticked[hit][0] == 3
         assert "r2: 12 blocks reused (192 tokens)" in panel.tracker.ticked[hit][1]
+        # The help screen lists the lesson's own keys beside the app's.
+        await pilot.press("question_mark")
+        from minipaged.tui.help import HelpScreen
+        assert isinstance(app.screen, HelpScreen)
+        help_text = " ".join(str(w.render()) for w in app.screen.query("Static"))
+        assert "1 2 3 4" in help_text and "answer the quiz question" in help_text
+        assert "scroll the lesson text" in help_text and "Pause/Run" in help_text
+        await pilot.press("escape")
         # The panel has focus, yet the app's keys still work.
         await pilot.press("down")
         assert app.selected == "r1"
@@ -169,10 +177,20 @@ async def test_a_recorded_lesson_replays_with_the_same_ticks(tiny_model, tmp_pat
         await leave(pilot, replay)
 
 
+def test_flags_given_on_top_of_a_lesson_are_kept_even_when_they_equal_a_default(tiny_model):
+    lesson, run, description = build_lesson_run(watch_args(tiny_model, "--lesson", "4", "--max-num-seqs", "256"))
+    assert lesson.scenario.engine_options()["max_num_seqs"] != 256
+    assert "your own options" in description
+    run.load()
+    assert run.engine.config.max_num_seqs == 256
+
+
 def test_watch_lesson_errors_and_plain_mode(tiny_model, capsys):
     from minipaged.tui import run_watch
     assert run_watch(watch_args(tiny_model, "--lesson", "9")) == 2
     assert "no lesson 9" in capsys.readouterr().err
+    assert run_watch(watch_args(tiny_model, "--lesson", "3", "--workload", "chat", "--rate", "2")) == 2
+    assert "--workload, --rate cannot be used" in capsys.readouterr().err
     assert run_watch(watch_args(tiny_model, "--lesson", "1", "--no-tui")) == 0
     out = capsys.readouterr().out
     assert "Paged KV blocks" in out and "{{" not in out

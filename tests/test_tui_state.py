@@ -74,8 +74,12 @@ def test_fold_matches_the_events():
     assert state.view.cpu_block_owner[:2] == ["B", "B"]
     assert state.view.requests["B"].state == "swapped"
     assert any(line.kind == "preempt" and "swap" in line.text for line in state.log)
-    assert state.ttft_ms.last == pytest.approx(200)
+    # Latencies on the engine clock (steps of 0.1 s): A arrived before step 1 and B before step 2, and
+    # both got their first token in step 2; A's next token came one step later, B's (swapped) two.
+    assert list(state.ttft_ms.history) == pytest.approx([200, 100])
+    assert state.itl_ms.last == pytest.approx(100)
     state.apply(evs[3])
+    assert state.itl_ms.last == pytest.approx(200)
     assert state.view.requests["B"].blocks == [5, 6] and state.view.cpu_block_owner[:2] == [None, None]
     assert state.queues()["finished"] == ["B", "A"]
     assert state.tokens_per_s.last == pytest.approx(4 / 0.4)
@@ -219,7 +223,10 @@ def test_workload_suggestions_yield_to_the_users_flags():
     assert engine_options_for(parse(["watch", "--num-blocks", "7"]), suggested)["num_blocks"] == 7
     # Without chunking every prompt must fit one step, so a small suggested budget is not applied.
     options = engine_options_for(parse(["watch", "--no-chunked-prefill"]), suggested)
-    assert options["max_num_batched_tokens"] is None and options["enable_chunked_prefill"] is False
+    assert "max_num_batched_tokens" not in options and options["enable_chunked_prefill"] is False
+    # A flag typed with the engine's default value still wins: "left unset" is not "equal to the default".
+    assert engine_options_for(parse(["watch"]), {"max_num_seqs": 8})["max_num_seqs"] == 8
+    assert engine_options_for(parse(["watch", "--max-num-seqs", "256"]), {"max_num_seqs": 8})["max_num_seqs"] == 256
 
 
 def test_long_previews_keep_their_distinct_end():

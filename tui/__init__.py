@@ -27,8 +27,9 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     from minipaged.workloads import DEFAULT_WORKLOAD, PRESETS
 
     g = parser.add_argument_group("what to run")
-    g.add_argument("--workload", choices=list(PRESETS), default=DEFAULT_WORKLOAD,
-                   help="preset: " + " ".join(f"{name}: {p.description}" for name, p in PRESETS.items()))
+    g.add_argument("--workload", choices=list(PRESETS), default=None,
+                   help="preset: " + " ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+                   + f" (default: {DEFAULT_WORKLOAD})%(default).0s")
     g.add_argument("--prompts", metavar="FILE", default=None,
                    help="one prompt per line, used instead of the workload's own prompts%(default).0s")
     g.add_argument("--num-requests", type=int, default=None, help="how many requests" + FROM_WORKLOAD)
@@ -62,7 +63,7 @@ def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> d
 
     options = engine_options(args)
     for name, value in suggested.items():
-        if options.get(name) is not None:
+        if name in options:                    # the user typed this flag
             continue
         if name == "max_num_batched_tokens" and options.get("enable_chunked_prefill") is False:
             continue    # without chunking every prompt must fit one step: keep the engine's own budget
@@ -72,13 +73,13 @@ def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> d
 
 def build_live_run(args: argparse.Namespace):
     """The workload and a LiveRun that will build the engine (in the worker thread, when it loads)."""
-    from minipaged.workloads import make_workload, read_prompts_file
+    from minipaged.workloads import DEFAULT_WORKLOAD, make_workload, read_prompts_file
 
     from .driver import LiveRun
 
     prompts = read_prompts_file(args.prompts) if args.prompts else None
-    workload = make_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
-                             max_tokens=args.max_tokens, seed=args.seed, prompts=prompts)
+    workload = make_workload(args.workload or DEFAULT_WORKLOAD, num_requests=args.num_requests, rate=args.rate,
+                             max_tokens=args.max_tokens, seed=args.seed or 0, prompts=prompts)
     options = engine_options_for(args, workload.engine_options)
 
     def build_engine(progress):

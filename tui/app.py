@@ -357,7 +357,9 @@ class WatchApp(App[int]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.BINDINGS, replay=self.live is None))
+            panels = list(self.query("LessonPanel"))           # a lesson adds its own keys
+            keys = self.BINDINGS + (panels[0].BINDINGS if panels else [])
+            self.push_screen(HelpScreen(keys, replay=self.live is None))
 
     async def action_quit(self) -> None:
         self._commands.put("stop")

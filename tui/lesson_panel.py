@@ -41,12 +41,12 @@ class LessonPanel(Vertical, can_focus=True):
     LessonPanel #lesson-quiz { border-top: dashed $accent 50%; }
     """
     BINDINGS = [
-        Binding("1", "answer(0)", "Answer 1", show=False),
-        Binding("2", "answer(1)", "Answer 2", show=False),
-        Binding("3", "answer(2)", "Answer 3", show=False),
-        Binding("4", "answer(3)", "Answer 4", show=False),
-        Binding("pageup", "scroll_text(-1)", "Scroll lesson up", show=False),
-        Binding("pagedown", "scroll_text(1)", "Scroll lesson down", show=False),
+        Binding("1", "answer(0)", "answer the quiz question", show=False),
+        Binding("2", "answer(1)", "answer the quiz question", show=False),
+        Binding("3", "answer(2)", "answer the quiz question", show=False),
+        Binding("4", "answer(3)", "answer the quiz question", show=False),
+        Binding("pageup", "scroll_text(-1)", "scroll the lesson text", show=False),
+        Binding("pagedown", "scroll_text(1)", "scroll the lesson text", show=False),
     ]
 
     def __init__(self, lesson: Lesson, *, id: Optional[str] = "lesson") -> None:
@@ -219,16 +219,7 @@ class LessonRun(LiveRun):
         return self.feed is not None and self.feed.done and not self.engine.has_unfinished_requests()
 
 
-def explicit_engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags the user actually gave: those whose value differs from the flag's default."""
-    from minipaged.cli import engine_options
-
-    from . import add_watch_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_watch_arguments(parser)
-    defaults = engine_options(parser.parse_args([]))
-    return {k: v for k, v in engine_options(args).items() if v != defaults.get(k)}
+WORKLOAD_FLAGS = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 
 def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
@@ -239,8 +230,14 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """
     from minipaged.lessons import get_lesson
 
+    from minipaged.cli import engine_options
+
+    workload_flags = [f"--{name.replace('_', '-')}" for name in WORKLOAD_FLAGS if getattr(args, name, None)]
+    if workload_flags:
+        raise ValueError(f"--lesson {args.lesson} brings its own workload, so {', '.join(workload_flags)} cannot "
+                         f"be used with it; engine flags (e.g. --num-blocks) can.")
     lesson = get_lesson(args.lesson)
-    variant, options = lesson.options_for(explicit_engine_options(args))
+    variant, options = lesson.options_for(engine_options(args))
 
     def build_engine(progress: Any) -> Any:
         from minipaged.engine import Engine

@@ -126,8 +126,15 @@ class WatchState:
         self.hit_rate = Metric()         # prefix-cache hit rate, cumulative
         self.tokens_per_s = Metric()     # generated tokens per second of engine time (pauses excluded)
         self.step_ms = Metric()
-        self.ttft_ms = Metric()          # one point per finished request
-        self.itl_ms = Metric()           # one point per finished request (its mean inter-token latency)
+        # Latencies on the engine's clock (the sum of step durations), so that pausing the TUI or a slow
+        # playback speed does not count: TTFT from the start of the step a request arrived before to the end
+        # of the step that gave its first token (one point each); ITL, per step, the mean gap since each
+        # decoding request's previous token.
+        self.ttft_ms = Metric()
+        self.itl_ms = Metric()
+        self.engine_s = 0.0
+        self._arrived_at: dict[str, float] = {}
+        self._last_token_at: dict[str, float] = {}
         self._recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
 
     @classmethod
@@ -157,11 +164,22 @@ class WatchState:
         self._recent.append((sum(len(t) for t in ev.new_token_ids.values()), ev.duration_s))
         busy = sum(d for _n, d in self._recent)
         self.tokens_per_s.add(sum(n for n, _d in self._recent) / busy if busy > 0 else 0.0)
-        for f in ev.finished:
-            if f.ttft_s is not None:
-                self.ttft_ms.add(f.ttft_s * 1e3)
-            if f.mean_itl_s is not None:
-                self.itl_ms.add(f.mean_itl_s * 1e3)
+        self._track_latencies(ev)
+
+    def _track_latencies(self, ev: StepEvent) -> None:
+        for a in ev.arrivals:
+            self._arrived_at[a.request_id] = self.engine_s
+        self.engine_s += ev.duration_s
+        gaps = []
+        for rid in ev.new_token_ids:
+            previous = self._last_token_at.get(rid)
+            if previous is None and rid in self._arrived_at:
+                self.ttft_ms.add((self.engine_s - self._arrived_at[rid]) * 1e3)
+            elif previous is not None:
+                gaps.append(self.engine_s - previous)
+            self._last_token_at[rid] = self.engine_s
+        if gaps:
+            self.itl_ms.add(sum(gaps) / len(gaps) * 1e3)
 
     @property
     def last_event(self) -> Optional[StepEvent]:
