@@ -121,7 +121,11 @@ def test_grouped_cells_summarise_their_blocks():
     assert [c.size for c in cells] == [4, 4]
     assert cells[0].used == 4 and cells[0].kind == "shared" and cells[0].selected and cells[0].owner == "B"
     assert cells[1].kind == "free"
+    # Drawn: a grouped cell with shared blocks carries a "+" (no room for "x2"); a single block its count.
+    from minipaged.tui.widgets.block_map import cell_look
+    assert cell_look(cells[0], 1, PALETTE[0], False)[0] == "+"
     one = gpu_cells(state, 1, None)
+    assert cell_look(one[0], 3, PALETTE[0], False)[0].strip() == "x2"
     assert [c.kind for c in one[:5]] == ["shared", "used", "used", "used", "free"]
     state.apply(synthetic_events()[2])
     assert [c.kind for c in cpu_cells(state, 1, None)] == ["swapped", "swapped", "free", "free"]
@@ -202,6 +206,10 @@ def test_no_tui_prints_one_block_per_step():
     for words in ["prefill chunk 0→4 of 8", "cache hit", "preempted (swap)", "swapped in", "finished (length)",
                   "done: 4 steps"]:
         assert words in out
+    # What the TUI's other panels show: latencies, the CPU pool, each request's progress, the output text.
+    assert "TTFT 100 ms" in out and "ITL 100.0 ms" in out
+    assert "  cpu    ██··" in out and "B ⇄ 1/2" in out and "A 1/2" in out
+    assert "A said: xz" in out
 
 
 def test_no_tui_replay_through_run_watch(capsys):

@@ -52,7 +52,7 @@ class HelpScreen(ModalScreen[None]):
             yield Static(Text("minipaged watch: keys", style="bold"))
             yield Static(table)
             yield Static(Text("\nReading the block map", style="bold"))
-            yield Static(legend())
+            yield Static(legend(full=True))
             yield Static(Text(READING))
             yield Static(Text("\nb / ← step back through " + ("the trace" if self._replay else "the run so far")
                               + "; → / n step forward one step.  Esc, ? or q closes this help.", style="dim"))

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from minipaged.events import EngineInfo, StepEvent
 
-from .state import WatchState
+from .state import WatchState, printable
 from .widgets.batch import budget_bar
 from .widgets.event_log import ICONS
 
@@ -34,6 +34,31 @@ def block_strip(state: WatchState, width: int) -> Text:
         else:
             text.append("·", "#4a4a4a")
     return text
+
+
+def cpu_strip(state: WatchState) -> Text:
+    """The CPU swap pool as one line, a character per block: whose swapped KV it holds."""
+    text = Text()
+    for owner in state.view.cpu_block_owner:
+        text.append("█", state.colour(owner)) if owner else text.append("·", "#4a4a4a")
+    return text
+
+
+def progress_line(state: WatchState, q: dict[str, list[str]]) -> Text:
+    """Each running or swapped request: tokens generated of its maximum (⇄: swapped to CPU)."""
+    text = Text("  reqs   ")
+    for rid in q["running"] + q["swapped"]:
+        req = state.view.requests[rid]
+        text.append(rid, state.colour(rid))
+        text.append(f"{' ⇄' if rid in q['swapped'] else ''} {req.num_output_tokens}/{req.max_tokens}  ")
+    return text
+
+
+def gauge_line(state: WatchState) -> str:
+    def last(metric, fmt: str) -> str:
+        return "-" if metric.last is None else format(metric.last, fmt)
+    return (f"  {last(state.tokens_per_s, '.1f')} tok/s, TTFT {last(state.ttft_ms, '.0f')} ms, "
+            f"ITL {last(state.itl_ms, '.1f')} ms")
 
 
 def print_header(console: Console, info: EngineInfo, description: str = "") -> None:
@@ -61,12 +86,21 @@ def print_step(console: Console, state: WatchState) -> None:
     head.append(f"run {len(q['running'])} wait {len(q['waiting'])} swap {len(q['swapped'])} "
                 f"done {len(q['finished'])}", style="dim")
     console.print(head)
+    console.print(gauge_line(state), style="dim", highlight=False)
     console.print(Text("  budget ").append_text(budget_bar(state, width)))
     console.print(Text("  blocks ").append_text(block_strip(state, width)))
+    if state.view.cpu_block_owner:
+        console.print(Text("  cpu    ").append_text(cpu_strip(state)))
+    if q["running"] or q["swapped"]:
+        console.print(progress_line(state, q), highlight=False)
     for line in state.log:
         if line.step == ev.step:
             icon, colour = ICONS.get(line.kind, ("·", "white"))
             console.print(Text("  ").append(icon, colour).append(" " + line.text), highlight=False)
+    for f in ev.finished:                       # the TUI's output panel, for each request as it ends
+        text = " ".join(printable(state.view.requests[f.request_id].text).split())
+        console.print(Text("  ").append(f.request_id, state.colour(f.request_id)).append(f" said: {text}"),
+                      highlight=False)
 
 
 def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[StepEvent]],

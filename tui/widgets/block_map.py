@@ -9,7 +9,8 @@ fixed-size blocks anywhere in the pool. Looks:
 * a dot: free and empty.
 
 When the pool has more blocks than the area has cells, N blocks share a cell (N a power of two) and the
-title says so; a partly used cell is drawn partly filled. The same widget draws the CPU swap pool.
+title says so; a partly used cell is drawn partly filled, and "+" marks a cell holding shared blocks. The
+same widget draws the CPU swap pool.
 """
 from __future__ import annotations
 
@@ -151,7 +152,9 @@ def cell_look(cell: Cell, width: int, colour: str, dimmed: bool, line: int = 0) 
     if line == 1:
         label = f"#{cell.first}" if cell.size == 1 else ""
         return label[-width:].center(width), Style(color=text_colour, bgcolor=colour, dim=True)
-    if cell.kind == "shared" and cell.size == 1:     # ref counts only for single blocks: grouped cells stay calm
+    if cell.kind == "shared" and cell.size > 1:      # no room for a count: a mark that sharing is going on
+        return "+".center(width), Style(color=text_colour, bgcolor=colour, bold=True)
+    if cell.kind == "shared":
         label = f"x{cell.ref_count}" if cell.ref_count < 10 else f"{min(cell.ref_count, 99)}"
         if cell.selected and width >= len(label) + 2:
             label = "■ " + label
@@ -161,19 +164,24 @@ def cell_look(cell: Cell, width: int, colour: str, dimmed: bool, line: int = 0) 
     return " " * width, Style(bgcolor=colour)
 
 
-def legend() -> Text:
-    """The key to the map, drawn with the very looks the map uses."""
+def legend(full: bool = False) -> Text:
+    """The key to the map, drawn with the very looks the map uses. ``full`` (the help screen) adds the looks
+    of the CPU map and of cells that group several blocks (large pools)."""
     sample = PALETTE[0]
     items = [(Cell("used", "r", 1, 1, 1, False), "request's block"),
              (Cell("shared", "r", 2, 1, 1, False), "shared by 2"),
              (Cell("cached", None, 0, 0, 1, False), "free, cached prefix"),
              (Cell("free", None, 0, 0, 1, False), "free"),
              (Cell("used", "r", 1, 1, 1, True), "selected request")]
+    if full:
+        items += [(Cell("swapped", "r", 1, 1, 1, False), "(CPU map) a swapped-out request's block"),
+                  (Cell("used", "r", 1, 2, 4, False), "group of blocks, half in use"),
+                  (Cell("shared", "r", 2, 4, 4, False), "group with shared blocks")]
     text = Text()
     for cell, label in items:
         glyph, style = cell_look(cell, 2, sample, False)
         text.append(glyph, style)
-        text.append(f" {label}  ")
+        text.append(f" {label}" + ("\n" if full else "  "))
     return text
 
 
