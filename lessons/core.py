@@ -332,6 +332,10 @@ class CheckpointTracker:
 
 # --------------------------------------------------------------------------------------------- lessons
 
+# A repository folder that lessons link into -> the package it is installed as.
+SOURCE_PACKAGES = {"minipaged": "minipaged", "kernels": "minipaged.kernels", "tui": "minipaged.tui",
+                   "lessons": "minipaged.lessons"}
+
 PLACEHOLDER = re.compile(r"\{\{\s*(measured|config)\.([A-Za-z0-9_]+)(?::([^}]*))?\s*\}\}")
 
 
@@ -421,6 +425,18 @@ class Lesson:
 
     def tracker(self, info: EngineInfo) -> CheckpointTracker:
         return CheckpointTracker(self, info)
+
+    @staticmethod
+    def source_path(link: str) -> Path:
+        """Where a link in a lesson (``../minipaged/scheduler.py``, written for the repository's layout)
+        points in this installation: the repository's top-level folders are installed as ``minipaged.*``
+        packages, so the first folder of the link is looked up as a package."""
+        parts = Path(link).parts
+        parts = parts[1:] if parts and parts[0] == ".." else parts
+        if not parts or parts[0] not in SOURCE_PACKAGES:
+            return (HERE / link).resolve()
+        package = importlib.import_module(SOURCE_PACKAGES[parts[0]])
+        return Path(package.__file__).resolve().parent.joinpath(*parts[1:])
 
 
 def _lesson_modules() -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -104,7 +106,21 @@ def test_links_point_at_files_that_exist(number):
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
     assert links, "a lesson links to the code that implements its mechanism"
     for link in links:
-        assert (lesson.markdown_path.parent / link).resolve().exists(), link
+        assert lesson.source_path(link).exists(), link
+        assert (lesson.markdown_path.parent / link).resolve() == lesson.source_path(link)   # the repo layout
+
+
+def test_links_resolve_in_an_installed_wheel_too(monkeypatch, tmp_path):
+    """In a wheel the lessons sit in minipaged/lessons/, so '../minipaged/x.py' must not be taken literally."""
+    from minipaged.lessons import Lesson
+
+    root = tmp_path / "site-packages" / "minipaged"
+    for name, folder in (("minipaged", root), ("minipaged.kernels", root / "kernels")):
+        installed = types.ModuleType(name)
+        installed.__file__ = str(folder / "__init__.py")
+        monkeypatch.setitem(sys.modules, name, installed)
+    assert Lesson.source_path("../minipaged/scheduler.py") == root / "scheduler.py"
+    assert Lesson.source_path("../kernels/reference.py") == root / "kernels" / "reference.py"
 
 
 @pytest.mark.parametrize("number", [1, 2, 3, 4, 5])

@@ -57,14 +57,28 @@ class Tmux:
         self.run("kill-server", check=False)
 
 
+def start_watch(tmux: Tmux, status_file: Path, *flags: str) -> None:
+    """``minipaged watch FLAGS`` in a fresh tmux session; its exit status lands in ``status_file``."""
+    command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m minipaged watch "
+               f"{' '.join(shlex.quote(f) for f in flags)}; echo $? > {shlex.quote(str(status_file))}")
+    tmux.run("new-session", "-d", "-s", tmux.session, "-x", "180", "-y", "50", "-e", "TERM=xterm-256color",
+             "-e", "HF_HUB_OFFLINE=1", command)
+
+
+def quit_cleanly(tmux: Tmux, status_file: Path) -> None:
+    tmux.keys("q")
+    deadline = time.monotonic() + 30
+    while not status_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status_file.exists(), f"the app did not quit; the screen was:\n{tmux.screen()}"
+    assert status_file.read_text().strip() == "0"
+
+
 def test_watch_replay_in_tmux(tmp_path):
     status_file = tmp_path / "exit-status"
-    command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m minipaged watch "
-               f"--replay {shlex.quote(str(TRACE))} --paused; echo $? > {shlex.quote(str(status_file))}")
     tmux = Tmux("replay")
     try:
-        tmux.run("new-session", "-d", "-s", tmux.session, "-x", "160", "-y", "50",
-                 "-e", "TERM=xterm-256color", command)
+        start_watch(tmux, status_file, "--replay", str(TRACE), "--paused")
         screen = tmux.wait_for("GPU KV blocks")
         assert "REPLAY" in screen and "step 0/" in screen and "PAUSED" in screen
         tmux.keys("n")
@@ -80,11 +94,24 @@ def test_watch_replay_in_tmux(tmp_path):
         deadline = time.monotonic() + 20
         while "minipaged watch: keys" in tmux.screen() and time.monotonic() < deadline:
             time.sleep(0.2)
-        tmux.keys("q")
-        deadline = time.monotonic() + 30
-        while not status_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert status_file.exists(), f"the app did not quit; the screen was:\n{tmux.screen()}"
-        assert status_file.read_text().strip() == "0"
+        quit_cleanly(tmux, status_file)
+    finally:
+        tmux.kill()
+
+
+def test_watch_a_lesson_live_in_tmux(tmp_path, tiny_model):
+    """A live engine (the tiny model) under lesson 3: paused at start, n steps it, a checkpoint ticks."""
+    status_file = tmp_path / "exit-status"
+    tmux = Tmux("lesson")
+    try:
+        start_watch(tmux, status_file, "--model", tiny_model, "--lesson", "3")
+        screen = tmux.wait_for("PAUSED")                       # the model has loaded; a lesson starts paused
+        assert "LIVE" in screen and "Lesson 3: Prefix caching" in screen and "Checkpoints 0/" in screen
+        for step in (1, 2, 3):
+            tmux.keys("n")
+            screen = tmux.wait_for(f"step {step} ")
+        screen = tmux.wait_for("Checkpoints 2/")              # r0's blocks hashed; r2's cache hit at step 3
+        assert "r2 cache hit: 12 blocks" in screen
+        quit_cleanly(tmux, status_file)
     finally:
         tmux.kill()

@@ -190,7 +190,7 @@ class LessonPanel(Vertical, can_focus=True):
     def on_markdown_link_clicked(self, message: Markdown.LinkClicked) -> None:
         """Links point at source files: say where, rather than opening a browser."""
         message.stop()
-        path = (self.lesson.markdown_path.parent / message.href).resolve()
+        path = self.lesson.source_path(message.href)
         self.app.notify(f"{path}", title="Source (open it in your editor)", timeout=8)
 
 

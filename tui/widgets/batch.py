@@ -61,7 +61,7 @@ class BatchPanel(Widget):
         ev = state.last_event
         self.border_title = f"Step {ev.step} batch: {ev.duration_s * 1e3:.1f} ms (model {ev.model_s * 1e3:.1f} ms)"
         label = f" {ev.budget_used}/{ev.budget_limit} tok"
-        text = Text()
+        text = Text(no_wrap=True, overflow="ellipsis")     # one line per row: a wrapped line would push rows out
         text.append("budget ")
         text.append_text(budget_bar(state, max(4, width - 7 - len(label))))
         text.append(label + "\n")
