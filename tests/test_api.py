@@ -25,6 +25,17 @@ def test_other_architectures_are_refused_clearly(tmp_path):
         Engine(str(tmp_path))
 
 
+@pytest.mark.parametrize("change, words", [(dict(hidden_act="gelu"), "hidden_act='gelu'"),
+                                           (dict(attention_bias=True), "attention_bias=True")])
+def test_llama_variants_we_cannot_compute_are_refused_before_loading(tmp_path, change, words):
+    from minipaged.model.testing import build_tiny_llama
+    folder = build_tiny_llama(tmp_path / "variant")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UnsupportedModelError, match=words):
+        Engine(str(folder))
+
+
 def test_missing_folder_is_a_clear_error():
     with pytest.raises(ModelNotAvailableError, match="not a folder"):
         Engine("./no/such/folder")

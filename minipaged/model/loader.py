@@ -32,6 +32,14 @@ class ModelNotAvailableError(RuntimeError):
     """The model cannot be found locally and cannot be downloaded."""
 
 
+# Config fields of Llama variants that CompactLlama would compute wrongly: name -> is this value fine?
+UNSUPPORTED_VARIANTS = {
+    "hidden_act": lambda v: v in (None, "silu"),
+    "attention_bias": lambda v: not v,
+    "mlp_bias": lambda v: not v,
+}
+
+
 class UnsupportedModelError(ValueError):
     """The model exists but is not an architecture minipaged implements."""
 
@@ -150,6 +158,13 @@ def load_model(model: str = EMBEDDED_NAME, *, dtype: torch.dtype = torch.float32
         raise UnsupportedModelError(
             f"minipaged runs Llama-architecture models (model_type 'llama': Llama 2/3, TinyLlama, SmolLM2, ...); "
             f"{model} is '{config.model_type}'.")
+    unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in UNSUPPORTED_VARIANTS.items()
+                   if not ok(getattr(config, name, None))]
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{model} is a Llama variant that minipaged's compact forward pass does not implement "
+            f"({', '.join(unsupported)}); it runs SiLU MLPs without projection biases (Llama 2/3, TinyLlama, "
+            f"SmolLM2).")
     _say(progress, f"Loading weights from {path} ...")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
