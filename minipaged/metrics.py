@@ -1,0 +1,99 @@
+"""Prometheus metrics, folded from StepEvents, under vLLM's metric names (``minipaged:`` for ``vllm:``).
+
+Like the TUI and the traces, metrics read events and nothing else, so a dashboard built for vLLM's
+``/metrics`` reads ours with the prefix changed:
+
+    from minipaged import Engine
+    from minipaged.metrics import EngineMetrics
+
+    engine = Engine("smollm2")
+    metrics = EngineMetrics(engine)          # subscribes to the engine's StepEvents
+    engine.generate(["Hello"])
+    print(metrics.exposition())              # what a Prometheus server would scrape
+
+Each ``EngineMetrics`` has its own registry, so two engines in one process do not mix their numbers.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .events import StepEvent
+
+PREFIX = "minipaged:"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+
+
+class EngineMetrics:
+    """Gauges of the engine's state after each step, counters of what it did, histograms of latencies."""
+
+    def __init__(self, engine: Any = None, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be admitted", registry=r)
+        self.swapped = Gauge(p + "num_requests_swapped", "Requests whose KV is swapped out to CPU", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Share of KV blocks in use (1 = full)", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens computed (chunks and recomputes "
+                                     "included, cache hits excluded)", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions", ["mode"], registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.finished = Counter(p + "request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between two tokens of a request", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.step_time = Histogram(p + "step_duration_seconds", "One engine step", registry=r,
+                                   buckets=LATENCY_BUCKETS)
+        self._last_token_at: dict[str, float] = {}
+        self._counters_seen: dict[str, float] = {}
+        if engine is not None:
+            engine.subscribe(self.observe)
+
+    def observe(self, event: StepEvent) -> None:
+        """Fold one StepEvent in (the engine calls this after every step once subscribed)."""
+        self.running.set(len(event.running))
+        self.waiting.set(len(event.waiting))
+        self.swapped.set(len(event.swapped))
+        if event.num_total_blocks:
+            self.kv_usage.set((event.num_total_blocks - event.num_free_blocks) / event.num_total_blocks)
+        self.prompt_tokens.inc(event.num_prefill_tokens)
+        self.generation_tokens.inc(sum(len(t) for t in event.new_token_ids.values()))
+        for p in event.preempted:
+            self.preemptions.labels(mode=p.mode).inc()
+        self.prefix_queries.inc(self._delta(event, "prefix_cache_queries"))
+        self.prefix_hits.inc(self._delta(event, "prefix_cache_hits"))
+        self.step_time.observe(event.duration_s)
+        for rid in event.new_token_ids:
+            previous = self._last_token_at.get(rid)
+            if previous is not None:
+                self.itl.observe(event.time_s - previous)
+            self._last_token_at[rid] = event.time_s
+        for f in event.finished:
+            self.finished.labels(finished_reason=f.finish_reason).inc()
+            self.e2e.observe(f.e2e_s)
+            if f.ttft_s is not None:
+                self.ttft.observe(f.ttft_s)
+            self._last_token_at.pop(f.request_id, None)
+
+    def _delta(self, event: StepEvent, name: str) -> float:
+        """Events carry cumulative engine counters; a Prometheus counter wants the increase."""
+        now = float(event.counters.get(name, 0.0))
+        delta = now - self._counters_seen.get(name, 0.0)
+        self._counters_seen[name] = now
+        return max(delta, 0.0)
+
+    def exposition(self) -> str:
+        """The metrics in Prometheus' text format (what a ``/metrics`` endpoint serves)."""
+        return generate_latest(self.registry).decode("utf-8")
+
+    def value(self, name: str, **labels: str) -> Optional[float]:
+        """One sample's current value, e.g. ``value("num_preemptions_total", mode="swap")``."""
+        return self.registry.get_sample_value(PREFIX + name, labels or None)
+
