@@ -410,7 +410,8 @@ class Lesson:
             score = sum(1 for k, v in user_options.items() if k in self.scenario.variants[name] and options[k] == v)
             if score > best_score:
                 best, best_score = name, score
-        options = {**self.scenario.engine_options(best), **user_options}
+        from minipaged.config import suggestions_left
+        options = {**suggestions_left(self.scenario.engine_options(best), user_options), **user_options}
         return (best if options == self.scenario.engine_options(best) else None), options
 
     def variant_command(self, name: str) -> str:

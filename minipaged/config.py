@@ -11,6 +11,17 @@ PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
 
 
+# Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
+# swap_space. A user who types the budget means it, so a workload's or lesson's count must give way.
+SET_ANOTHER_WAY = {"num_blocks": ("kv_cache_memory", "gpu_memory_utilization"), "num_cpu_blocks": ("swap_space",)}
+
+
+def suggestions_left(suggested: dict, typed: dict) -> dict:
+    """The suggested options that none of the user's typed options sets, directly or another way."""
+    return {name: value for name, value in suggested.items()
+            if name not in typed and not any(other in typed for other in SET_ANOTHER_WAY.get(name, ()))}
+
+
 class ConfigError(ValueError):
     """An engine option has a value the engine cannot work with; the message names the fix."""
 

@@ -102,6 +102,7 @@ class Engine:
         self._id_counter = itertools.count()
         self._pending_arrivals: list[RequestArrival] = []
         self._pending_finishes: list[RequestFinish] = []
+        self._pending_text: dict[str, str] = {}        # text an aborted request still owed its stream
         self._subscribers: list[Callable[[StepEvent], None]] = []
         self._step_index = 0
         self._start_time = time.perf_counter()
@@ -150,13 +151,20 @@ class Engine:
 
     def _queue(self, token_ids: list[int], text: Optional[str], params: SamplingParams,
                request_id: Optional[str]) -> str:
+        def sample_ids(rid: str) -> list[str]:     # the n parallel samples run as rid.0, rid.1, ...
+            return [rid] if params.n == 1 else [f"{rid}.{i}" for i in range(params.n)]
+
+        def taken(rid: str) -> bool:
+            return any(self._id_in_use(r) for r in {rid, *sample_ids(rid)})
+
         if request_id is None:                    # the next number that nobody has taken by hand
-            request_id = next(rid for rid in map(str, self._id_counter) if not self._id_in_use(rid))
+            request_id = next(rid for rid in map(str, self._id_counter) if not taken(rid))
         request_id = str(request_id)
-        if self._id_in_use(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} is already in use; pass a new one or None.")
+        if taken(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} (or one of its samples' ids) is already in use; "
+                                      f"pass a new one or None.")
         now = time.perf_counter()
-        ids = [request_id] if params.n == 1 else [f"{request_id}.{i}" for i in range(params.n)]
+        ids = sample_ids(request_id)
         self._children[request_id] = ids
         for i, rid in enumerate(ids):
             req = Request(rid, list(token_ids), params, next(self._arrival_counter), now, prompt=text,
@@ -164,7 +172,8 @@ class Engine:
             self._requests[rid] = req
             self.scheduler.add(req)
             self._pending_arrivals.append(
-                RequestArrival(rid, len(token_ids), params.max_tokens, self._prompt_preview(token_ids, text)))
+                RequestArrival(rid, len(token_ids), params.max_tokens, self._prompt_preview(token_ids, text),
+                               now - self._start_time))
         return request_id
 
     def _prompt_preview(self, token_ids: list[int], text: Optional[str]) -> str:
@@ -338,6 +347,10 @@ class Engine:
         return delta
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if status is RequestStatus.FINISHED_ABORTED:      # no stop string will come: send what was held back
+            rest = self._stream_delta(req, finished=True)
+            if rest:
+                self._pending_text[req.request_id] = rest
         self.scheduler.remove(req)
         req.status = status
         req.finished_time = now
@@ -372,6 +385,9 @@ class Engine:
         finished_changes = self.kv.drain_changes()
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
+        for rid, rest in self._pending_text.items():
+            new_text[rid] = new_text.get(rid, "") + rest
+        self._pending_text = {}
         s = self.scheduler
         return StepEvent(
             step=self._step_index, time_s=t3 - self._start_time, duration_s=t3 - t0, schedule_s=(t3 - t0) - model_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Iterable, Iterator, Optional
+from typing import IO, Any, Callable, Iterable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class RequestArrival:
     request_id: str
     prompt_len: int
     max_tokens: int
-    prompt_preview: str          # the first characters of the prompt, for the queue panel
+    prompt_preview: str          # the prompt's start and end, for the queue panel
+    arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,36 @@ def read_trace(path: str) -> tuple[EngineInfo, list[StepEvent]]:
 
 
 # ------------------------------------------------------------------------------------ the observer's view
+
+class LatencyFold:
+    """Time to first token and the gaps between tokens, from StepEvents, on whatever clock the caller keeps
+    (the TUI leaves its pauses out; metrics use the engine's wall clock).
+
+    ``apply`` returns the TTFTs of requests whose first token came in the event and the gaps of requests
+    that got another one. Finished requests are forgotten, so a long session does not grow.
+    """
+
+    def __init__(self) -> None:
+        self._arrived: dict[str, float] = {}
+        self._last_token: dict[str, float] = {}
+
+    def apply(self, ev: StepEvent, now: float,
+              arrival_time: Callable[[RequestArrival], float]) -> tuple[list[float], list[float]]:
+        for a in ev.arrivals:
+            self._arrived[a.request_id] = arrival_time(a)
+        ttfts, gaps = [], []
+        for rid in ev.new_token_ids:
+            previous = self._last_token.get(rid)
+            if previous is not None:
+                gaps.append(now - previous)
+            elif rid in self._arrived:
+                ttfts.append(now - self._arrived[rid])
+            self._last_token[rid] = now
+        for f in ev.finished:
+            self._arrived.pop(f.request_id, None)
+            self._last_token.pop(f.request_id, None)
+        return ttfts, gaps
+
 
 @dataclass
 class RequestView:

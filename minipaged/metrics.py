@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .events import StepEvent
+from .events import LatencyFold, StepEvent
 
 PREFIX = "minipaged:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -51,9 +51,12 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS)
         self.step_time = Histogram(p + "step_duration_seconds", "One engine step", registry=r,
                                    buckets=LATENCY_BUCKETS)
-        self._last_token_at: dict[str, float] = {}
+        self._latency = LatencyFold()
         self._counters_seen: dict[str, float] = {}
         if engine is not None:
+            # Count from now on, like every other metric here, even if the engine has run before.
+            stats = engine.stats()
+            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits")}
             engine.subscribe(self.observe)
 
     def observe(self, event: StepEvent) -> None:
@@ -70,17 +73,16 @@ class EngineMetrics:
         self.prefix_queries.inc(self._delta(event, "prefix_cache_queries"))
         self.prefix_hits.inc(self._delta(event, "prefix_cache_hits"))
         self.step_time.observe(event.duration_s)
-        for rid in event.new_token_ids:
-            previous = self._last_token_at.get(rid)
-            if previous is not None:
-                self.itl.observe(event.time_s - previous)
-            self._last_token_at[rid] = event.time_s
+        step_start = event.time_s - event.duration_s     # for old traces, whose arrivals carry no time
+        ttfts, gaps = self._latency.apply(
+            event, event.time_s, lambda a: a.arrival_s if a.arrival_s is not None else step_start)
+        for ttft in ttfts:                               # observed at the first token, as vLLM does
+            self.ttft.observe(ttft)
+        for gap in gaps:
+            self.itl.observe(gap)
         for f in event.finished:
             self.finished.labels(finished_reason=f.finish_reason).inc()
             self.e2e.observe(f.e2e_s)
-            if f.ttft_s is not None:
-                self.ttft.observe(f.ttft_s)
-            self._last_token_at.pop(f.request_id, None)
 
     def _delta(self, event: StepEvent, name: str) -> float:
         """Events carry cumulative engine counters; a Prometheus counter wants the increase."""

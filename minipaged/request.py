@@ -54,6 +54,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):        # None is vLLM's default for both
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

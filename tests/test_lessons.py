@@ -264,6 +264,8 @@ def test_user_flags_pick_the_variant_they_name():
     assert lesson5.options_for({"preemption_mode": "swap"})[0] == "swap"
     variant, options = lesson5.options_for({"num_blocks": 40})
     assert variant is None and options["num_blocks"] == 40      # a run of the learner's own
+    variant, options = lesson5.options_for({"kv_cache_memory": 0.01})
+    assert variant is None and "num_blocks" not in options      # the typed budget sizes the pool
 
 
 @pytest.mark.slow

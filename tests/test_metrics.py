@@ -42,6 +42,23 @@ def test_metrics_match_the_engine_after_a_preempting_shared_prefix_run(tiny_engi
             "minipaged:time_to_first_token_seconds"} <= families
 
 
+def test_ttft_is_observed_at_the_first_token_and_late_attachment_counts_from_then(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.generate([list(range(10, 40))], params)            # history from before the metrics existed
+    metrics = EngineMetrics(engine)
+    engine.add_request(list(range(10, 40)), params, request_id="r")
+    event = engine.step()
+    assert event.new_token_ids and not event.finished
+    assert metrics.value("time_to_first_token_seconds_count") == 1
+    assert metrics.value("request_success_total", finished_reason="length") is None
+    arrival = event.arrivals[0].arrival_s
+    assert arrival is not None and 0 < event.time_s - arrival == metrics.value("time_to_first_token_seconds_sum")
+    stats = engine.stats()
+    assert metrics.value("prefix_cache_queries_total") == 30 < stats["prefix_cache_queries"]   # this request only
+    assert metrics.value("prefix_cache_hits_total") == 28                            # its 7 cached blocks
+
+
 def test_two_engines_keep_their_own_numbers(tiny_engine_factory):
     first, second = tiny_engine_factory(), tiny_engine_factory()
     a, b = EngineMetrics(first), EngineMetrics(second)

@@ -398,6 +398,20 @@ def test_generated_ids_skip_the_ones_callers_chose(tiny_engine_factory):
     assert engine.add_request([1, 2], GREEDY) == "2"
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request([1, 2], GREEDY, request_id="1")
+    # n samples run as "<id>.0", "<id>.1": those names must be free too.
+    engine.add_request([1, 2], GREEDY, request_id="3.1")
+    two = SamplingParams(n=2, temperature=0, max_tokens=2)
+    assert engine.add_request([1, 2], two) == "4"
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request([1, 2], two, request_id="3")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sorted(o.request_id for o in engine.pop_finished()) == ["0", "1", "2", "3.1", "4"]
+
+
+def test_none_means_no_stop_strings_or_stop_tokens():
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == () and params.stop_token_ids == ()
 
 
 def test_a_stop_string_is_never_streamed(tiny_engine_factory):
@@ -418,3 +432,13 @@ def test_a_stop_string_is_never_streamed(tiny_engine_factory):
     out = engine.pop_finished()[0]
     assert out.finish_reason == "stop" and out.text == free[:cut]
     assert "".join(streamed) == out.text
+    # Aborted with characters held back (they could have begun the stop string): the stream gets them.
+    streamed.clear()
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16, stop=["\x00" + stop],
+                                                 ignore_eos=True), request_id="s")
+    for _ in range(cut + 2):
+        engine.step()
+    engine.abort("s")
+    engine.step()
+    aborted = engine.pop_finished()[0]
+    assert aborted.finish_reason == "abort" and "".join(streamed) == aborted.text != ""

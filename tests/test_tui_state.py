@@ -208,8 +208,19 @@ def test_no_tui_prints_one_block_per_step():
         assert words in out
     # What the TUI's other panels show: latencies, the CPU pool, each request's progress, the output text.
     assert "TTFT 100 ms" in out and "ITL 100.0 ms" in out
-    assert "  cpu    ██··" in out and "B ⇄ 1/2" in out and "A 1/2" in out
+    assert "  cpu    ██··" in out                                # 4 CPU blocks: one character each and "B ⇄ 1/2" in out and "A 1/2" in out
     assert "A said: xz" in out
+
+
+def test_no_tui_block_strips_fit_the_line_however_big_the_pools():
+    big = info(num_blocks=5000, num_cpu_blocks=65536)
+    buf = io.StringIO()
+    print_run(Console(file=buf, width=120, color_system=None), big, [step(1, num_total_blocks=5000,
+                                                                          num_free_blocks=5000)])
+    lines = buf.getvalue().splitlines()
+    for label in ("  blocks ", "  cpu    "):
+        strip = next(line for line in lines if line.startswith(label))
+        assert len(strip) <= 120, label
 
 
 def test_no_tui_replay_through_run_watch(capsys):
@@ -235,6 +246,11 @@ def test_workload_suggestions_yield_to_the_users_flags():
     # A flag typed with the engine's default value still wins: "left unset" is not "equal to the default".
     assert engine_options_for(parse(["watch"]), {"max_num_seqs": 8})["max_num_seqs"] == 8
     assert engine_options_for(parse(["watch", "--max-num-seqs", "256"]), {"max_num_seqs": 8})["max_num_seqs"] == 256
+    # A typed budget also beats a suggested count that would size the same pool another way.
+    options = engine_options_for(parse(["watch", "--kv-cache-memory", "0.5", "--swap-space", "1"]),
+                                 {"num_blocks": 48, "num_cpu_blocks": 64, "max_num_batched_tokens": 256})
+    assert "num_blocks" not in options and "num_cpu_blocks" not in options
+    assert options["kv_cache_memory"] == 0.5 and options["max_num_batched_tokens"] == 256
 
 
 def test_long_previews_keep_their_distinct_end():

@@ -61,10 +61,10 @@ def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> d
     """The engine options: the user's flags, and the workload's suggestions where a flag was left unset."""
     from minipaged.cli import engine_options
 
+    from minipaged.config import suggestions_left
+
     options = engine_options(args)
-    for name, value in suggested.items():
-        if name in options:                    # the user typed this flag
-            continue
+    for name, value in suggestions_left(suggested, options).items():
         if name == "max_num_batched_tokens" and options.get("enable_chunked_prefill") is False:
             continue    # without chunking every prompt must fit one step: keep the engine's own budget
         options[name] = value

@@ -17,30 +17,25 @@ from .widgets.batch import budget_bar
 from .widgets.event_log import ICONS
 
 
-def block_strip(state: WatchState, width: int) -> Text:
-    """The GPU pool as one line: each character is a group of blocks, coloured by its main owner."""
+def block_strip(state: WatchState, width: int, cpu: bool = False) -> Text:
+    """A block pool as one line: each character is a group of blocks, coloured by its main owner."""
     view = state.view
-    n = len(view.block_owners)
+    owners_of = [[o] if o else [] for o in view.cpu_block_owner] if cpu else view.block_owners
+    cached = [False] * len(owners_of) if cpu else view.block_cached
+    n = len(owners_of)
     group = max(1, -(-n // width))
     text = Text()
     for start in range(0, n, group):
-        owners = [rid for b in range(start, min(start + group, n)) for rid in view.block_owners[b]]
+        blocks = range(start, min(start + group, n))
+        owners = [rid for b in blocks for rid in owners_of[b]]
         if owners:
             rid = max(set(owners), key=owners.count)
-            shared = any(len(view.block_owners[b]) > 1 for b in range(start, min(start + group, n)))
+            shared = any(len(owners_of[b]) > 1 for b in blocks)
             text.append("▓" if shared else "█", state.colour(rid))
-        elif any(view.block_cached[b] for b in range(start, min(start + group, n))):
+        elif any(cached[b] for b in blocks):
             text.append("░", "#7d8fa3")
         else:
             text.append("·", "#4a4a4a")
-    return text
-
-
-def cpu_strip(state: WatchState) -> Text:
-    """The CPU swap pool as one line, a character per block: whose swapped KV it holds."""
-    text = Text()
-    for owner in state.view.cpu_block_owner:
-        text.append("█", state.colour(owner)) if owner else text.append("·", "#4a4a4a")
     return text
 
 
@@ -90,7 +85,7 @@ def print_step(console: Console, state: WatchState) -> None:
     console.print(Text("  budget ").append_text(budget_bar(state, width)))
     console.print(Text("  blocks ").append_text(block_strip(state, width)))
     if state.view.cpu_block_owner:
-        console.print(Text("  cpu    ").append_text(cpu_strip(state)))
+        console.print(Text("  cpu    ").append_text(block_strip(state, width, cpu=True)))
     if q["running"] or q["swapped"]:
         console.print(progress_line(state, q), highlight=False)
     for line in state.log:

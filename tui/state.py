@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import EngineInfo, EngineView, StepEvent
+from minipaged.events import EngineInfo, EngineView, LatencyFold, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -133,8 +133,7 @@ class WatchState:
         self.ttft_ms = Metric()
         self.itl_ms = Metric()
         self.engine_s = 0.0
-        self._arrived_at: dict[str, float] = {}
-        self._last_token_at: dict[str, float] = {}
+        self._latency = LatencyFold()
         self._recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
 
     @classmethod
@@ -167,17 +166,11 @@ class WatchState:
         self._track_latencies(ev)
 
     def _track_latencies(self, ev: StepEvent) -> None:
-        for a in ev.arrivals:
-            self._arrived_at[a.request_id] = self.engine_s
+        arrived = self.engine_s                            # the step's requests arrived just before it
         self.engine_s += ev.duration_s
-        gaps = []
-        for rid in ev.new_token_ids:
-            previous = self._last_token_at.get(rid)
-            if previous is None and rid in self._arrived_at:
-                self.ttft_ms.add((self.engine_s - self._arrived_at[rid]) * 1e3)
-            elif previous is not None:
-                gaps.append(self.engine_s - previous)
-            self._last_token_at[rid] = self.engine_s
+        ttfts, gaps = self._latency.apply(ev, self.engine_s, lambda _arrival: arrived)
+        for ttft in ttfts:
+            self.ttft_ms.add(ttft * 1e3)
         if gaps:
             self.itl_ms.add(sum(gaps) / len(gaps) * 1e3)
 

@@ -9,7 +9,7 @@ fixed-size blocks anywhere in the pool. Looks:
 * a dot: free and empty.
 
 When the pool has more blocks than the area has cells, N blocks share a cell (N a power of two) and the
-title says so; a partly used cell is drawn partly filled, and "+" marks a cell holding shared blocks. The
+title says so; a partly used cell is drawn partly filled, and "+" marks a full cell holding shared blocks. The
 same widget draws the CPU swap pool.
 """
 from __future__ import annotations
