@@ -295,3 +295,31 @@ async def test_side_panel_and_step_listeners_for_lessons():
         assert app.query_one("#side").display and app.query_one("#lesson-text")
         await pilot.press("n", "n")
         assert seen == [1, 2]
+
+
+@run_async
+async def test_prompts_with_a_shared_start_show_their_distinct_ends():
+    """The request table shortens a long preview in its middle to the room its column has, so the ends of
+    prompts behind one system prompt stay readable (the table itself would cut the end off)."""
+    from dataclasses import replace
+
+    from minipaged.events import KVChanges, RequestArrival
+    from minipaged.tui.widgets.queues import RequestTable
+
+    info, events = read_trace(str(TRACE))
+    system = "You are a patient teaching assistant at a workshop about how computers work. " * 2
+    questions = ["Why does bread rise?", "What is a prime number?", "How do vaccines work?"]
+    ids = tuple(f"q{i}" for i in range(len(questions)))
+    first = replace(events[0], arrivals=tuple(RequestArrival(rid, 40, 8, system + q) for rid, q in zip(ids, questions)),
+                    scheduled=(), kv=KVChanges(), new_token_ids={}, new_text={}, running=(), waiting=ids,
+                    num_free_blocks=info.num_blocks)
+    app = WatchApp(replay=(info, [first]), paused=True)
+    async with app.run_test(size=(160, 48)) as pilot:
+        app.go_to(1)
+        await pilot.pause()
+        table = app.query_one(RequestTable)
+        prompts = [str(table.get_row(f"q{i}")[-1]) for i in range(len(questions))]
+        assert [p.endswith(q) for p, q in zip(prompts, questions)] == [True] * len(questions)
+        assert all(p.startswith("You are") and "…" in p for p in prompts)
+        await pilot.pause(0.1)
+        assert sum(c.get_render_width(table) for c in table.columns.values()) <= table.content_size.width

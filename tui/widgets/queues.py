@@ -16,6 +16,8 @@ from textual.widgets import DataTable
 
 from ..state import WatchState, clean_preview
 
+MIN_PROMPT_WIDTH = 16
+DEFAULT_PROMPT_WIDTH = 60
 STATE_STYLE = {"running": "bold #59a14f", "waiting": "#edc948", "swapped": "#b07aa1", "finished": "dim"}
 
 
@@ -59,18 +61,33 @@ class RequestTable(DataTable):
         q = state.queues()
         counts = ", ".join(f"{len(q[k])} {k}" for k in ("running", "waiting", "swapped", "finished") if q[k])
         self.border_title = f"Requests: {counts}" if counts else "Requests"
+        rows = []
         for rid in state.ordered_requests():
             r = state.view.requests[rid]
             prompt_done = min(r.num_computed, r.prompt_len)
             blocks = str(len(r.blocks)) if r.blocks else (f"{len(r.cpu_blocks)} cpu" if r.cpu_blocks else "")
-            self.add_row(
-                Text("██", style=state.colour(rid)), rid, Text(r.state, style=STATE_STYLE.get(r.state, "")),
-                f"{progress(prompt_done, r.prompt_len, 4)} {prompt_done:>4}/{r.prompt_len}",
-                f"{r.num_output_tokens:>3}/{r.max_tokens}", blocks, str(r.num_cached_tokens or ""),
-                str(r.num_preemptions or ""), clean_preview(r.prompt_preview, 60), key=rid)
+            rows.append((rid, r.prompt_preview, [
+                Text("██", style=state.colour(rid)), Text(rid), Text(r.state, style=STATE_STYLE.get(r.state, "")),
+                Text(f"{progress(prompt_done, r.prompt_len, 4)} {prompt_done:>4}/{r.prompt_len}"),
+                Text(f"{r.num_output_tokens:>3}/{r.max_tokens}"), Text(blocks), Text(str(r.num_cached_tokens or "")),
+                Text(str(r.num_preemptions or ""))]))
+        prompt_width = self._prompt_width([cells for _rid, _preview, cells in rows])
+        for rid, preview, cells in rows:
+            self.add_row(*cells, clean_preview(preview, prompt_width), key=rid)
             self._rows.append(rid)
         if selected in self._rows:
             self.move_cursor(row=self._rows.index(selected), animate=False, scroll=True)
+
+    def _prompt_width(self, rows: list[list[Text]]) -> int:
+        """The room the other columns leave for the prompt, so that a long preview is shortened in its
+        middle, keeping the end that tells prompts with a shared start apart, instead of being cut off at the
+        end by the table. (The table itself learns its column widths only when it next draws.)"""
+        if not self.content_size.width:
+            return DEFAULT_PROMPT_WIDTH                     # not laid out yet
+        widths = [max([len(label)] + [cells[i].cell_len for cells in rows]) for i, label in
+                  enumerate(self.COLUMNS[:-1])]
+        others = sum(widths) + 2 * self.cell_padding * len(self.COLUMNS)
+        return max(MIN_PROMPT_WIDTH, self.content_size.width - others - 1)
 
     async def _on_click(self, event: events.Click) -> None:
         row = event.style.meta.get("row")
