@@ -42,7 +42,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
     flag("--preemption-mode", choices=["recompute", "swap"], help="what a preempted request loses")
     flag("--swap-space", type=float, help="GiB of CPU memory for swapped blocks")
     flag("--num-cpu-blocks", type=int, help="CPU swap blocks (overrides --swap-space)", default="from --swap-space")
-    flag("--seed", type=int, help="engine seed (also picks a workload's prompts)")
+    flag("--seed", type=int, help="engine seed for requests without their own (watch: also picks the "
+                                  "workload's prompts)")
     flag("--device", help="cuda, cpu or mps", default="cuda when present")
     flag("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache",
          default="float32 on CPU, bfloat16 on CUDA")
@@ -67,20 +68,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .request import SamplingParams
     from rich.console import Console
     err = Console(stderr=True)
-    engine = build_engine(args, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    # Bad sampling values and a missing prompt are reported before the model is loaded.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
                             max_tokens=args.max_tokens, stop=args.stop or ())
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         err.print("[red]no prompt given[/]: pass prompts as arguments or on standard input.")
         return 2
+    engine = build_engine(args, progress=lambda m: err.print(f"[dim]{m}[/]"))
     ids = []
+    asked: dict[str, str] = {}                      # request id -> the prompt as the user typed it
     for prompt in prompts:
+        text = prompt
         if args.chat and getattr(engine.tokenizer, "chat_template", None):
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]
-        ids.append(engine.add_request(list(prompt) if not isinstance(prompt, str) else prompt, params))
+            prompt = list(engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                               add_generation_prompt=True, tokenize=True,
+                                                               return_dict=True)["input_ids"])
+        ids.append(engine.add_request(prompt, params))
+        asked[ids[-1]] = text
     # Stream: one prompt prints as it grows; several print in turn when each finishes.
     stream = ids[0] if len(ids) == 1 else None
     while engine.has_unfinished_requests():
@@ -90,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         for out in engine.pop_finished():
             if stream is None:
-                sys.stdout.write(f"--- [{out.request_id}] {out.prompt!r}\n{out.text}\n")
+                sys.stdout.write(f"--- [{out.request_id}] {asked[out.request_id]}\n{out.text}\n")
             else:
                 sys.stdout.write("\n")
             err.print(f"[dim][{out.request_id}] {len(out.token_ids)} tokens, finish={out.finish_reason}, "
@@ -125,14 +130,17 @@ def make_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text, streaming it", formatter_class=fmt)
     gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on standard input)")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sample-seed", dest="seed_sample", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens covering "
+                                                              "this share of the probability (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
+    gen.add_argument("--sample-seed", dest="seed_sample", metavar="SEED", type=int, default=None,
+                     help="per-request sampling seed: the same seed gives the same text")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", dest="chat", action="store_false",
-                     help="send the prompt as raw text instead of through the model's chat template")
+                     help="send the prompt as raw text instead of through the model's chat template "
+                          "(default: the chat template, when the model has one)%(default).0s")
     add_engine_arguments(gen)
 
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)

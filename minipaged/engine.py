@@ -136,6 +136,10 @@ class Engine:
         token_ids, text, params = self._validate(prompt, params)
         return self._queue(token_ids, text, params, request_id)
 
+    def validate_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
+        """Raise InvalidRequestError if ``add_request`` would refuse this request; nothing is queued."""
+        self._validate(prompt, params)
+
     def _validate(self, prompt: Prompt, params: Optional[SamplingParams]) -> tuple[list[int], Optional[str],
                                                                                   SamplingParams]:
         """Everything that can be wrong with a request, checked before anything is queued."""

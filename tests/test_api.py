@@ -95,9 +95,27 @@ def test_cli_generate_streams_text(tiny_model, capsys):
     assert "5 tokens" in out.err and out.out.strip()
 
 
-def test_cli_reports_bad_input_without_a_traceback(tiny_model, capsys):
+def test_cli_generate_labels_each_answer_with_its_prompt(tmp_path, capsys):
+    """Several prompts through the chat template (token ids inside): each answer is labelled with the text
+    the user typed."""
+    from transformers import AutoTokenizer
+
+    from minipaged.model.testing import build_tiny_llama
+    folder = build_tiny_llama(tmp_path / "chatty")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    assert main(["generate", "--model", str(folder), "--max-tokens", "3", "Why is the sky blue?", "Hi"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] Why is the sky blue?" in out and "--- [1] Hi" in out and "None" not in out
+
+
+def test_cli_reports_bad_input_without_a_traceback(tiny_model, capsys, monkeypatch):
+    import minipaged.cli
+    loads = []
+    monkeypatch.setattr(minipaged.cli, "build_engine", lambda *a, **k: loads.append(1))
     assert main(["generate", "--model", tiny_model, "--max-tokens", "0", "hi"]) == 2
-    assert "max_tokens must be" in capsys.readouterr().err
+    assert "max_tokens must be" in capsys.readouterr().err and not loads      # before loading the model
 
 
 def test_subscriber_errors_do_not_stop_the_engine(tiny_engine_factory):

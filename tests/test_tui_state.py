@@ -11,7 +11,7 @@ from rich.console import Console
 
 from minipaged.events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
                               StepEvent, read_trace)
-from minipaged.request import SamplingParams
+from minipaged.request import InvalidRequestError, SamplingParams
 from minipaged.tui.driver import LiveRun
 from minipaged.tui.plain import print_run
 from minipaged.tui.state import PALETTE, WatchState, clean_preview, describe_event, printable
@@ -166,6 +166,10 @@ class FakeEngine:
         self.info = info()
         self.tokenizer = None
 
+    def validate_request(self, prompt, params):
+        if prompt == "too long":
+            raise InvalidRequestError("the prompt has 2101 tokens but max_model_len is 2048")
+
     def add_request(self, prompt, params, request_id=None):
         self.added.append((self.steps + 1, request_id))
         self.age[request_id] = 0
@@ -197,6 +201,15 @@ def test_live_run_adds_requests_on_their_step_and_skips_idle_gaps(tmp_path):
     assert trace_info == engine.info and trace_events == events
 
 
+def test_a_workload_prompt_the_engine_would_refuse_stops_the_run_before_it_starts():
+    arrivals = (Arrival(1, "fine", SamplingParams()), Arrival(5, "too long", SamplingParams()))
+    engine = FakeEngine()
+    run = LiveRun(lambda progress: engine, Workload("t", "", arrivals))
+    with pytest.raises(InvalidRequestError, match="request r1 of the workload cannot run.*max_model_len"):
+        run.load()
+    assert engine.added == []
+
+
 def test_no_tui_prints_one_block_per_step():
     buf = io.StringIO()
     console = Console(file=buf, width=120, color_system=None)
@@ -208,7 +221,8 @@ def test_no_tui_prints_one_block_per_step():
         assert words in out
     # What the TUI's other panels show: latencies, the CPU pool, each request's progress, the output text.
     assert "TTFT 100 ms" in out and "ITL 100.0 ms" in out
-    assert "  cpu    ██··" in out                                # 4 CPU blocks: one character each and "B ⇄ 1/2" in out and "A 1/2" in out
+    assert "  cpu    ██··" in out                                # 4 CPU blocks: one character each
+    assert "B ⇄ 1/2" in out and "A 1/2" in out
     assert "A said: xz" in out
 
 
@@ -221,6 +235,19 @@ def test_no_tui_block_strips_fit_the_line_however_big_the_pools():
     for label in ("  blocks ", "  cpu    "):
         strip = next(line for line in lines if line.startswith(label))
         assert len(strip) <= 120, label
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--speed", "-2"], "--speed must be"),
+    (["--replay", str(TRACE), "--num-blocks", "5", "--workload", "burst"], "--num-blocks, --workload cannot"),
+    (["--record", "/no/such/folder/run.jsonl"], "does not exist"),
+])
+def test_watch_refuses_flags_that_cannot_work_before_loading_anything(flags, words, capsys):
+    from minipaged.cli import make_parser
+    from minipaged.tui import run_watch
+
+    assert run_watch(make_parser().parse_args(["watch", "--model", "/no/model/needed", *flags])) == 2
+    assert words in capsys.readouterr().err
 
 
 def test_no_tui_replay_through_run_watch(capsys):

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import io
 import logging
+import os
 import sys
 from typing import Any, Iterator, Optional
 
@@ -89,6 +90,28 @@ def build_live_run(args: argparse.Namespace):
     return LiveRun(build_engine, workload, record=args.record)
 
 
+def _flag_problem(args: argparse.Namespace) -> Optional[str]:
+    """Flags that cannot work together or cannot work at all, caught before a model is loaded."""
+    from minipaged.cli import engine_options
+
+    if getattr(args, "speed", 0) is not None and getattr(args, "speed", 0) < 0:
+        return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
+               f"not {args.speed}."
+    if getattr(args, "replay", None):
+        given = [f"--{name.replace('_', '-')}" for name in engine_options(args)]
+        given += [f"--{name.replace('_', '-')}" for name in ("workload", "prompts", "num_requests", "rate",
+                                                             "max_tokens") if getattr(args, name, None)]
+        if given:
+            return (f"--replay shows a recorded run as it was, so {', '.join(given)} cannot change it; record "
+                    f"a new run with those flags and --record FILE.")
+    record = getattr(args, "record", None)
+    if record:
+        folder = os.path.dirname(os.path.abspath(record))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return f"cannot record to {record}: the folder {folder} does not exist or is not writable."
+    return None
+
+
 def run_watch(args: argparse.Namespace) -> int:
     """Run ``minipaged watch`` with parsed flags; returns the exit code."""
     from minipaged.events import read_trace
@@ -96,6 +119,10 @@ def run_watch(args: argparse.Namespace) -> int:
     if args.replay and args.record:
         print("minipaged watch: --record writes a new trace from a live run; it cannot be combined with --replay.",
               file=sys.stderr)
+        return 2
+    problem = _flag_problem(args)
+    if problem:
+        print(f"minipaged watch: {problem}", file=sys.stderr)
         return 2
     replay = None
     live = None

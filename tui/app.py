@@ -300,8 +300,13 @@ class WatchApp(App[int]):
         if info is not None:
             text.append(f"{Path(info.model).name if '/' in info.model else info.model}  ", style="bold")
             text.append(f"step {self.position}" + (f"/{len(self.events)}" if self.live is None else ""))
-            text.append("  PAUSED" if self.paused else f"  ▶ {speed_label(self.speed)}",
-                        style="bold #edc948" if self.paused else "bold")
+            if self.engine_error:
+                text.append("  STOPPED", style="bold red")
+            elif self.engine_done and self.position >= len(self.events):
+                text.append("  DONE", style="bold #59a14f")          # the last step is on screen
+            else:
+                text.append("  PAUSED" if self.paused else f"  ▶ {speed_label(self.speed)}",
+                            style="bold #edc948" if self.paused else "bold")
             text.append(f"  │ {info.num_blocks} blocks x {info.block_size} tok, budget "
                         f"{info.max_num_batched_tokens} tok, {info.max_num_seqs} seqs, chunked prefill "
                         f"{'on' if info.enable_chunked_prefill else 'off'}, prefix cache "

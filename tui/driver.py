@@ -12,7 +12,8 @@ from collections import deque
 from typing import IO, Any, Callable, Optional
 
 from minipaged.events import EngineInfo, StepEvent, write_trace_event, write_trace_header
-from minipaged.workloads import Workload, format_prompt
+from minipaged.request import InvalidRequestError
+from minipaged.workloads import Arrival, Workload, format_prompt
 
 Progress = Callable[[str], None]
 EngineFactory = Callable[[Progress], Any]     # builds an Engine, reporting load progress
@@ -30,7 +31,7 @@ class LiveRun:
         self.workload = workload
         self._record_path = record
         self._trace: Optional[IO[str]] = None
-        self._pending = deque(sorted(workload.arrivals, key=lambda a: a.step))
+        self._pending: deque[tuple[Arrival, Any]] = deque()   # (arrival, its prompt as the engine takes it)
         self._offset = 0          # steps skipped while the engine was idle
         self._next_id = 0
         self.engine: Any = None
@@ -41,11 +42,25 @@ class LiveRun:
         """Build the engine (slow: loads the model) and open the trace file."""
         self.engine = self._build_engine(progress)
         self.info = self.engine.info
+        self._pending = deque(self._checked_prompts())
         if self._record_path:
             self._trace = open(self._record_path, "w", encoding="utf-8")
             write_trace_header(self._trace, self.info)
             self._trace.flush()
         return self.info
+
+    def _checked_prompts(self) -> list[tuple[Arrival, Any]]:
+        """Every workload prompt, formatted for the model and checked against this engine before the run
+        starts: a request the engine would refuse must not end a class's run halfway through."""
+        pending = []
+        for i, arrival in enumerate(sorted(self.workload.arrivals, key=lambda a: a.step)):
+            prompt = format_prompt(getattr(self.engine, "tokenizer", None), arrival)
+            try:
+                self.engine.validate_request(prompt, arrival.params)
+            except ValueError as exc:
+                raise InvalidRequestError(f"request r{i} of the workload cannot run on this engine: {exc}") from None
+            pending.append((arrival, prompt))
+        return pending
 
     @property
     def done(self) -> bool:
@@ -54,10 +69,9 @@ class LiveRun:
     def _add_due_requests(self) -> None:
         step = self.steps + 1
         if self._pending and not self.engine.has_unfinished_requests():
-            self._offset = max(self._offset, self._pending[0].step - step)
-        while self._pending and self._pending[0].step <= step + self._offset:
-            arrival = self._pending.popleft()
-            prompt = format_prompt(getattr(self.engine, "tokenizer", None), arrival)
+            self._offset = max(self._offset, self._pending[0][0].step - step)
+        while self._pending and self._pending[0][0].step <= step + self._offset:
+            arrival, prompt = self._pending.popleft()
             self.engine.add_request(prompt, arrival.params, request_id=f"r{self._next_id}")
             self._next_id += 1
 
