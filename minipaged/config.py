@@ -60,6 +60,8 @@ class EngineConfig:
             positive(name)
         if self.num_cpu_blocks is not None and self.num_cpu_blocks == 0:
             raise ConfigError("num_cpu_blocks must be positive.")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size}.")
         def number(value: object) -> bool:

@@ -243,7 +243,11 @@ class Engine:
     def subscribe(self, callback: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` after every step; returns a function that unsubscribes it."""
         self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback)
+
+        def unsubscribe() -> None:                # calling it twice is harmless
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+        return unsubscribe
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepEvent:

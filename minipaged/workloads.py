@@ -134,7 +134,8 @@ PRESETS: dict[str, _Preset] = {
         num_requests=6, rate=0.25, max_tokens=32, kind="documents",
         engine_options={"num_blocks": 256, "max_num_batched_tokens": 128}),
     "burst": _Preset(
-        "Many requests at once into a small pool: most wait until running ones finish and free their blocks.",
+        "Many requests at once into a small pool: most wait for blocks, and running ones that outgrow the "
+        "pool are preempted.",
         num_requests=24, rate=24.0, max_tokens=32,
         engine_options={"num_blocks": 64, "max_num_batched_tokens": 512}),
     "oversubscribed": _Preset(

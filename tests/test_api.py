@@ -48,7 +48,8 @@ def test_missing_folder_is_a_clear_error():
     (dict(max_model_len=10**6), "max_model_len"), (dict(bogus=1), "unknown engine option"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(preemption_mode="swap", swap_space=0), "swap_space > 0"), (dict(kv_cache_memory="1"), "kv_cache_memory"),
-    (dict(swap_space="big"), "swap_space"), (dict(device="tpu"), "device must be"),
+    (dict(swap_space="big"), "swap_space"), (dict(device="tpu"), "device must be"), (dict(seed="x"), "seed"),
+    (dict(num_cpu_blocks=0), "num_cpu_blocks"),
 ])
 def test_bad_engine_options_fail_at_start_with_the_fix(tiny_model, options, message):
     with pytest.raises(ConfigError, match=message):
@@ -122,6 +123,18 @@ def test_subscriber_errors_do_not_stop_the_engine(tiny_engine_factory):
     engine = tiny_engine_factory()
     engine.subscribe(lambda e: 1 / 0)
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].finish_reason == "length"
+
+
+def test_unsubscribing_stops_the_events_and_may_be_repeated(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    seen = []
+    unsubscribe = engine.subscribe(seen.append)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    unsubscribe()
+    unsubscribe()
+    count = len(seen)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert count > 0 and len(seen) == count
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown where CUDA is missing")

@@ -119,7 +119,7 @@ async def test_watch_lesson_opens_and_a_checkpoint_ticks_after_the_right_steps(t
         assert isinstance(app.screen, HelpScreen)
         help_text = " ".join(str(w.render()) for w in app.screen.query("Static"))
         assert "1 2 3 4" in help_text and "answer the quiz question" in help_text
-        assert "scroll the lesson text" in help_text and "Pause/Run" in help_text
+        assert "PgUp PgDn    scroll the lesson text" in help_text and "Pause/Run" in help_text
         await pilot.press("escape")
         # The panel has focus, yet the app's keys still work.
         await pilot.press("down")
@@ -194,3 +194,11 @@ def test_watch_lesson_errors_and_plain_mode(tiny_model, capsys):
     assert run_watch(watch_args(tiny_model, "--lesson", "1", "--no-tui")) == 0
     out = capsys.readouterr().out
     assert "Paged KV blocks" in out and "{{" not in out
+    # The plain run also shows the checkpoints as they tick, and the quiz with its answers at the end.
+    lesson = get_lesson(1)
+    assert out.count("✔ checkpoint: ") == len(lesson.checkpoints)
+    assert f"checkpoints: {len(lesson.checkpoints)} of {len(lesson.checkpoints)} seen" in out
+    quiz = lesson.render_quiz()
+    flat = " ".join(out.split())                                   # the console wraps long lines
+    asked = flat.index(f"Q{len(quiz)}. {' '.join(quiz[-1].question.split())}")
+    assert f"Q1. {' '.join(quiz[0].question.split())}" in flat and flat.index("answers Q1:") > asked

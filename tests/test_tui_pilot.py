@@ -124,6 +124,7 @@ async def test_a_finished_selection_does_not_dim_the_map():
     async with app.run_test(size=(160, 50)) as pilot:
         position = next(i for i in range(1, len(app.events) + 1)
                         if any(f.request_id == "r0" for f in app.events[i - 1].finished))
+        app.select("r0")                                   # picked by the user: it stays selected
         app.go_to(position)
         await pilot.pause()
         assert app.selected == "r0" and app.state.view.requests["r0"].state == "finished"
@@ -133,6 +134,21 @@ async def test_a_finished_selection_does_not_dim_the_map():
         with_finished_selected = lines()
         block_map.selected = None
         assert lines() == with_finished_selected
+
+
+@run_async
+async def test_the_default_selection_follows_a_running_request():
+    """Nobody picked r0: when it finishes, the selection (table cursor, output panel) moves to the oldest
+    running request instead of staying on a finished one."""
+    app = replay_app()
+    async with app.run_test(size=(160, 50)) as pilot:
+        position = next(i for i in range(1, len(app.events) + 1)
+                        if any(f.request_id == "r0" for f in app.events[i - 1].finished))
+        for _ in range(position):
+            await pilot.press("n")
+        assert app.state.view.requests["r0"].state == "finished"
+        assert app.selected == app.state.queues()["running"][0] != "r0"
+        assert app.selected in str(app.query_one("#output").border_title)
 
 
 @run_async

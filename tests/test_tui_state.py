@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,9 @@ def test_grouped_cells_summarise_their_blocks():
     assert cell_look(cells[0], 1, PALETTE[0], False)[0] == "+"
     one = gpu_cells(state, 1, None)
     assert cell_look(one[0], 3, PALETTE[0], False)[0].strip() == "x2"
+    crowded = replace(one[0], ref_count=13)
+    assert cell_look(crowded, 5, PALETTE[0], False)[0].strip() == "x13"          # room for the x
+    assert cell_look(crowded, 2, PALETTE[0], False)[0].strip() == "13"           # no room: the count alone
     assert [c.kind for c in one[:5]] == ["shared", "used", "used", "used", "free"]
     state.apply(synthetic_events()[2])
     assert [c.kind for c in cpu_cells(state, 1, None)] == ["swapped", "swapped", "free", "free"]
@@ -278,6 +282,14 @@ def test_workload_suggestions_yield_to_the_users_flags():
                                  {"num_blocks": 48, "num_cpu_blocks": 64, "max_num_batched_tokens": 256})
     assert "num_blocks" not in options and "num_cpu_blocks" not in options
     assert options["kv_cache_memory"] == 0.5 and options["max_num_batched_tokens"] == 256
+
+
+def test_a_preview_the_engine_shortened_is_cut_once():
+    preview = "<|im_start|>system\nYou are a patient teaching assistant at a workshop … in a few words. " \
+              "<|im_start|>user\nWhat does a compiler do?"
+    short = clean_preview(preview, 40)
+    assert short.count("…") == 1 and short.startswith("You are") and short.endswith("What does a compiler do?")
+    assert len(short) == 40
 
 
 def test_long_previews_keep_their_distinct_end():

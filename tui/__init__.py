@@ -154,7 +154,7 @@ def run_watch(args: argparse.Namespace) -> int:
     if not args.tui:
         if lesson is not None:
             print(lesson.markdown)
-        return _run_plain(replay, live, description)
+        return _run_plain(replay, live, description, lesson)
 
     from .app import WatchApp
     # A lesson starts paused: its text says when to press n.
@@ -184,10 +184,13 @@ def _log_lines_held_back() -> Iterator[None]:
         for handler, stream in swapped:
             handler.setStream(stream)
         if held.getvalue():
+            lines = held.getvalue().splitlines()
+            sys.stderr.write(f"The engine logged {len(lines)} line(s) while the app was open (preemption "
+                             f"warnings are part of the show, as in vLLM; the event log showed them as ⚠):\n")
             sys.stderr.write(held.getvalue())
 
 
-def _run_plain(replay: Optional[tuple], live: Any, description: str) -> int:
+def _run_plain(replay: Optional[tuple], live: Any, description: str, lesson: Any = None) -> int:
     from rich.console import Console
 
     from .plain import print_run
@@ -195,11 +198,11 @@ def _run_plain(replay: Optional[tuple], live: Any, description: str) -> int:
     console = Console()
     if replay is not None:
         info, events = replay
-        print_run(console, info, events)
+        print_run(console, info, events, lesson=lesson)
         return 0
     info = live.load(progress=lambda message: console.print(f"[dim]{message}[/]"))
     try:
-        print_run(console, info, iter(live.step, None), description)
+        print_run(console, info, iter(live.step, None), description, lesson=lesson)
     finally:
         live.close()
     return 0

@@ -76,6 +76,7 @@ class WatchApp(App[int]):
         self.state: Optional[WatchState] = WatchState(self.info) if self.info else None
         self.position = 0                    # events applied to self.state
         self.selected: Optional[str] = None
+        self.user_selected = False          # True once the user picks a request (see _keep_selection_valid)
         self.paused = paused
         self.speed = speed if speed in SPEEDS else min(SPEEDS[:-1], key=lambda s: abs(s - speed))
         self.description = description
@@ -247,9 +248,19 @@ class WatchApp(App[int]):
         self.request_refresh()
 
     def _keep_selection_valid(self) -> None:
-        """Something is always selected once a request exists, so the output panel has a story to tell."""
+        """Something is always selected once a request exists, so the output panel has a story to tell.
+
+        A selection the app made follows the action: when its request finishes it moves to the oldest
+        running one. A request the user picked stays selected until they pick another.
+        """
         assert self.state is not None
-        if self.selected is None or self.selected not in self.state.view.requests:
+        current = self.state.view.requests.get(self.selected) if self.selected is not None else None
+        if current is not None and (self.user_selected or current.state != "finished"):
+            return
+        running = self.state.queues()["running"]
+        if running:
+            self.selected, self.user_selected = running[0], False
+        elif current is None:
             self.selected = self.state.arrival_order[0] if self.state.arrival_order else None
 
     def go_to(self, position: int) -> None:
@@ -356,6 +367,8 @@ class WatchApp(App[int]):
         self.select(order[max(0, min(i, len(order) - 1))])
 
     def select(self, request_id: str) -> None:
+        """The user picked a request (keys, a click, or a caller): it stays selected after it finishes."""
+        self.user_selected = True
         if self.selected != request_id:
             self.selected = request_id
             self.refresh_panels()

@@ -46,7 +46,7 @@ class HelpScreen(ModalScreen[None]):
         rows.append(("click", "select the request that owns a block or a table row"))
         table = Text()
         for keys, description in rows:
-            table.append(f"  {keys:<12}", style="bold #edc948")
+            table.append(f"  {keys:<12} ", style="bold #edc948")
             table.append(f"{description}\n")
         with VerticalScroll(id="help-box"):
             yield Static(Text("minipaged watch: keys", style="bold"))

@@ -45,8 +45,8 @@ class LessonPanel(Vertical, can_focus=True):
         Binding("2", "answer(1)", "answer the quiz question", show=False),
         Binding("3", "answer(2)", "answer the quiz question", show=False),
         Binding("4", "answer(3)", "answer the quiz question", show=False),
-        Binding("pageup", "scroll_text(-1)", "scroll the lesson text", show=False),
-        Binding("pagedown", "scroll_text(1)", "scroll the lesson text", show=False),
+        Binding("pageup", "scroll_text(-1)", "scroll the lesson text", show=False, key_display="PgUp"),
+        Binding("pagedown", "scroll_text(1)", "scroll the lesson text", show=False, key_display="PgDn"),
     ]
 
     def __init__(self, lesson: Lesson, *, id: Optional[str] = "lesson") -> None:

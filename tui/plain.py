@@ -5,7 +5,7 @@ prints the same event-log lines, so the words match what the TUI shows.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from rich.console import Console
 from rich.text import Text
@@ -99,17 +99,41 @@ def print_step(console: Console, state: WatchState) -> None:
 
 
 def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[StepEvent]],
-              description: str = "") -> WatchState:
-    """Print every event as it comes (``events`` may be a live generator); returns the final state."""
+              description: str = "", lesson: Any = None) -> WatchState:
+    """Print every event as it comes (``events`` may be a live generator); returns the final state.
+
+    With a ``lesson``, each checkpoint is printed in the step that ticks it, and the quiz at the end."""
     print_header(console, info, description)
     state = WatchState(info)
+    tracker = lesson.tracker(info) if lesson is not None else None
     for ev in events:
         if ev is None:
             break
         state.apply(ev)
         print_step(console, state)
+        for index in tracker.feed(ev) if tracker is not None else ():
+            text, _hint = lesson.render_checkpoint(index)
+            detail = tracker.ticked[index][1]
+            console.print(Text("  ✔ checkpoint: ", style="bold #59a14f").append(text + (f" ({detail})" if detail
+                                                                                        else "")), highlight=False)
     stats = state.last_event.counters if state.last_event else {}
     console.print(f"[bold]done[/]: {state.num_events} steps, {int(stats.get('requests_finished', 0))} requests "
                   f"finished, prefix-cache hit rate {stats.get('prefix_cache_hit_rate', 0.0):.0%}, preemptions "
                   f"{int(stats.get('preemptions_recompute', 0) + stats.get('preemptions_swap', 0))}")
+    if tracker is not None:
+        print_lesson_summary(console, lesson, tracker)
     return state
+
+
+def print_lesson_summary(console: Console, lesson: Any, tracker: Any) -> None:
+    """Checkpoints seen in this run, then the quiz: questions first, answers after, for a projected class."""
+    console.print(f"[bold]checkpoints[/]: {len(tracker.ticked)} of {tracker.num_active} seen in this run")
+    quiz = lesson.render_quiz()
+    console.print("[bold]quiz[/]")
+    for number, q in enumerate(quiz, 1):
+        console.print(f"  Q{number}. {q.question}", highlight=False)
+        for choice_number, choice in enumerate(q.choices, 1):
+            console.print(f"      {choice_number}) {choice}", highlight=False)
+    console.print("[bold]answers[/]")
+    for number, q in enumerate(quiz, 1):
+        console.print(f"  Q{number}: {q.answer + 1}) {q.choices[q.answer]}. {q.explanation}", highlight=False)

@@ -40,8 +40,10 @@ def clean_preview(preview: str, width: int = 0) -> str:
     differ only at the end."""
     text = " ".join(printable(_CHAT_MARKUP.sub(" ", preview)).split())
     if width and len(text) > width:
+        # The engine may already have cut out the middle (" … "): cut around that gap, not a second one.
+        start, gap, end = text.partition(" … ") if " … " in text else (text, "", text)
         head = width // 4
-        text = text[:head] + "…" + text[-(width - head - 1):]
+        text = start[:head] + "…" + end[-(width - head - 1):]
     return text
 
 

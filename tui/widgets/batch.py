@@ -57,6 +57,7 @@ class BatchPanel(Widget):
         state = self.state
         width = max(self.content_size.width, 10)
         if state is None or state.last_event is None:
+            self.border_title = "This step's batch"
             return Text("no step yet", style="dim")
         ev = state.last_event
         self.border_title = f"Step {ev.step} batch: {ev.duration_s * 1e3:.1f} ms (model {ev.model_s * 1e3:.1f} ms)"

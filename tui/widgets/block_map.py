@@ -155,7 +155,7 @@ def cell_look(cell: Cell, width: int, colour: str, dimmed: bool, line: int = 0) 
     if cell.kind == "shared" and cell.size > 1:      # no room for a count: a mark that sharing is going on
         return "+".center(width), Style(color=text_colour, bgcolor=colour, bold=True)
     if cell.kind == "shared":
-        label = f"x{cell.ref_count}" if cell.ref_count < 10 else f"{min(cell.ref_count, 99)}"
+        label = f"x{cell.ref_count}" if len(f"x{cell.ref_count}") <= width else f"{min(cell.ref_count, 99)}"
         if cell.selected and width >= len(label) + 2:
             label = "■ " + label
         return label[-width:].center(width), Style(color=text_colour, bgcolor=colour, bold=True)
