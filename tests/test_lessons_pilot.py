@@ -93,6 +93,22 @@ async def test_panel_ticks_checkpoints_from_events_and_runs_the_quiz(tiny_model)
         assert len(panel.tracker.ticked) == panel.tracker.num_active
 
 
+@run_async
+async def test_a_quiz_out_of_view_is_shown_before_it_can_be_answered():
+    """On a small terminal the quiz sits below the checkpoints: the first 1-4 brings it into view, and only
+    a press with the question on screen answers it."""
+    app = PanelApp(get_lesson(5))
+    async with app.run_test(size=(60, 24)) as pilot:
+        panel = app.query_one(LessonPanel)
+        await pilot.pause()
+        assert not panel._quiz_in_view()
+        await pilot.press("1")
+        await pilot.pause()
+        assert panel.answers == [] and panel._quiz_in_view()
+        await pilot.press("1")
+        assert panel.answers == [0]
+
+
 # ------------------------------------------------------------------------------------ inside minipaged watch
 
 @run_async
@@ -146,6 +162,21 @@ async def test_flags_open_the_other_run_of_a_lesson(tiny_model):
             await wait_for(pilot, lambda: not app.engine_busy)
         assert idle in panel.tracker.ticked
         await leave(pilot, app)
+
+
+@pytest.mark.parametrize("size, hinted", [((100, 30), True), ((160, 50), False)])
+def test_a_small_terminal_gets_a_hint_when_a_lesson_opens(tiny_model, size, hinted):
+    @run_async
+    async def check():
+        lesson, live, description = build_lesson_run(watch_args(tiny_model, "--lesson", "3"))
+        app = WatchApp(live=live, paused=True, description=description, lesson=lesson)
+        notes: list[str] = []
+        app.notify = lambda message, **kwargs: notes.append(message)      # what the user would see
+        async with app.run_test(size=size) as pilot:
+            await wait_for(pilot, lambda: app.state is not None)
+            assert any("read best at 160x45" in note for note in notes) == hinted, notes
+            await leave(pilot, app)
+    check()
 
 
 def test_every_variant_command_opens_that_variant(tiny_model):

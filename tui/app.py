@@ -35,6 +35,7 @@ from .widgets.gauges import Gauges
 from .widgets.output import OutputPanel
 from .widgets.queues import RequestTable
 
+LESSON_SIZE = (160, 45)        # columns x lines at which the lesson panel and the engine panels all fit
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 0.0)    # steps per second; 0 = as fast as possible
 MAX_SPEED_BATCH = 8                                     # events applied per tick at full speed (replay)
 REFRESH_INTERVAL = 1 / 20                               # redraw at most 20 times a second
@@ -119,6 +120,11 @@ class WatchApp(App[int]):
 
     def on_mount(self) -> None:
         self.query_one("#side").display = self.lesson is not None
+        width, height = self.size
+        if self.lesson is not None and (width < LESSON_SIZE[0] or height < LESSON_SIZE[1]):
+            self.notify(f"This terminal is {width}x{height}; a lesson and its panels read best at "
+                        f"{LESSON_SIZE[0]}x{LESSON_SIZE[1]} or more (enlarge the window or use a smaller font).",
+                        title="Small terminal", timeout=10)
         self.query_one("#cpu-map").display = bool(self.info and self.info.num_cpu_blocks)
         self._restart_ticker()
         if self.live is not None:

@@ -28,6 +28,9 @@ from .driver import LiveRun
 TICK, NEXT, TODO, OTHER = "✔", "▶", "○", "·"
 
 
+QUIZ_LINES_TO_SEE = 4        # the quiz's title and the question's first lines
+
+
 class LessonPanel(Vertical, can_focus=True):
     """Lesson text, checkpoints with ticks, and a quiz, for the right-hand column."""
 
@@ -173,12 +176,23 @@ class LessonPanel(Vertical, can_focus=True):
     def action_answer(self, choice: int) -> None:
         if len(self.answers) >= len(self.quiz):
             return
+        if not self._quiz_in_view():              # never answer a question the learner has not seen
+            progress = self.query_one("#lesson-progress", VerticalScroll)
+            progress.scroll_to_widget(self.query_one("#lesson-quiz", Static), top=True, animate=False)
+            self.app.notify("Here is the quiz: read the question, then press 1-4.", timeout=4)
+            return
         if choice >= len(self.quiz[len(self.answers)].choices):
             return
         self.answers.append(choice)
         self.refresh_progress()
         quiz = self.query_one("#lesson-quiz", Static)
         self.call_after_refresh(quiz.scroll_visible, animate=False)
+
+    def _quiz_in_view(self) -> bool:
+        """Whether the quiz's first lines (the current question) are on screen in their scroll area."""
+        progress = self.query_one("#lesson-progress", VerticalScroll)
+        top = self.query_one("#lesson-quiz", Static).virtual_region.y - round(progress.scroll_offset.y)
+        return top >= 0 and (top + QUIZ_LINES_TO_SEE <= progress.size.height or top == 0)
 
     def action_scroll_text(self, direction: int) -> None:
         scroller = self.query_one("#lesson-text", VerticalScroll)
