@@ -54,6 +54,11 @@ ENGINE_ARG_NAMES = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_u
                     "policy", "preemption_mode", "swap_space", "num_cpu_blocks", "seed", "device", "dtype")
 
 
+def as_flag(name: str) -> str:
+    """An option's name as its command-line flag: max_num_seqs -> --max-num-seqs."""
+    return "--" + name.replace("_", "-")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The Engine(**options) the user gave as flags; everything else keeps the engine's default."""
     return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if getattr(args, name, None) is not None}

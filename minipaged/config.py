@@ -22,6 +22,15 @@ def suggestions_left(suggested: dict, typed: dict) -> dict:
             if name not in typed and not any(other in typed for other in SET_ANOTHER_WAY.get(name, ()))}
 
 
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class ConfigError(ValueError):
     """An engine option has a value the engine cannot work with; the message names the fix."""
 
@@ -52,7 +61,7 @@ class EngineConfig:
     def validate(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if value is not None and (not is_int(value) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
 
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -60,18 +69,15 @@ class EngineConfig:
             positive(name)
         if self.num_cpu_blocks is not None and self.num_cpu_blocks == 0:
             raise ConfigError("num_cpu_blocks must be positive.")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size}.")
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        if not number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
-        if self.kv_cache_memory is not None and (not number(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+        if self.kv_cache_memory is not None and (not is_number(self.kv_cache_memory) or self.kv_cache_memory <= 0):
             raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory!r}.")
-        if not number(self.swap_space) or self.swap_space < 0:
+        if not is_number(self.swap_space) or self.swap_space < 0:
             raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}.")
         if self.preemption_mode == "swap" and self.num_cpu_blocks is None and self.swap_space == 0:
             raise ConfigError("preemption_mode='swap' needs CPU blocks to swap into, but swap_space is 0; give "

@@ -24,7 +24,7 @@ import torch
 
 from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
-from .events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
+from .events import (PREVIEW_GAP, EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
                      StepEvent)
 from .model import CompactLlama, load_model
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -187,10 +187,10 @@ class Engine:
         if text is None and len(token_ids) <= 2 * n:
             text = self.tokenizer.decode(token_ids)
         elif text is None:
-            text = self.tokenizer.decode(token_ids[:n]) + " … " + self.tokenizer.decode(token_ids[-n:])
+            text = self.tokenizer.decode(token_ids[:n]) + PREVIEW_GAP + self.tokenizer.decode(token_ids[-n:])
         if len(text) <= PREVIEW_CHARS:
             return text
-        return text[:PREVIEW_CHARS // 3] + " … " + text[-(PREVIEW_CHARS - PREVIEW_CHARS // 3):]
+        return text[:PREVIEW_CHARS // 3] + PREVIEW_GAP + text[-(PREVIEW_CHARS - PREVIEW_CHARS // 3):]
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):

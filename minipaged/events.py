@@ -35,12 +35,15 @@ class EngineInfo:
     attention_backend: str
 
 
+PREVIEW_GAP = " … "       # where a prompt preview leaves out the prompt's middle
+
+
 @dataclass(frozen=True)
 class RequestArrival:
     request_id: str
     prompt_len: int
     max_tokens: int
-    prompt_preview: str          # the prompt's start and end, for the queue panel
+    prompt_preview: str          # the prompt's start and end (joined by PREVIEW_GAP), for the queue panel
     arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
 
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .config import is_int, is_number
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -66,22 +68,22 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}.")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got "
                                       f"{self.temperature!r}.")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}.")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings.")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}.")
 
     @property
@@ -91,14 +93,6 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass

@@ -21,6 +21,8 @@ DEFAULT_SPEED = 4.0
 # argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
 # ".0s" prints it as nothing, so these flags read "(default: the workload's)" instead.
 FROM_WORKLOAD = " (default: the workload's)%(default).0s"
+# The flags that shape a workload (a lesson and a replay bring their own).
+WORKLOAD_ARG_NAMES = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,15 +94,14 @@ def build_live_run(args: argparse.Namespace):
 
 def _flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Flags that cannot work together or cannot work at all, caught before a model is loaded."""
-    from minipaged.cli import engine_options
+    from minipaged.cli import as_flag, engine_options
 
-    if getattr(args, "speed", 0) is not None and getattr(args, "speed", 0) < 0:
+    if (getattr(args, "speed", None) or 0) < 0:
         return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
                f"not {args.speed}."
     if getattr(args, "replay", None):
-        given = [f"--{name.replace('_', '-')}" for name in engine_options(args)]
-        given += [f"--{name.replace('_', '-')}" for name in ("workload", "prompts", "num_requests", "rate",
-                                                             "max_tokens") if getattr(args, name, None)]
+        given = [as_flag(name) for name in engine_options(args)]
+        given += [as_flag(name) for name in WORKLOAD_ARG_NAMES if getattr(args, name, None)]
         if given:
             return (f"--replay shows a recorded run as it was, so {', '.join(given)} cannot change it; record "
                     f"a new run with those flags and --record FILE.")

@@ -233,9 +233,6 @@ class LessonRun(LiveRun):
         return self.feed is not None and self.feed.done and not self.engine.has_unfinished_requests()
 
 
-WORKLOAD_FLAGS = ("workload", "prompts", "num_requests", "rate", "max_tokens")
-
-
 def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """``minipaged watch --lesson N``: the lesson, its live run and a one-line description.
 
@@ -244,9 +241,11 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """
     from minipaged.lessons import get_lesson
 
-    from minipaged.cli import engine_options
+    from minipaged.cli import as_flag, engine_options
 
-    workload_flags = [f"--{name.replace('_', '-')}" for name in WORKLOAD_FLAGS if getattr(args, name, None)]
+    from . import WORKLOAD_ARG_NAMES
+
+    workload_flags = [as_flag(name) for name in WORKLOAD_ARG_NAMES if getattr(args, name, None)]
     if workload_flags:
         raise ValueError(f"--lesson {args.lesson} brings its own workload, so {', '.join(workload_flags)} cannot "
                          f"be used with it; engine flags (e.g. --num-blocks) can.")

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import EngineInfo, EngineView, LatencyFold, StepEvent
+from minipaged.events import PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -40,8 +40,8 @@ def clean_preview(preview: str, width: int = 0) -> str:
     differ only at the end."""
     text = " ".join(printable(_CHAT_MARKUP.sub(" ", preview)).split())
     if width and len(text) > width:
-        # The engine may already have cut out the middle (" … "): cut around that gap, not a second one.
-        start, gap, end = text.partition(" … ") if " … " in text else (text, "", text)
+        # The engine may already have cut out the middle (PREVIEW_GAP): cut around that gap, not a second one.
+        start, _gap, end = text.partition(PREVIEW_GAP) if PREVIEW_GAP in text else (text, "", text)
         head = width // 4
         text = start[:head] + "…" + end[-(width - head - 1):]
     return text
