@@ -20,8 +20,8 @@ from minipaged import Engine, SamplingParams
 def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[float, float]:
     """(share of step time outside the forward pass, mean step seconds) for `batch` running decodes."""
     prompts = random_token_prompts(batch, 100, 100, seed=11)
-    for p in prompts:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
+    probe = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
+             for p in prompts]
     while any(e.kind != "decode" for e in engine.step().scheduled):
         pass                                   # let every prompt finish its prefill
     total = forward = 0.0
@@ -30,7 +30,7 @@ def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[fl
         assert len(event.scheduled) == batch
         total += event.duration_s
         forward += event.model_s
-    for rid in list(engine._children):        # clean up the remaining tokens of the probe
+    for rid in probe:                          # clean up the remaining tokens of the probe
         engine.abort(rid)
     engine.pop_finished()
     return (total - forward) / total, total / steps

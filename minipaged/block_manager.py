@@ -13,7 +13,8 @@ pool needs it, it is still a cache hit. The queue is LRU: blocks freed longest a
 first; a request frees its blocks tail first, so among blocks freed together the deepest goes first.
 Blocks with no hash hold nothing reusable, so they go to the *front* of the queue and are reused first.
 
-All changes are written to ``changes`` (a ``KVChangeLog``) so the engine can report them in its StepEvent.
+Every change is written straight into ``changes``, the ``events.KVChanges`` that the step's StepEvent
+carries; the engine takes it (``drain_changes``) once per step.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from .events import KVChanges
 from .request import Request
 
 BlockHash = bytes
@@ -45,20 +47,6 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: Optional[BlockHash] = None
-
-
-@dataclass
-class KVChangeLog:
-    """What happened to blocks since the last StepEvent (drained by the engine each step)."""
-
-    allocated: dict[str, list[int]] = field(default_factory=dict)
-    cache_hits: dict[str, list[int]] = field(default_factory=dict)
-    freed: dict[str, list[int]] = field(default_factory=dict)
-    cached: list[int] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
-    uncached: list[int] = field(default_factory=list)
-    swapped_out: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    swapped_in: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class FreeBlockQueue:
@@ -112,7 +100,8 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks, in order
         self.req_num_hashed: dict[str, int] = {}          # how many of its blocks have been registered
         self.stats = PrefixCacheStats()
-        self.changes = KVChangeLog()
+        self.changes = KVChanges()
+        self.forward_done = False     # frees from now on happened after this step's forward pass
 
     # ------------------------------------------------------------------ queries
     @property
@@ -134,11 +123,10 @@ class KVCacheManager:
         """Hashes of the request's first ``num_full_blocks`` blocks, computed once and extended lazily."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         if len(hashes) < num_full_blocks:
-            tokens = req.all_token_ids
             bs = self.block_size
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_full_blocks):
-                parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], req_extra_keys(req))
+                parent = hash_block_tokens(parent, req.token_ids_between(i * bs, (i + 1) * bs), req_extra_keys(req))
                 hashes.append(parent)
         return hashes[:num_full_blocks]
 
@@ -158,6 +146,9 @@ class KVCacheManager:
         return hits, min(len(hits) * self.block_size, req.num_tokens - 1)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup. With caching off there was no lookup, so nothing is counted (as vLLM)."""
+        if not self.enable_caching:
+            return
         self.stats.queries += num_tokens
         self.stats.hits += num_hit_tokens
 
@@ -251,7 +242,8 @@ class KVCacheManager:
                 else:
                     self.free_queue.push_front(block_id)
         if table:
-            self.changes.freed.setdefault(rid, []).extend(table)
+            log = self.changes.freed_on_finish if self.forward_done else self.changes.freed
+            log.setdefault(rid, []).extend(table)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their content, they just stop being shareable)."""
@@ -297,8 +289,16 @@ class KVCacheManager:
         return mapping
 
     # ------------------------------------------------------------------ events and checks
-    def drain_changes(self) -> KVChangeLog:
-        changes, self.changes = self.changes, KVChangeLog()
+    def mark_forward_done(self) -> None:
+        """From now until the next drain, freed blocks belong to requests that finished after the forward
+        pass. The event lists them apart (``freed_on_finish``): an observer applies them after the step's
+        allocations, since a block can be taken and let go within one step."""
+        self.forward_done = True
+
+    def drain_changes(self) -> KVChanges:
+        """Everything that happened to blocks since the last drain; called once per step, for its event."""
+        changes, self.changes = self.changes, KVChanges()
+        self.forward_done = False
         return changes
 
     def check_invariants(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Callable, Iterable, Iterator, Optional
+from typing import IO, Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,20 @@ class EngineInfo:
     attention_backend: str
 
 
-PREVIEW_GAP = " … "       # where a prompt preview leaves out the prompt's middle
-
-
 @dataclass(frozen=True)
 class RequestArrival:
     request_id: str
     prompt_len: int
     max_tokens: int
-    prompt_preview: str          # the prompt's start and end (joined by PREVIEW_GAP), for the queue panel
+    prompt: str                  # the prompt as text (token-id prompts decoded); how to shorten it is the UI's call
     arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RequestArrival":
+        d = dict(d)
+        if "prompt_preview" in d:           # traces recorded before the engine stopped shortening prompts
+            d["prompt"] = d.pop("prompt_preview")
+        return RequestArrival(**d)
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,7 @@ class StepEvent:
         return StepEvent(
             **{**d, "kv": kv,
                "scheduled": tuple(ScheduledRequest(**s) for s in d.get("scheduled", ())),
-               "arrivals": tuple(RequestArrival(**a) for a in d.get("arrivals", ())),
+               "arrivals": tuple(RequestArrival.from_dict(a) for a in d.get("arrivals", ())),
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
                "finished": tuple(RequestFinish(**f) for f in d.get("finished", ())),
                "swapped_in": tuple(d.get("swapped_in", ())),
@@ -235,7 +239,7 @@ class RequestView:
     request_id: str
     prompt_len: int
     max_tokens: int
-    prompt_preview: str
+    prompt: str
     state: str = "waiting"       # waiting, running, swapped, finished
     num_computed: int = 0
     num_cached_tokens: int = 0
@@ -264,7 +268,7 @@ class EngineView:
 
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
-            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt_preview)
+            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt)
         kv = ev.kv
         for rid, pairs in kv.swapped_out.items():
             for _gpu, cpu in pairs:
@@ -342,18 +346,3 @@ class EngineView:
 
     def num_free_blocks(self) -> int:
         return sum(1 for owners in self.block_owners if not owners)
-
-
-def replay(info: EngineInfo, events: Iterable[StepEvent], upto: Optional[int] = None) -> EngineView:
-    """The view after the first ``upto`` events (all of them when None)."""
-    view = EngineView(info)
-    for i, ev in enumerate(events):
-        if upto is not None and i >= upto:
-            break
-        view.apply(ev)
-    return view
-
-
-def iter_json_lines(events: Iterable[StepEvent]) -> Iterator[str]:
-    for ev in events:
-        yield ev.to_json()

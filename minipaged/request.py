@@ -109,21 +109,24 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1         # prompt tokens served from the prefix cache at first admission (-1: not yet)
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: Optional[str | int] = None
-    output_text: str = ""
-    num_streamed_chars: int = 0         # output_text[:this] has gone out in StepEvents' new_text
+    stop_reason: Optional[str | int] = None   # the EOS / stop token id or the stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)
     sample_index: int = 0               # which of the n parallel samples this is
     parent_id: Optional[str] = None     # the id the user sees when n > 1
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without building the whole list (a decode needs one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,12 @@
 """The model runner: lays the step's scheduled tokens end to end and runs the model once.
 
 For each scheduled chunk it emits the chunk's token ids and positions, the cache slot each new token's K/V
-goes to (block id * block_size + offset, looked up in the request's block table), and, if the chunk
+goes to (block id * block_size + offset, looked up in the block table the chunk carries), and, if the chunk
 reaches the end of the request's known tokens, the row whose logits are sampled. A chunk in the middle of
 a long prompt samples nothing: its job is only to fill the cache.
+
+Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
+reads the block manager, so the same runner could sit in another process (tensor parallelism).
 """
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import KVCacheManager
 from .model.llama import AttentionMetadata, CompactLlama
 from .request import Request
 from .scheduler import ScheduledChunk
@@ -27,15 +29,15 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CompactLlama, kv: KVCacheManager, kv_cache: torch.Tensor, backend: str) -> None:
+    def __init__(self, model: CompactLlama, kv_cache: torch.Tensor, block_size: int, backend: str) -> None:
         self.model = model
-        self.kv = kv
+        self.block_size = block_size
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = kv_cache.device
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
-        bs = self.kv.block_size
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -46,15 +48,15 @@ class ModelRunner:
         sampled: list[Request] = []
         for chunk in chunks:
             req = chunk.request
-            table = self.kv.blocks_of(req.request_id)
-            input_ids.extend(req.all_token_ids[chunk.start:chunk.end])
+            table = list(chunk.block_table)
+            input_ids.extend(req.token_ids_between(chunk.start, chunk.end))
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
             query_start_loc.append(len(input_ids))
             seq_lens.append(chunk.end)
             tables.append(table)
-            if chunk.end == req.num_tokens:          # every known token has KV now: sample the next one
+            if chunk.samples:                        # every known token has KV now: sample the next one
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(req)
         width = max(len(t) for t in tables)

@@ -13,6 +13,11 @@ Policies
   * static (teaching baseline): a batch is formed, and nothing new joins until its last request ends.
   * In every policy, swapped-out requests come back before any new request is admitted.
 
+Token accounting (vLLM v1's ``update_from_output``)
+  * After the forward pass, ``update_from_output`` is the one place that advances ``num_computed_tokens``,
+    appends sampled tokens and finishes requests whose token says stop (EOS, a stop token id, max_tokens,
+    max_model_len). Rolling tokens back (speculative decoding) would happen here and nowhere else.
+
 Memory
   * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
     for tokens that are not cached.
@@ -23,9 +28,10 @@ Memory
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from .block_manager import CpuBlockPool, KVCacheManager
 from .config import EngineConfig
@@ -36,13 +42,20 @@ logger = logging.getLogger("minipaged.scheduler")
 
 @dataclass
 class ScheduledChunk:
-    """One request's work this step: compute KV for tokens ``start : start + num_new_tokens``."""
+    """One request's work this step: compute KV for tokens ``start : start + num_new_tokens``.
+
+    It carries everything the model runner needs, so the runner never asks the block manager: the block
+    table as it stands for this step, and whether this chunk reaches the end of the request's known tokens
+    (then its last row's logits are sampled; a chunk in the middle of a prompt only fills the cache).
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    block_table: tuple[int, ...] = ()
     num_cached_tokens: int = 0      # prefix-cache hit at admission this step (tokens)
     cached_prefix_end: int = 0      # positions below this sit in cache-hit blocks: never rewrite their KV
+    samples: bool = False           # True when every known token has KV after this chunk
 
     @property
     def end(self) -> int:
@@ -77,10 +90,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.config = config
         self.kv = kv
         self.cpu_pool = cpu_pool
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -93,8 +108,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def remove(self, req: Request) -> None:
-        """Take a finished or aborted request out of whichever queue holds it and free its memory."""
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Take a finished or aborted request out of whichever queue holds it and free its memory at once
+        (continuous batching: the next step can give the blocks to someone else)."""
+        req.status = status
         if req in self.running:
             self.running.remove(req)
         elif req in self.swapped:
@@ -103,6 +120,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+
+    def _chunk(self, req: Request, start: int, num_new: int, num_cached: int = 0,
+               cached_prefix_end: int = 0) -> ScheduledChunk:
+        """The runner's share of a grant: the tokens, the block table now, and whether it samples."""
+        return ScheduledChunk(req, start, num_new, tuple(self.kv.blocks_of(req.request_id)), num_cached,
+                              cached_prefix_end, samples=start + num_new == req.num_tokens)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -130,6 +153,10 @@ class Scheduler:
                 budget = self._schedule_running(out, budget)
                 if not out.preempted:
                     self._swap_in(out, budget)
+        now = time.perf_counter()
+        for chunk in out.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -147,7 +174,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
         return budget
@@ -199,7 +226,7 @@ class Scheduler:
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.kv.allocate_slots(req, num_new):
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
         return budget
 
@@ -223,7 +250,41 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, num_cached, num_new, num_cached_tokens=num_cached,
-                                             cached_prefix_end=len(cached_blocks) * self.kv.block_size))
+            out.chunks.append(self._chunk(req, num_cached, num_new, num_cached,
+                                          cached_prefix_end=len(cached_blocks) * self.kv.block_size))
             budget -= num_new
         return budget
+
+    # ------------------------------------------------------------------ after the forward pass
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, Optional[int]]) -> list[Request]:
+        """Account for a finished forward pass; returns the requests that finished.
+
+        Every scheduled chunk's KV now exists, so ``num_computed_tokens`` moves to its end. A request whose
+        chunk reached the end of its known tokens got a sampled token (``None``: its sampling failed, and it
+        alone is aborted); the token is appended and checked against the stop conditions that a token
+        decides. Stop *strings* need text, so the output processor checks those afterwards.
+        """
+        self.kv.mark_forward_done()
+        finished: list[Request] = []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens = chunk.end
+            if req.request_id not in sampled:
+                continue                                   # a chunk in the middle of a prompt: nothing sampled
+            token = sampled[req.request_id]
+            status = RequestStatus.FINISHED_ABORTED if token is None else self._append_token(req, token)
+            if status is not None:
+                self.finish_request(req, status)
+                finished.append(req)
+        return finished
+
+    def _append_token(self, req: Request, token: int) -> Optional[RequestStatus]:
+        """Append a sampled token; the finished status if it ends the request, else None."""
+        req.output_token_ids.append(token)
+        params = req.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

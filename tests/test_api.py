@@ -144,15 +144,18 @@ def test_asking_for_cuda_without_it_says_so(tiny_model):
 
 
 def test_prompt_previews_are_text_and_keep_the_end_of_long_prompts(tiny_engine_factory):
-    """Observers see prompts only through RequestArrival.prompt_preview: token-id prompts are decoded, and
-    prompts behind a shared system prompt stay distinguishable by their ends."""
+    """Observers see prompts only through RequestArrival.prompt: token-id prompts are decoded, and the
+    TUI's preview of prompts behind a shared system prompt stays distinguishable by their ends."""
+    from minipaged.tui.state import clean_preview
     engine = tiny_engine_factory()
     system = "You are a careful assistant who answers questions about geography. " * 4
     engine.add_request(system + "Where is Lima?", SamplingParams(max_tokens=1), request_id="text")
     engine.add_request(engine.tokenizer("hello world").input_ids, SamplingParams(max_tokens=1), request_id="ids")
     engine.add_request(list(engine.tokenizer(system + "Where is Quito?").input_ids), SamplingParams(max_tokens=1),
                        request_id="long-ids")
-    previews = {a.request_id: a.prompt_preview for a in engine.step().arrivals}
+    arrivals = {a.request_id: a.prompt for a in engine.step().arrivals}
+    assert arrivals["text"] == system + "Where is Lima?"
+    previews = {rid: clean_preview(prompt, 100) for rid, prompt in arrivals.items()}
     assert previews["ids"] == "hello world"
     for rid, end in (("text", "Where is Lima?"), ("long-ids", "Where is Quito?")):
         assert previews[rid].startswith("You are a careful") and previews[rid].endswith(end)

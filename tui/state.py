@@ -13,12 +13,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, StepEvent
+from minipaged.events import EngineInfo, EngineView, LatencyFold, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#a0cbe8", "#8cd17d", "#d37295", "#f1ce63", "#86bcb6", "#d4a6c8", "#ffbe7d")
 
+PREVIEW_GAP = " … "        # where older engines' prompt previews left out the prompt's middle
 HISTORY_LEN = 120          # points kept for each sparkline
 LOG_LEN = 400              # event log lines kept
 RATE_WINDOW = 10           # steps averaged for tokens per second
@@ -34,13 +35,14 @@ def printable(text: str) -> str:
     return "".join("·" if ch not in "\n" and unicodedata.category(ch) in _UNDRAWABLE else ch for ch in text)
 
 
-def clean_preview(preview: str, width: int = 0) -> str:
-    """A prompt preview for one line: chat-template markers and newlines removed; when ``width`` is given
-    and the text is longer, its start and its end, since prompts that share a long prefix (a system prompt)
+def clean_preview(prompt: str, width: int = 0) -> str:
+    """A prompt shown on one line: chat-template markers and newlines removed; when ``width`` is given and
+    the text is longer, its start and its end, since prompts that share a long prefix (a system prompt)
     differ only at the end."""
-    text = " ".join(printable(_CHAT_MARKUP.sub(" ", preview)).split())
+    text = " ".join(printable(_CHAT_MARKUP.sub(" ", prompt)).split())
     if width and len(text) > width:
-        # The engine may already have cut out the middle (PREVIEW_GAP): cut around that gap, not a second one.
+        # Traces recorded by older versions carry previews the engine had already cut (PREVIEW_GAP in the
+        # middle): cut around that gap, not a second one.
         start, _gap, end = text.partition(PREVIEW_GAP) if PREVIEW_GAP in text else (text, "", text)
         head = width // 4
         text = start[:head] + "…" + end[-(width - head - 1):]

@@ -8,6 +8,8 @@ from textual.widget import Widget
 
 from ..state import WatchState, clean_preview, printable
 
+PROMPT_CHARS = 150         # the prompt above the output: its start and end, like the request table's
+
 
 class OutputPanel(Widget):
     """Shows the tail of the selected request's text, like a terminal that follows new output."""
@@ -30,7 +32,7 @@ class OutputPanel(Widget):
         req = state.view.requests[rid]
         self.border_title = f"Output of {rid} ({req.state}, {req.num_output_tokens}/{req.max_tokens} tokens)"
         text = Text()
-        text.append(clean_preview(req.prompt_preview) + "\n", style=f"italic {state.colour(rid)}")
+        text.append(clean_preview(req.prompt, PROMPT_CHARS) + "\n", style=f"italic {state.colour(rid)}")
         text.append(printable(req.text) or "...")
         if req.finish_reason:
             text.append(f"  [{req.finish_reason}]", style="dim")

@@ -1,0 +1,119 @@
+"""Requests in: check a prompt and its ``SamplingParams``, tokenise it, and turn it into ``Request``s.
+
+Everything that can be wrong with a request is found here, before anything is queued, so a bad request
+gets a clear error and never reaches the scheduler (where it could hurt the requests around it). A prompt
+with ``n > 1`` becomes n requests, ``id.0`` ... ``id.n-1``, that share the prompt (and, through the prefix
+cache, its KV blocks); the output processor gathers them back into one output.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+from .request import InvalidRequestError, Request, SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+def as_prompt_list(prompts: Union[Prompt, Iterable[Prompt]]) -> list[Prompt]:
+    """One prompt (text, or a list of token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    token_ids: list[int]
+    text: Optional[str]              # the prompt as the caller gave it, if it was text
+    params: SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, model_name: str, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 blocks_needed: Callable[[int], int], num_blocks: int) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.blocks_needed = blocks_needed
+        self.num_blocks = num_blocks
+        self._arrival_counter = itertools.count()     # global arrival order: FCFS and preemption use it
+        self._id_counter = itertools.count()
+
+    def process(self, prompt: Prompt, params: Optional[SamplingParams]) -> ProcessedPrompt:
+        """Validate and tokenise; raises InvalidRequestError naming the problem and the fix."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a minipaged.SamplingParams.")
+        token_ids, text = self._tokenize(prompt)
+        self._check_fits(token_ids, params)
+        return ProcessedPrompt(token_ids, text, params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], Optional[str]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one character or token id.")
+            return list(self.tokenizer(prompt).input_ids), prompt
+        try:
+            token_ids = [int(t) for t in prompt]
+            if any(t != p for t, p in zip(token_ids, prompt)):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise InvalidRequestError("a prompt must be a string or a list of integer token ids.") from None
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one character or token id.")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id(s) {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}).")
+        return token_ids, None
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        """A request must fit the context, and the pool must be able to hold it at its longest: one that
+        can never get its blocks would wait (or be preempted) forever."""
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} (room is needed "
+                f"for at least one generated token); shorten the prompt or raise max_model_len.")
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        need = self.blocks_needed(longest)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"this request can grow to {longest} tokens = {need} KV blocks, but the whole pool has "
+                f"{self.num_blocks} blocks, so it could never finish; lower max_tokens or the prompt length, "
+                f"or raise num_blocks / kv_cache_memory.")
+
+    def make_requests(self, prompt: ProcessedPrompt, request_id: Optional[str],
+                      id_in_use: Callable[[str], bool]) -> tuple[str, list[Request]]:
+        """The user-visible id and its requests: one, or one per sample when ``n > 1``."""
+        n = prompt.params.n
+
+        def sample_ids(rid: str) -> list[str]:     # the n parallel samples run as rid.0, rid.1, ...
+            return [rid] if n == 1 else [f"{rid}.{i}" for i in range(n)]
+
+        def taken(rid: str) -> bool:
+            return any(id_in_use(r) for r in {rid, *sample_ids(rid)})
+
+        if request_id is None:                    # the next number that nobody has taken by hand
+            request_id = next(rid for rid in map(str, self._id_counter) if not taken(rid))
+        request_id = str(request_id)
+        if taken(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} (or one of its samples' ids) is already in use; "
+                                      f"pass a new one or None.")
+        now = time.perf_counter()
+        return request_id, [Request(rid, list(prompt.token_ids), prompt.params, next(self._arrival_counter), now,
+                                    prompt=prompt.text, sample_index=i, parent_id=request_id)
+                            for i, rid in enumerate(sample_ids(request_id))]
+
+    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's answer."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"{self.model_name} has no chat template; use generate() with plain text.")
+        return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def prompt_text(self, prompt: ProcessedPrompt) -> str:
+        """The prompt as text for observers (the TUI shows prompts; token-id prompts are decoded once)."""
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)

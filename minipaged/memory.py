@@ -1,0 +1,57 @@
+"""Where the engine runs, in which dtype, and how many KV blocks fit there.
+
+The KV pool is sized once, at start-up, from a memory budget: on CUDA the share of the card the engine
+may use minus what is already taken (vLLM's ``gpu_memory_utilization``), on a CPU a number of GiB. It is
+never larger than every sequence at full length could use.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ConfigError, EngineConfig
+
+DEFAULT_CPU_KV_GIB = 1.0
+ACTIVATIONS_HEADROOM = 1.0 * 2**30        # bytes left free on a GPU for the forward pass's activations
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_device(config: EngineConfig) -> torch.device:
+    """CUDA when present, else the CPU; a device asked for by name must exist."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for, but torch sees no CUDA device here (a CPU build of "
+                          "torch, or no GPU); leave device unset to use the CPU.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device='mps' was asked for, but Apple's MPS is not available here; leave device "
+                          "unset to use the CPU.")
+    return device
+
+
+def choose_dtype(config: EngineConfig, device: torch.device) -> str:
+    """fp32 on a CPU (exact, and fast enough there); bf16 on CUDA, as vLLM."""
+    return config.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
+def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int) -> int:
+    """Blocks in the KV pool: ``num_blocks`` if given, else what the memory budget holds."""
+    if config.num_blocks:
+        return config.num_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = total * config.gpu_memory_utilization - used_by_others - ACTIVATIONS_HEADROOM
+        if budget <= bytes_per_block:
+            raise ConfigError("no GPU memory left for the KV cache; raise gpu_memory_utilization or set "
+                              "num_blocks.")
+    else:
+        budget = (config.kv_cache_memory or DEFAULT_CPU_KV_GIB) * 2**30
+    assert config.max_model_len is not None
+    max_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    return max(1, min(int(budget // bytes_per_block), max_useful))
+
+
+def num_cpu_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks in the host pool that swapped-out requests move to (none unless preemption_mode is swap)."""
+    if config.preemption_mode != "swap":
+        return 0
+    return config.num_cpu_blocks or max(1, int(config.swap_space * 2**30 // bytes_per_block))

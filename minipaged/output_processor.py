@@ -1,0 +1,154 @@
+"""Tokens out: text, stop strings, stream deltas and the ``RequestOutput`` a caller gets back.
+
+The scheduler decides everything a token alone decides (EOS, stop token ids, lengths). What needs *text*
+happens here, after each step (as in vLLM v1's ``OutputProcessor``):
+  * each request's text grows by an ``IncrementalDetokenizer`` (constant work per token);
+  * stop strings are searched for in the new text only; a hit cuts the text before the stop string and
+    asks the engine to finish the request (it also overrides a length finish in the same token);
+  * streams get their text as deltas. Until a request finishes, the last ``len(longest stop) - 1``
+    characters are held back: they may be the start of a stop string, which the final text leaves out;
+  * ``n > 1`` samples of one prompt run as separate requests and are gathered into one ``RequestOutput``
+    once the last of them finishes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .detokenizer import IncrementalDetokenizer
+from .events import RequestFinish
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request, RequestStatus
+
+
+@dataclass
+class RequestState:
+    """What the output side keeps for one running request (one sample)."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""                     # the output text, cut before a stop string once one is found
+    num_streamed_chars: int = 0        # text[:this] has gone out in StepEvents' new_text
+    token_times: list[float] = field(default_factory=list)
+    finished_time: Optional[float] = None
+
+    @property
+    def first_token_time(self) -> Optional[float]:
+        return self.token_times[0] if self.token_times else None
+
+
+class OutputProcessor:
+    """Owns every request the caller has not collected yet: running samples, and finished outputs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, RequestState] = {}       # sub-request id -> its state, until its parent is done
+        self._children: dict[str, list[str]] = {}        # user-visible id -> sub-request ids (n > 1)
+        self._finished: dict[str, RequestOutput] = {}    # user-visible id -> output, until collected
+        self._new_text: dict[str, str] = {}              # stream deltas since the last step's event
+
+    # ------------------------------------------------------------------ bookkeeping
+    def add_requests(self, parent_id: str, requests: list[Request]) -> None:
+        self._children[parent_id] = [r.request_id for r in requests]
+        for req in requests:
+            self._states[req.request_id] = RequestState(req, IncrementalDetokenizer(self.tokenizer))
+
+    def id_in_use(self, request_id: str) -> bool:
+        return request_id in self._states or request_id in self._children or request_id in self._finished
+
+    def unfinished(self, request_id: str) -> list[Request]:
+        """The samples of a user-visible id (or the one request with that id) that are still running."""
+        ids = self._children.get(request_id, [request_id])
+        return [self._states[rid].request for rid in ids
+                if rid in self._states and not self._states[rid].request.is_finished]
+
+    # ------------------------------------------------------------------ each step
+    def process_tokens(self, new_token_ids: dict[str, list[int]], now: float) -> list[tuple[Request, str]]:
+        """Grow each request's text by its new tokens; returns the requests a stop string ends, with it."""
+        stopped: list[tuple[Request, str]] = []
+        for rid, tokens in new_token_ids.items():
+            state = self._states[rid]
+            state.token_times.extend([now] * len(tokens))
+            old_len = len(state.text)
+            state.text += state.detokenizer.add_tokens(tokens)
+            req = state.request
+            stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
+            if stop is not None:
+                stopped.append((req, stop))
+            elif not req.is_finished:
+                self._stream(state, finished=False)
+        return stopped
+
+    @staticmethod
+    def _find_stop(state: RequestState, old_len: int) -> Optional[str]:
+        """The earliest stop string in the text, searching only where the new text could complete one;
+        cuts the text before it."""
+        stops = state.request.params.stop
+        if not stops:
+            return None
+        search_from = max(0, old_len - max(len(s) for s in stops) + 1)
+        hits = [(i, s) for i, s in ((state.text.find(s, search_from), s) for s in stops) if i >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        state.text = state.text[:index]
+        return stop
+
+    def _stream(self, state: RequestState, finished: bool) -> None:
+        """Queue the text that can go out now (see the module docstring for what is held back)."""
+        stops = state.request.params.stop
+        hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        end = max(state.num_streamed_chars, len(state.text) - hold)
+        delta = state.text[state.num_streamed_chars:end]
+        state.num_streamed_chars = end
+        if delta:
+            rid = state.request.request_id
+            self._new_text[rid] = self._new_text.get(rid, "") + delta
+
+    def finish(self, req: Request, now: float) -> RequestFinish:
+        """Record a finished (or aborted) request: flush its held-back text, and once all samples of its
+        prompt are done, build the caller's ``RequestOutput``. Returns the event's record of it."""
+        state = self._states[req.request_id]
+        state.finished_time = now
+        self._stream(state, finished=True)
+        times = state.token_times
+        itls = [b - a for a, b in zip(times, times[1:])]
+        record = RequestFinish(
+            req.request_id, req.status.value, req.num_prompt_tokens, len(req.output_token_ids),
+            max(req.num_cached_tokens, 0), None if not times else times[0] - req.arrival_time,
+            now - req.arrival_time, sum(itls) / len(itls) if itls else None)
+        parent = req.parent_id or req.request_id
+        samples = [self._states[rid] for rid in self._children[parent]]
+        if all(s.finished_time is not None for s in samples):
+            self._finished[parent] = self._build_output(parent, samples)
+            for s in samples:
+                del self._states[s.request.request_id]
+            del self._children[parent]
+        return record
+
+    def drain_text(self) -> dict[str, str]:
+        """The stream deltas since the last call (once per step, for the StepEvent)."""
+        text, self._new_text = self._new_text, {}
+        return text
+
+    # ------------------------------------------------------------------ results
+    @staticmethod
+    def _build_output(parent: str, samples: list[RequestState]) -> RequestOutput:
+        first = samples[0].request
+        return RequestOutput(
+            request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.request.output_token_ids),
+                                      s.request.status.value, s.request.stop_reason, list(s.token_times))
+                     for s in samples],
+            num_cached_tokens=max(max(s.request.num_cached_tokens for s in samples), 0),  # later samples hit
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, samples[0].first_token_time,
+                                   max(s.finished_time or 0.0 for s in samples),
+                                   sum(s.request.num_preemptions for s in samples)))
+
+    def pop_finished(self, request_id: Optional[str] = None) -> list[RequestOutput]:
+        """Collected outputs leave the engine: all of them, or the one with ``request_id`` (if finished)."""
+        if request_id is not None:
+            out = self._finished.pop(request_id, None)
+            return [] if out is None else [out]
+        done, self._finished = list(self._finished.values()), {}
+        return done

@@ -1,0 +1,45 @@
+"""The engine's running totals: what ``Engine.stats()`` returns and every StepEvent carries.
+
+Totals only grow; gauges (free blocks, queue lengths, the prefix cache's hit rate) are read fresh from
+the block manager and the scheduler each time. ``minipaged.metrics`` exports both under vLLM's names.
+"""
+from __future__ import annotations
+
+from .block_manager import CpuBlockPool, KVCacheManager
+from .scheduler import Scheduler, SchedulerOutput
+
+
+class EngineCounters:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {
+            "steps": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "preemptions_recompute": 0,
+            "preemptions_swap": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0, "requests_finished": 0,
+            "forward_seconds": 0.0, "step_seconds": 0.0}
+
+    def count_step(self, plan: SchedulerOutput, num_generated: int, model_s: float, step_s: float) -> None:
+        t = self.totals
+        t["steps"] += 1
+        t["prompt_tokens_computed"] += sum(c.num_new_tokens for c in plan.chunks if c.kind == "prefill")
+        t["generation_tokens"] += num_generated
+        for p in plan.preempted:
+            t[f"preemptions_{p.mode}"] += 1
+        t["blocks_swapped_out"] += len(plan.swap_out)
+        t["blocks_swapped_in"] += len(plan.swap_in)
+        t["forward_seconds"] += model_s
+        t["step_seconds"] += step_s
+
+    def count_finish(self) -> None:
+        self.totals["requests_finished"] += 1
+
+    def snapshot(self, kv: KVCacheManager, cpu_pool: CpuBlockPool, scheduler: Scheduler) -> dict[str, float]:
+        """Gauges read now, then the totals."""
+        st = kv.stats
+        return {
+            "blocks_total": kv.num_blocks, "blocks_free": kv.num_free_blocks,
+            "blocks_cached_free": kv.num_cached_free_blocks, "blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "cpu_blocks_total": cpu_pool.num_blocks, "cpu_blocks_free": cpu_pool.num_free_blocks,
+            "requests_waiting": len(scheduler.waiting), "requests_running": len(scheduler.running),
+            "requests_swapped": len(scheduler.swapped),
+            "prefix_cache_queries": st.queries, "prefix_cache_hits": st.hits,
+            "prefix_cache_hit_rate": st.hits / st.queries if st.queries else 0.0, "blocks_evicted": st.evictions,
+            **self.totals}

@@ -1,0 +1,88 @@
+"""The engine's parts talk through plain data, each owning one job.
+
+* The runner builds a batch from the scheduler's output alone (block tables travel with the chunks).
+* The scheduler alone advances ``num_computed_tokens`` (``update_from_output``): one place to roll back.
+* Block changes are recorded once, as the event's own ``KVChanges``, and drained once per step.
+* With prefix caching off, no prefix-cache lookups are counted.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import torch
+
+from minipaged import SamplingParams
+from minipaged.events import KVChanges
+from minipaged.request import Request
+from minipaged.runner import ModelRunner
+from minipaged.scheduler import ScheduledChunk
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minipaged"
+
+
+def test_the_runner_builds_slots_and_tables_from_the_chunks_alone():
+    """No block manager in sight: a runner built on a model and a cache reads everything from the chunks."""
+    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend="torch")
+    prefill = Request("p", list(range(10, 16)), SamplingParams(), 0, 0.0)              # 6 prompt tokens
+    decode = Request("d", [1, 2, 3, 4, 5], SamplingParams(), 1, 0.0, output_token_ids=[6, 7])
+    decode.num_computed_tokens = 6
+    chunks = [ScheduledChunk(decode, 6, 1, block_table=(9, 3), samples=True),
+              ScheduledChunk(prefill, 0, 5, block_table=(7, 2))]       # a chunk that stops short: no sample
+    batch = runner.prepare(chunks)
+    assert batch.input_ids.tolist() == [7, 10, 11, 12, 13, 14]
+    assert batch.positions.tolist() == [6, 0, 1, 2, 3, 4]
+    # token 6 of "d" sits in its block 1 (id 3) at offset 2; "p"'s tokens fill block 7, then block 2
+    assert batch.meta.slot_mapping.tolist() == [3 * 4 + 2, 28, 29, 30, 31, 8]
+    assert batch.meta.block_tables.tolist() == [[9, 3], [7, 2]]
+    assert batch.meta.host_seq_lens == [7, 5] and batch.meta.host_query_start_loc == [0, 1, 6]
+    assert batch.logits_indices.tolist() == [0] and batch.sampled_requests == [decode]
+
+
+def test_the_runner_module_does_not_import_the_block_manager():
+    tree = ast.parse((PACKAGE / "runner.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(m and "block_manager" in m for m in imported)
+
+
+def test_only_the_scheduler_writes_num_computed_tokens():
+    """Speculative decoding rolls rejected tokens back: that must be one place to change."""
+    writers = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and t.attr == "num_computed_tokens":
+                        writers.add(path.name)
+    assert writers == {"scheduler.py"}
+
+
+def test_each_step_drains_one_kv_change_record_that_the_event_carries(tiny_engine_factory):
+    engine = tiny_engine_factory(num_blocks=64)
+    drained = []
+    original = engine.kv.drain_changes
+
+    def counting_drain():
+        changes = original()
+        drained.append(changes)
+        return changes
+    engine.kv.drain_changes = counting_drain
+    engine.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=3))
+    events = []
+    while engine.has_unfinished_requests():
+        events.append(engine.step())
+    assert len(events) == 3 and len(drained) == 3            # a prefill, then two decodes
+    assert all(isinstance(ev.kv, KVChanges) and ev.kv is changes for ev, changes in zip(events, drained))
+    assert events[0].kv.allocated and events[-1].kv.freed_on_finish       # taken at step 1, let go at the end
+
+
+def test_prefix_cache_queries_are_counted_only_when_caching_is_on(tiny_engine_factory):
+    prompt = list(range(40))
+    for caching, queried in ((True, 2 * len(prompt)), (False, 0)):
+        engine = tiny_engine_factory(enable_prefix_caching=caching)
+        engine.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=2))
+        stats = engine.stats()
+        assert stats["prefix_cache_queries"] == queried
+        assert (stats["prefix_cache_hits"] > 0) == caching
