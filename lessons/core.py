@@ -416,13 +416,10 @@ class Lesson:
 
     def variant_command(self, name: str) -> str:
         """The command that opens a variant: its first option override as a ``minipaged watch`` flag."""
-        flags = ""
-        for key, value in list(self.scenario.variants[name].items())[:1]:
-            if isinstance(value, bool):
-                flags = f" --{'' if value else 'no-'}{key.removeprefix('enable_').replace('_', '-')}"
-            else:
-                flags = f" --{key.replace('_', '-')} {value}"
-        return f"minipaged watch --lesson {self.number}{flags}"
+        from minipaged.options import as_command_line
+
+        first = dict(list(self.scenario.variants[name].items())[:1])
+        return " ".join(["minipaged watch --lesson", str(self.number), *as_command_line(first)])
 
     def tracker(self, info: EngineInfo) -> CheckpointTracker:
         return CheckpointTracker(self, info)

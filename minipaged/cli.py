@@ -1,4 +1,8 @@
-"""The ``minipaged`` command: watch (the TUI), generate, lessons, bench."""
+"""The ``minipaged`` command: watch (the TUI), generate, lessons.
+
+The engine flags every command shares, and the one way to build an engine from them, live in
+``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,67 +10,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from .config import EngineConfig
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> None:
-    """Every engine option as a flag: vLLM's words with dashes.
-
-    Engine flags parse to None unless given, so that code can tell "left unset" from "set to the default"
-    (a workload's or a lesson's own options give way only to flags the user typed). Help shows the default
-    the engine applies.
-    """
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-
-    def flag(*names: str, help: str, default: object = "", **kwargs: object) -> None:
-        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
-        shown = getattr(d, str(dest)) if default == "" else default
-        g.add_argument(*names, default=None, help=f"{help} (default: {shown})%(default).0s", **kwargs)
-
-    g.add_argument("--model", default=model_default,
-                   help="'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama model")
-    flag("--block-size", type=int, help="tokens per KV block")
-    flag("--num-blocks", type=int, help="KV blocks in the pool", default="from the memory budget")
-    flag("--kv-cache-memory", type=float, help="GiB for the KV pool on CPU", default="1")
-    flag("--gpu-memory-utilization", type=float, help="share of GPU memory the engine may use")
-    flag("--max-num-seqs", type=int, help="most requests in one step")
-    flag("--max-num-batched-tokens", type=int, help="token budget per step",
-         default="2048; max_model_len without chunked prefill")
-    flag("--max-model-len", type=int, help="longest sequence", default="the model's context")
-    flag("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default="chunked",
-         help="prefill-first scheduling with whole prompts (vLLM's old default)")
-    flag("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default="caching on",
-         help="turn automatic prefix caching off")
-    flag("--policy", choices=["continuous", "static"], help="static batching is a teaching baseline")
-    flag("--preemption-mode", choices=["recompute", "swap"], help="what a preempted request loses")
-    flag("--swap-space", type=float, help="GiB of CPU memory for swapped blocks")
-    flag("--num-cpu-blocks", type=int, help="CPU swap blocks (overrides --swap-space)", default="from --swap-space")
-    flag("--seed", type=int, help="engine seed for requests without their own (watch: also picks the "
-                                  "workload's prompts)")
-    flag("--device", help="cuda, cpu or mps", default="cuda when present")
-    flag("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache",
-         default="float32 on CPU, bfloat16 on CUDA")
-
-
-ENGINE_ARG_NAMES = ("block_size", "num_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
-                    "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
-                    "policy", "preemption_mode", "swap_space", "num_cpu_blocks", "seed", "device", "dtype")
-
-
-def as_flag(name: str) -> str:
-    """An option's name as its command-line flag: max_num_seqs -> --max-num-seqs."""
-    return "--" + name.replace("_", "-")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The Engine(**options) the user gave as flags; everything else keeps the engine's default."""
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if getattr(args, name, None) is not None}
-
-
-def build_engine(args: argparse.Namespace, progress=None):
-    from .engine import Engine
-    return Engine(args.model, load_progress=progress, **engine_options(args))
+from .options import add_engine_arguments, build_engine, engine_options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -80,7 +24,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         err.print("[red]no prompt given[/]: pass prompts as arguments or on standard input.")
         return 2
-    engine = build_engine(args, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    engine = build_engine(args.model, engine_options(args), progress=lambda m: err.print(f"[dim]{m}[/]"))
     ids = []
     asked: dict[str, str] = {}                      # request id -> the prompt as the user typed it
     for prompt in prompts:
@@ -134,7 +78,7 @@ def make_parser() -> argparse.ArgumentParser:
         add_engine_arguments(watch)
 
     gen = sub.add_parser("generate", help="generate text, streaming it", formatter_class=fmt)
-    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on standard input)")
+    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on standard input)%(default).0s")
     gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens covering "

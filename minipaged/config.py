@@ -4,11 +4,12 @@ Names follow vLLM's spelling (``block_size``, ``max_num_seqs`` ...) so that what
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 # Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
@@ -37,26 +38,50 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineConfig:
-    """Every knob of the engine. ``None`` means "derive it from the model or the memory budget"."""
+    """Every knob of the engine. ``None`` means "derive it from the model or the memory budget".
 
-    model: str = "smollm2"
-    block_size: int = 16
-    num_blocks: Optional[int] = None          # KV blocks in the pool; None: from kv_cache_memory / gpu_memory_utilization
-    kv_cache_memory: Optional[float] = None   # GiB for the KV pool on CPU (default 1 GiB, capped by what max_model_len needs)
-    gpu_memory_utilization: float = 0.9       # on CUDA: share of the card the engine may use (weights + KV)
-    max_num_seqs: int = 256                   # at most this many requests run in one step
-    max_num_batched_tokens: Optional[int] = None  # the token budget of one step (default 2048)
-    max_model_len: Optional[int] = None       # longest sequence (prompt + output); default: the model's context
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: Policy = "continuous"
-    preemption_mode: PreemptionMode = "recompute"
-    swap_space: float = 0.5                   # GiB of CPU memory for swapped-out blocks
-    num_cpu_blocks: Optional[int] = None      # overrides swap_space when set
-    seed: int = 0
-    device: Optional[str] = None              # "cuda", "cpu", "mps"; None: CUDA when present, else CPU
-    dtype: Optional[str] = None               # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
-    attention_backend: Optional[str] = None   # "torch" or "triton"; None: triton on CUDA, torch elsewhere
+    Each field's metadata also makes it a command-line flag on every command (``minipaged.options`` reads
+    it): ``help`` is the flag's help text, ``shown_default`` what the help says the default is when the
+    field's own default (often ``None``) would not tell a reader; a ``Literal`` type (``Policy`` ...) gives
+    the flag its choices. A field that is not a flag says so with ``"flag": False``, so adding a field means
+    deciding, in this one place, whether users can set it.
+    """
+
+    # Not an engine flag: every command adds its own --model, with its own default.
+    model: str = field(default="smollm2", metadata={"flag": False})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    # None: sized from kv_cache_memory (CPU) or gpu_memory_utilization (CUDA).
+    num_blocks: Optional[int] = field(default=None, metadata={
+        "help": "KV blocks in the pool", "shown_default": "from the memory budget"})
+    # None: 1 GiB, capped by what max_model_len needs.
+    kv_cache_memory: Optional[float] = field(default=None, metadata={
+        "help": "GiB for the KV pool on CPU", "shown_default": "1"})
+    # On CUDA, the share covers the weights and the KV pool.
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory the engine may use"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata={
+        "help": "token budget per step", "shown_default": "2048; max_model_len without chunked prefill"})
+    max_model_len: Optional[int] = field(default=None, metadata={      # prompt + output
+        "help": "longest sequence", "shown_default": "the model's context"})
+    # A bool that defaults to True is switched off by its --no-... flag: --no-chunked-prefill.
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "prefill-first scheduling with whole prompts (vLLM's old default)", "shown_default": "chunked"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "turn automatic prefix caching off", "shown_default": "caching on"})
+    policy: Policy = field(default="continuous", metadata={"help": "static batching is a teaching baseline"})
+    preemption_mode: PreemptionMode = field(default="recompute", metadata={"help": "what a preempted request loses"})
+    swap_space: float = field(default=0.5, metadata={"help": "GiB of CPU memory for swapped blocks"})
+    num_cpu_blocks: Optional[int] = field(default=None, metadata={
+        "help": "CPU swap blocks (overrides --swap-space)", "shown_default": "from --swap-space"})
+    seed: int = field(default=0, metadata={
+        "help": "engine seed for requests without their own (watch: also picks the workload's prompts)"})
+    device: Optional[str] = field(default=None, metadata={            # "cuda[:N]", "cpu" or "mps"
+        "help": "cuda, cpu or mps", "shown_default": "cuda when present"})
+    dtype: Optional[Dtype] = field(default=None, metadata={
+        "help": "weights and KV cache", "shown_default": "float32 on CPU, bfloat16 on CUDA"})
+    # Not a flag: the engine picks the attention code from the device (None: triton on CUDA, torch elsewhere);
+    # Engine(..., attention_backend="torch") from Python forces one, e.g. to compare them on a GPU.
+    attention_backend: Optional[str] = field(default=None, metadata={"flag": False})
 
     def validate(self) -> None:
         def positive(name: str) -> None:

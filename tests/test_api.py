@@ -114,6 +114,7 @@ def test_cli_generate_labels_each_answer_with_its_prompt(tmp_path, capsys):
 def test_cli_reports_bad_input_without_a_traceback(tiny_model, capsys, monkeypatch):
     import minipaged.cli
     loads = []
+    # cmd_generate calls the build_engine that minipaged.cli imported from minipaged.options: replace it there.
     monkeypatch.setattr(minipaged.cli, "build_engine", lambda *a, **k: loads.append(1))
     assert main(["generate", "--model", tiny_model, "--max-tokens", "0", "hi"]) == 2
     assert "max_tokens must be" in capsys.readouterr().err and not loads      # before loading the model

@@ -120,7 +120,13 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru_deepest_first():
     again = Request("b", [1, 2, 3, 4, 9], PARAMS, 1, 0.0)
     hits, cached = kv.find_cached_prefix(again)
     assert hits == a_blocks[:2] and cached == 4
+    # Reusing the hits takes them out of the free queue (one new block holds the last token) ...
+    assert kv.allocate_slots(again, 1, start=cached, cached_blocks=hits)
+    assert kv.blocks_of("b")[:2] == a_blocks[:2] and kv.num_free_blocks == 1
+    # ... and freeing the request puts them back, their content still cached; the new block is not hashed.
     kv.free(again)
+    assert kv.blocks_of("b") == [] and kv.num_free_blocks == 4 and kv.num_cached_free_blocks == 2
+    assert kv.stats.evictions == 0
     # New unrelated request needing 3 blocks: the unhashed block goes first, then the deepest cached one.
     other = Request("c", [7, 7, 7, 7, 7, 7], PARAMS, 2, 0.0)
     assert kv.allocate_slots(other, 6)

@@ -6,13 +6,16 @@ import random
 import pytest
 import torch
 
-from minipaged import Engine, SamplingParams
+from minipaged import Engine, SamplingParams, StepEvent
 from tests.conftest import random_prompts
 
 
 def run_and_capture_logits(engine: Engine, prompts, max_tokens: int):
-    """Generate greedily, recording the logits the engine sampled from at every step of every request."""
+    """Generate greedily, recording the logits the engine sampled from at every step of every request, and
+    the StepEvent of every step."""
     captured: dict[str, list[torch.Tensor]] = {}
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
     execute = engine.runner.execute
 
     def spy(model_input):
@@ -22,7 +25,7 @@ def run_and_capture_logits(engine: Engine, prompts, max_tokens: int):
         return logits
     engine.runner.execute = spy
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return outs, captured
+    return outs, captured, events
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_untied"])
@@ -30,10 +33,13 @@ def test_logits_match_transformers_for_a_batch_decoded_together(fixture, request
     path = request.getfixturevalue(fixture)
     engine = Engine(path, block_size=4, num_blocks=128)
     prompts = random_prompts(random.Random(7), 5, 3, 29)
-    outs, captured = run_and_capture_logits(engine, prompts, max_tokens=6)
+    assert len({len(p) for p in prompts}) > 1                       # a batch of different lengths
+    outs, captured, events = run_and_capture_logits(engine, prompts, max_tokens=6)
     hf = engine.loaded.hf_model
-    # the requests really were decoded together: some step ran all of them
-    assert engine.counters["steps"] < 5 * 6
+    # The requests really were decoded together: some step ran a decode of every one of them.
+    everyone = {out.request_id for out in outs}
+    together = [ev.step for ev in events if {s.request_id for s in ev.scheduled if s.kind == "decode"} == everyone]
+    assert together, f"no step decoded all of {sorted(everyone)} together"
     for out in outs:
         full = torch.tensor([out.prompt_token_ids + out.token_ids])
         with torch.no_grad():

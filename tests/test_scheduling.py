@@ -284,11 +284,12 @@ def test_stop_conditions(tiny_engine_factory):
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target]))[0]
     assert out.token_ids == free_run.token_ids[:free_run.token_ids.index(target) + 1]
     assert out.finish_reason == "stop"
+    # A stop string: two characters from inside the free run's text, so the run must meet it and stop there.
     stop_text = free_run.text[2:4]
-    if stop_text:
-        cut = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10, stop=[stop_text]))[0]
-        assert cut.finish_reason == "stop" and stop_text not in cut.text
-        assert free_run.text.startswith(cut.text)
+    assert len(stop_text) == 2, f"the free run's text {free_run.text!r} is too short to take a stop string from"
+    cut = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10, stop=[stop_text]))[0]
+    assert cut.finish_reason == "stop" and stop_text not in cut.text
+    assert free_run.text.startswith(cut.text)
     short = tiny_engine_factory(max_model_len=8).generate([[1, 2, 3]], SamplingParams(temperature=0,
                                                                                       max_tokens=50))[0]
     assert len(short.token_ids) == 5 and short.finish_reason == "length"

@@ -2,7 +2,7 @@
 
 The CLI calls ``add_watch_arguments`` to define the flags and ``run_watch`` to run. Textual and the engine
 are imported inside them, so that ``minipaged generate`` does not pay for the TUI, and a replay does not
-pay for torch.
+pay for torch. The engine flags and the engine itself come from ``minipaged.options``, as for every command.
 
 Pieces: ``state`` (everything shown, folded from StepEvents), ``driver`` (the live engine fed by a
 workload), ``app`` (the Textual app), ``widgets/`` (one panel each), ``plain`` (``--no-tui``).
@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 from typing import Any, Iterator, Optional
+
+from minipaged.options import add_engine_arguments, as_flag, build_engine, engine_options
 
 DEFAULT_SPEED = 4.0
 # argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
@@ -54,7 +56,6 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps per second shown (0 = as fast as the engine goes); + and - change it")
     v.add_argument("--paused", action="store_true", help="start paused (space runs, n steps once)%(default).0s")
 
-    from minipaged.cli import add_engine_arguments
     add_engine_arguments(parser)
     parser.epilog = ("The workload suggests engine options (a small pool that visibly fills, a token budget that "
                      "shows chunking); any engine flag you give wins over the suggestion.")
@@ -62,8 +63,6 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> dict[str, Any]:
     """The engine options: the user's flags, and the workload's suggestions where a flag was left unset."""
-    from minipaged.cli import engine_options
-
     from minipaged.config import suggestions_left
 
     options = engine_options(args)
@@ -84,18 +83,11 @@ def build_live_run(args: argparse.Namespace):
     workload = make_workload(args.workload or DEFAULT_WORKLOAD, num_requests=args.num_requests, rate=args.rate,
                              max_tokens=args.max_tokens, seed=args.seed or 0, prompts=prompts)
     options = engine_options_for(args, workload.engine_options)
-
-    def build_engine(progress):
-        from minipaged.engine import Engine
-        return Engine(args.model, load_progress=progress, **options)
-
-    return LiveRun(build_engine, workload, record=args.record)
+    return LiveRun(lambda progress: build_engine(args.model, options, progress), workload, record=args.record)
 
 
 def _flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Flags that cannot work together or cannot work at all, caught before a model is loaded."""
-    from minipaged.cli import as_flag, engine_options
-
     if (getattr(args, "speed", None) or 0) < 0:
         return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
                f"not {args.speed}."

@@ -81,7 +81,7 @@ class WatchApp(App[int]):
         self.paused = paused
         self.speed = speed if speed in SPEEDS else min(SPEEDS[:-1], key=lambda s: abs(s - speed))
         self.description = description
-        self.lesson = lesson                 # a later issue: lesson text and checkpoints in the side panel
+        self.lesson = lesson                 # watch --lesson N: its text, checkpoints and quiz in the side panel
         # Called as listener(event, state) after each event is shown (lessons check their checkpoints here).
         self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
         self.status = "loading the model ..." if live else "replaying a recorded trace"

@@ -20,10 +20,12 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 
 from minipaged.events import EngineInfo, StepEvent
-from minipaged.lessons import CheckpointTracker, Lesson, ScenarioFeed
+from minipaged.lessons import CheckpointTracker, Lesson, ScenarioFeed, get_lesson
+from minipaged.options import as_flag, build_engine, engine_options
 from minipaged.workloads import Workload
 
-from .driver import LiveRun
+from . import WORKLOAD_ARG_NAMES
+from .driver import EngineFactory, LiveRun
 
 TICK, NEXT, TODO, OTHER = "✔", "▶", "○", "·"
 
@@ -214,7 +216,7 @@ class LessonRun(LiveRun):
     """A LiveRun that feeds the lesson's scenario (token-id prompts, fixed arrival steps) to the engine,
     by the same rule as the headless runner that measured the lesson's numbers."""
 
-    def __init__(self, build_engine: Any, lesson: Lesson, record: Optional[str] = None) -> None:
+    def __init__(self, build_engine: EngineFactory, lesson: Lesson, record: Optional[str] = None) -> None:
         super().__init__(build_engine, Workload(f"lesson-{lesson.number}", lesson.title, ()), record=record)
         self.lesson = lesson
         self.feed: Optional[ScenarioFeed] = None
@@ -228,10 +230,6 @@ class LessonRun(LiveRun):
         assert self.feed is not None
         self.feed.add_due(self.engine, self.steps)
 
-    @property
-    def done(self) -> bool:
-        return self.feed is not None and self.feed.done and not self.engine.has_unfinished_requests()
-
 
 def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """``minipaged watch --lesson N``: the lesson, its live run and a one-line description.
@@ -239,23 +237,13 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     The scenario's options win, except for engine flags the user gave: those pick the variant they name
     (``--policy static`` opens lesson 2's static run) and then apply on top.
     """
-    from minipaged.lessons import get_lesson
-
-    from minipaged.cli import as_flag, engine_options
-
-    from . import WORKLOAD_ARG_NAMES
-
     workload_flags = [as_flag(name) for name in WORKLOAD_ARG_NAMES if getattr(args, name, None)]
     if workload_flags:
         raise ValueError(f"--lesson {args.lesson} brings its own workload, so {', '.join(workload_flags)} cannot "
                          f"be used with it; engine flags (e.g. --num-blocks) can.")
     lesson = get_lesson(args.lesson)
     variant, options = lesson.options_for(engine_options(args))
-
-    def build_engine(progress: Any) -> Any:
-        from minipaged.engine import Engine
-        return Engine(args.model, load_progress=progress, **options)
-
-    run = LessonRun(build_engine, lesson, record=getattr(args, "record", None))
+    run = LessonRun(lambda progress: build_engine(args.model, options, progress), lesson,
+                    record=getattr(args, "record", None))
     which = f"the {variant} run" if variant else "your own options (the lesson's numbers may differ)"
     return lesson, run, f"lesson {lesson.number}: {lesson.title}, {which}"

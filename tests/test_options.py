@@ -1,0 +1,124 @@
+"""Engine flags come from EngineConfig's fields, the same on every command, and the TUI and lessons reach
+them through minipaged.options, never through the CLI module."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from minipaged.cli import main, make_parser
+from minipaged.config import EngineConfig
+from minipaged.options import EngineFlag, as_command_line, as_flag, engine_flags, engine_options
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ["generate", "watch"]            # every command that runs an engine
+
+
+def sample_value(flag: EngineFlag) -> object:
+    """A value to type for ``flag`` (one the parser accepts; the engine's validation is not the point here)."""
+    if flag.switch_to is not None:
+        return flag.switch_to
+    if flag.choices:
+        return flag.choices[-1]
+    return {int: 8, float: 0.5, str: "cpu"}[flag.value_type]
+
+
+def test_every_config_field_is_a_flag_or_says_it_is_not():
+    flagged = [f.name for f in fields(EngineConfig) if f.metadata.get("flag", True)]
+    for f in fields(EngineConfig):
+        assert f.metadata.get("flag") is False or f.metadata.get("help"), \
+            f"EngineConfig.{f.name}: give it metadata help=... (a flag) or flag=False"
+    assert [flag.name for flag in engine_flags()] == flagged
+    assert "model" not in flagged                     # each command adds --model with its own default
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flagged_field_is_in_the_help_of_every_command(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())          # the help wraps lines: compare word runs
+    for flag in engine_flags():
+        assert f"{flag.flag} " in text or text.endswith(flag.flag), f"{flag.flag} missing from {command} --help"
+        assert f"{flag.help} (default: {flag.shown_default})" in text, f"{flag.flag}'s help in {command} --help"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("flag", engine_flags(), ids=lambda flag: flag.flag)
+def test_each_engine_flag_parses_to_its_option_alone(command, flag):
+    value = sample_value(flag)
+    args = make_parser().parse_args([command, *flag.words(value)])
+    assert engine_options(args) == {flag.name: value}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_untyped_flags_stay_unset_and_typed_ones_keep_their_type(command):
+    parse = make_parser().parse_args
+    assert engine_options(parse([command])) == {}               # nothing typed: the engine's defaults apply
+    assert engine_options(parse([command, "--max-num-seqs", "8"])) == {"max_num_seqs": 8}
+    # A flag typed with the engine's default value is still "typed", not "left unset".
+    assert engine_options(parse([command, "--max-num-seqs", "256"])) == {"max_num_seqs": 256}
+    assert engine_options(parse([command, "--no-prefix-caching", "--kv-cache-memory", "0.25"])) == \
+        {"enable_prefix_caching": False, "kv_cache_memory": 0.25}
+    with pytest.raises(SystemExit):
+        parse([command, "--policy", "fastest"])               # a Literal type gives the flag its choices
+
+
+def test_option_names_and_values_turn_back_into_flags():
+    assert as_flag("max_num_seqs") == "--max-num-seqs"
+    assert as_flag("enable_chunked_prefill") == "--no-chunked-prefill"      # what the user types, not the name
+    assert as_flag("num_requests") == "--num-requests"                      # a workload flag: dashes the same way
+    options = {"policy": "static", "enable_prefix_caching": False, "num_blocks": 64}
+    words = as_command_line(options)
+    assert words == ["--policy", "static", "--no-prefix-caching", "--num-blocks", "64"]
+    assert engine_options(make_parser().parse_args(["generate", *words])) == options
+    assert as_command_line({"enable_prefix_caching": True}) == []          # the default needs no flag
+
+
+def imported_modules(source: str, package: str) -> list[str]:
+    """Every module that ``source`` (a module of ``package``) imports, relative imports resolved:
+    ``from ..cli import main`` in minipaged.tui is minipaged.cli, and so is ``from .. import cli``."""
+    parts = package.split(".")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize("folder", ["tui", "lessons"])
+def test_the_tui_and_the_lessons_do_not_import_the_cli(folder):
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files
+    offenders = []
+    for path in files:
+        package = ".".join(["minipaged", *path.relative_to(ROOT).parent.parts])   # tui/ is minipaged.tui
+        if "minipaged.cli" in imported_modules(path.read_text(encoding="utf-8"), package):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"these import minipaged.cli (import minipaged.options instead): {', '.join(offenders)}"
+
+
+@pytest.mark.parametrize("line", ["import minipaged.cli", "from minipaged.cli import main",
+                                  "from minipaged import cli", "from ...cli import main", "from ... import cli",
+                                  "def f():\n    from minipaged.cli import as_flag"])
+def test_the_import_check_sees_every_spelling(line):
+    assert "minipaged.cli" in imported_modules(line, "minipaged.tui.widgets")
+
+
+def test_the_import_check_lets_other_imports_pass():
+    source = "from minipaged.options import as_flag\nfrom . import cli\nimport minipaged.client"
+    assert "minipaged.cli" not in imported_modules(source, "minipaged.tui.widgets")
+
+
+def test_options_and_the_tui_entry_stay_free_of_torch():
+    """A replay and thin clients import these without paying for torch or transformers."""
+    code = ("import sys, minipaged.options, minipaged.cli, minipaged.tui; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
