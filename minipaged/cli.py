@@ -30,9 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in prompts:
         text = prompt
         if args.chat and getattr(engine.tokenizer, "chat_template", None):
-            prompt = list(engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                               add_generation_prompt=True, tokenize=True,
-                                                               return_dict=True)["input_ids"])
+            prompt = engine.inputs.chat_prompt([{"role": "user", "content": prompt}])
         ids.append(engine.add_request(prompt, params))
         asked[ids[-1]] = text
     # Stream: one prompt prints as it grows; several print in turn when each finishes.
