@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -95,6 +96,22 @@ def make_parser() -> argparse.ArgumentParser:
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
                               "live with: minipaged watch --lesson N%(default).0s")
     return parser
+
+
+def entry_point() -> None:
+    """The ``minipaged`` console command: run, then leave at once.
+
+    Once torch and transformers are loaded, the interpreter's own shutdown (tearing down thousands of
+    module objects) takes one to two seconds, and if a thread is still inside a torch operation (a model
+    still loading when the user quits) it can abort with "terminate called without an active exception".
+    By the time ``main`` returns the work is done and every file is written (the TUI waits for the step
+    in flight), so the command flushes its output and exits without that teardown.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

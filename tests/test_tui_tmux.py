@@ -115,3 +115,46 @@ def test_watch_a_lesson_live_in_tmux(tmp_path, tiny_model):
         quit_cleanly(tmux, status_file)
     finally:
         tmux.kill()
+
+
+def time_to_quit(tmux: Tmux, status_file: Path) -> tuple[str, float]:
+    """Press q; the exit status and the seconds until the process had exited."""
+    start = time.monotonic()
+    tmux.keys("q")
+    while not status_file.exists() and time.monotonic() - start < 30:
+        time.sleep(0.02)
+    took = time.monotonic() - start
+    assert status_file.exists(), f"the app did not quit; the screen was:\n{tmux.screen()}"
+    return status_file.read_text().strip(), took
+
+
+@pytest.mark.slow
+def test_quitting_mid_step_is_clean_and_quick_ten_times_in_a_row(tmp_path):
+    """SmolLM2 at full speed is inside a step (~0.3 s each) almost all the time, so q lands mid-step. Before
+    the fix this crashed ("terminate called without an active exception", exit 134) about one time in four
+    and took about two seconds otherwise (the interpreter's teardown of torch and transformers)."""
+    results = []
+    for attempt in range(10):
+        status_file = tmp_path / f"exit-status-{attempt}"
+        tmux = Tmux(f"quit{attempt}")
+        try:
+            start_watch(tmux, status_file, "--speed", "0")
+            tmux.wait_for(" batch: ", timeout=120)          # the batch panel's title, once a step has run
+            time.sleep(0.07 * attempt)
+            results.append(time_to_quit(tmux, status_file))
+        finally:
+            tmux.kill()
+    assert all(code == "0" for code, _ in results), results
+    assert max(took for _, took in results) < 2.0, results
+
+
+def test_quitting_while_the_model_loads_exits_at_once(tmp_path):
+    status_file = tmp_path / "exit-status"
+    tmux = Tmux("quit-loading")
+    try:
+        start_watch(tmux, status_file)                   # the embedded model: its load takes a few seconds
+        tmux.wait_for("loading")
+        code, took = time_to_quit(tmux, status_file)
+        assert code == "0" and took < 2.0, (code, took)
+    finally:
+        tmux.kill()

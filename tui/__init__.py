@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 from minipaged.options import add_engine_arguments, as_flag, build_engine, engine_options
 
 DEFAULT_SPEED = 4.0
+QUIT_WAIT_S = 10.0         # quitting waits this long at most for the engine's step in flight
 # argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
 # ".0s" prints it as nothing, so these flags read "(default: the workload's)" instead.
 FROM_WORKLOAD = " (default: the workload's)%(default).0s"
@@ -155,6 +156,7 @@ def run_watch(args: argparse.Namespace) -> int:
                    description=description, lesson=lesson)
     with _log_lines_held_back():
         code = app.run()
+        app.wait_for_engine(timeout=QUIT_WAIT_S)
     if app.engine_error:
         print(f"minipaged watch: {app.engine_error}", file=sys.stderr)
         return 1

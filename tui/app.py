@@ -89,6 +89,7 @@ class WatchApp(App[int]):
         self.engine_done = replay is not None
         self.engine_error: Optional[str] = None
         self._commands: "queue.Queue[str]" = queue.Queue()
+        self._engine_thread: Optional[threading.Thread] = None
         self._ticker: Any = None
         self._last_refresh = 0.0
         self._refresh_pending = False
@@ -135,6 +136,7 @@ class WatchApp(App[int]):
     def _engine_loop(self) -> None:
         """Runs in a worker thread: load the model, then one engine step per "step" command."""
         worker = get_current_worker()
+        self._engine_thread = threading.current_thread()
         live = self.live
         assert live is not None
         # Loading can take half a minute (first GGUF conversion). It runs in a daemon thread so that
@@ -316,6 +318,8 @@ class WatchApp(App[int]):
         info = self.info
         if info is not None:
             text.append(f"{Path(info.model).name if '/' in info.model else info.model}  ", style="bold")
+            if info.num_threads:
+                text.append(f"{info.num_threads} thread{'s' if info.num_threads > 1 else ''}  ", style="dim")
             text.append(f"step {self.position}" + (f"/{len(self.events)}" if self.live is None else ""))
             if self.engine_error:
                 text.append("  STOPPED", style="bold red")
@@ -388,6 +392,16 @@ class WatchApp(App[int]):
     async def action_quit(self) -> None:
         self._commands.put("stop")
         self.exit(0)
+
+    def wait_for_engine(self, timeout: float) -> bool:
+        """After the app has exited: let the step in flight finish (the trace stays whole, and no thread is
+        inside torch when the process ends). False if it was still busy after ``timeout`` seconds."""
+        self._commands.put("stop")
+        thread = self._engine_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     # ------------------------------------------------------------------ messages from widgets
     def on_request_table_selected(self, message: RequestTable.Selected) -> None:
