@@ -79,6 +79,10 @@ class EngineConfig:
         "help": "cuda, cpu or mps", "shown_default": "cuda when present"})
     dtype: Optional[Dtype] = field(default=None, metadata={
         "help": "weights and KV cache", "shown_default": "float32 on CPU, bfloat16 on CUDA"})
+    num_threads: Optional[int] = field(default=None, metadata={
+        "help": "CPU threads for torch's matmuls (0: leave torch's own setting); more threads than free cores "
+                "makes every step wait for the slowest", "aliases": ("--threads",),
+        "shown_default": "$OMP_NUM_THREADS if set, else all cores but one"})
     # Not a flag: the engine picks the attention code from the device (None: triton on CUDA, torch elsewhere);
     # Engine(..., attention_backend="torch") from Python forces one, e.g. to compare them on a GPU.
     attention_backend: Optional[str] = field(default=None, metadata={"flag": False})
@@ -94,6 +98,8 @@ class EngineConfig:
             positive(name)
         if self.num_cpu_blocks is not None and self.num_cpu_blocks == 0:
             raise ConfigError("num_cpu_blocks must be positive.")
+        if self.num_threads is not None and (not is_int(self.num_threads) or self.num_threads < 0):
+            raise ConfigError(f"num_threads must be an integer >= 0 (0: leave torch's setting), got {self.num_threads!r}.")
         if not is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -26,7 +26,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .memory import DTYPES, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
+from .memory import DTYPES, choose_device, choose_dtype, choose_num_threads, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -51,6 +51,7 @@ class Engine:
         self.config = config = EngineConfig(model=model, **options)
         config.validate()
         self.device = choose_device(config)
+        num_threads = choose_num_threads(config)
         dtype_name = choose_dtype(config, self.device)
         self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
         self.tokenizer = self.loaded.tokenizer
@@ -80,7 +81,7 @@ class Engine:
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=self.model.kv_bytes_per_token(),
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend)
+            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads)
         capacity = (f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
                     f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
                     f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token)")

@@ -33,6 +33,7 @@ class EngineInfo:
     device: str
     dtype: str
     attention_backend: str
+    num_threads: Optional[int] = None    # torch's CPU threads (None: a trace recorded before it was kept)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class EngineFlag:
     value_type: Optional[type] = None           # int, float or str; None for a switch
     choices: Optional[tuple[str, ...]] = None   # from a Literal type
     switch_to: Optional[bool] = None            # a switch (no value) sets the field to this
+    aliases: tuple[str, ...] = ()               # other spellings of the flag (``--threads``)
 
     def words(self, value: Any) -> list[str]:
         """What to type to set this option to ``value``: ["--policy", "static"], ["--no-prefix-caching"],
@@ -72,7 +73,8 @@ def _flag_of(f: Field, hints: dict[str, Any]) -> EngineFlag:
         flag = "--no-" + f.name.removeprefix("enable_") if default else "--" + f.name
         return EngineFlag(f.name, flag.replace("_", "-"), f.metadata["help"], shown, switch_to=not default)
     value_type, choices = _value_type(hints[f.name])
-    return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, value_type, choices)
+    return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, value_type, choices,
+                      aliases=tuple(f.metadata.get("aliases", ())))
 
 
 def engine_flags() -> list[EngineFlag]:
@@ -94,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
             group.add_argument(f.flag, dest=f.name, action=f"store_{str(f.switch_to).lower()}", default=None,
                                help=help_text)
         else:
-            group.add_argument(f.flag, dest=f.name, type=f.value_type, choices=f.choices, default=None, help=help_text)
+            group.add_argument(f.flag, *f.aliases, dest=f.name, type=f.value_type, choices=f.choices, default=None,
+                               help=help_text)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
