@@ -201,6 +201,8 @@ async def test_a_failing_engine_is_reported_not_fatal():
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine_error is not None)
         assert "no such model" in app.engine_error
+        placeholder = app.query_one("#gpu-map").placeholder     # it said "loading the model: pretending ..."
+        assert "loading" not in placeholder and "did not start" in placeholder
         await pilot.press("n")                          # keys still work; nothing to step
         await pilot.press("q")
 

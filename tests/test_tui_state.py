@@ -296,3 +296,30 @@ def test_long_previews_keep_their_distinct_end():
     preview = "<|im_start|>system\nYou are a helpful assistant. " * 3 + "<|im_start|>user\nWhy is the sky blue?"
     short = clean_preview(preview, 40)
     assert len(short) == 40 and short.startswith("You are") and short.endswith("Why is the sky blue?")
+
+
+def test_a_recompute_says_how_many_prompt_and_generated_tokens_it_recomputes(tiny_engine_factory):
+    """After a recompute preemption the prefill covers the prompt and the answer so far: 'prefill 57 0→57 of
+    44' and '(whole prompt)' used to say otherwise."""
+    from minipaged import SamplingParams
+    from minipaged.tui.state import prefill_span
+
+    engine = tiny_engine_factory(num_blocks=12, max_num_batched_tokens=64)
+    for i in range(3):
+        engine.add_request(list(range(10 + i, 30 + i)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    state = WatchState(engine.info)
+    recomputes = []
+    while engine.has_unfinished_requests():
+        ev = engine.step()
+        before = {rid: r.num_preemptions for rid, r in state.view.requests.items()}
+        state.apply(ev)
+        recomputes += [(s, ev) for s in ev.scheduled
+                       if s.kind == "prefill" and before.get(s.request_id) and s.end > s.prompt_len]
+    assert recomputes, "the pool was meant to be small enough for a recompute preemption"
+    s, ev = recomputes[0]
+    generated = s.end - s.prompt_len
+    assert prefill_span(s, ev) == f"{s.start}→{s.end} of {s.prompt_len} prompt + {generated} generated"
+    log = [line.text for line in state.log if line.step == ev.step and line.request_id == s.request_id]
+    rest = "the rest of " if s.start else ""
+    assert (f"{s.request_id} prefill {s.start}→{s.end} (recomputes {rest}{s.prompt_len} prompt + {generated} "
+            f"generated tokens)") in log

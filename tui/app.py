@@ -200,6 +200,8 @@ class WatchApp(App[int]):
     def _engine_failed(self, message: str) -> None:
         self.engine_error = message
         self.engine_busy = False
+        if self.info is None:                # it never started: the map must not still say "loading"
+            self.query_one("#gpu-map", BlockMap).placeholder = "the engine did not start (see the message above)"
         self.status = message
         self.notify(message, severity="error", timeout=30)
         self.refresh_panels()

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import EngineInfo, EngineView, LatencyFold, StepEvent
+from minipaged.events import EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -71,6 +71,19 @@ class Metric:
         return self.history[-1] if self.history else None
 
 
+def known_tokens(s: ScheduledRequest, ev: StepEvent) -> int:
+    """Tokens whose KV a prefill must compute: the prompt, plus the tokens generated before a recompute
+    (``num_output_tokens`` counts this step's new token, if it got one)."""
+    return s.prompt_len + s.num_output_tokens - (1 if s.request_id in ev.new_token_ids else 0)
+
+
+def prefill_span(s: ScheduledRequest, ev: StepEvent) -> str:
+    """Where a prefill chunk sits: "0→32 of 105", or "0→57 of 44 prompt + 13 generated" for a recompute."""
+    known = known_tokens(s, ev)
+    extra = f" prompt + {known - s.prompt_len} generated" if known > s.prompt_len else ""
+    return f"{s.start}→{s.end} of {s.prompt_len}{extra}"
+
+
 def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
     """What happened in one step, in words, in the order it happened. ``before`` is the view before ``ev``."""
     lines: list[LogLine] = []
@@ -101,10 +114,13 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
             add("hit", f"{s.request_id} cache hit: {s.num_cached_tokens // bs} blocks ({s.num_cached_tokens} "
                        f"tokens) reused", s.request_id)
         if s.kind == "prefill":
-            # Tokens whose KV is known to be needed: the prompt, plus generated ones after a recompute.
-            target = s.prompt_len + (prior.num_output_tokens if prior is not None else 0)
+            target = known_tokens(s, ev)
             if s.start == s.num_cached_tokens and s.end >= target:
-                what = "rest of prompt" if s.num_cached_tokens else "whole prompt"
+                if target > s.prompt_len:          # a recompute after preemption: the answer so far, too
+                    tokens = f"{s.prompt_len} prompt + {target - s.prompt_len} generated tokens"
+                    what = f"recomputes the rest of {tokens}" if s.start else f"recomputes {tokens}"
+                else:
+                    what = "rest of prompt" if s.num_cached_tokens else "whole prompt"
                 add("chunk", f"{s.request_id} prefill {s.start}→{s.end} ({what})", s.request_id)
             else:
                 last = " (last chunk)" if s.end >= target else ""

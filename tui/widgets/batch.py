@@ -11,7 +11,7 @@ from typing import Optional
 from rich.text import Text
 from textual.widget import Widget
 
-from ..state import WatchState
+from ..state import WatchState, prefill_span
 
 DECODE_COLOUR = "#c9c9c9"
 EMPTY = "#3a3a3a"
@@ -84,7 +84,7 @@ class BatchPanel(Widget):
             text.append(f" {s.request_id:<5}")
             if s.kind == "prefill":
                 text.append(f"prefill {s.num_new_tokens:>4}", style="bold")
-                text.append(f"  {s.start}→{s.end} of {s.prompt_len}", style="dim")
+                text.append(f"  {prefill_span(s, ev)}", style="dim")
                 if s.num_cached_tokens:
                     text.append(f"  +{s.num_cached_tokens} cached", style="#7d8fa3")
             else:
