@@ -341,3 +341,72 @@ async def test_prompts_with_a_shared_start_show_their_distinct_ends():
         assert all(p.startswith("You are") and "…" in p for p in prompts)
         await pilot.pause(0.1)
         assert sum(c.get_render_width(table) for c in table.columns.values()) <= table.content_size.width
+
+
+class GatedEngine:
+    """An engine whose every step waits until the test opens the gate: a step "in flight" on demand."""
+
+    def __init__(self, info) -> None:
+        import threading
+        self.info, self.tokenizer, self.steps = info, None, 0
+        self.gate = threading.Semaphore(0)
+
+    def validate_request(self, prompt, params) -> None:
+        pass
+
+    def add_request(self, prompt, params, request_id=None):
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def step(self):
+        from minipaged.events import StepEvent
+        assert self.gate.acquire(timeout=30), "the test never let the step finish"
+        self.steps += 1
+        return StepEvent(step=self.steps, time_s=float(self.steps), duration_s=1.0, schedule_s=0.0, model_s=1.0,
+                         budget_limit=64, budget_used=0, max_num_seqs=8)
+
+
+@run_async
+async def test_a_running_step_is_shown_and_presses_meanwhile_are_queued_not_lost():
+    info, _events = read_trace(str(TRACE))
+    engine = GatedEngine(info)
+    app = WatchApp(live=LiveRun(lambda progress: engine, Workload("t", "", ())), paused=True)
+    async with app.run_test(size=(200, 40)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        for _ in range(5):                                   # five presses while step 1 is still computing
+            await pilot.press("n")
+        await pilot.pause(0.3)
+        header = app._topbar().plain
+        assert "step 1 running" in header and "4 queued" in header
+        for _ in range(5):
+            engine.gate.release()
+        await wait_for(pilot, lambda: app.position == 5 and not app.engine_busy)
+        assert engine.steps == 5 and app.queued_steps == 0   # five presses, five steps
+        assert "⏳" not in app._topbar().plain
+
+
+@run_async
+async def test_the_header_shows_the_achieved_rate_when_the_engine_falls_short():
+    info, _events = read_trace(str(TRACE))
+    engine = GatedEngine(info)
+    app = WatchApp(live=LiveRun(lambda progress: engine, Workload("t", "", ())), paused=False, speed=15)
+    async with app.run_test(size=(200, 40)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        for _ in range(4):                                   # about 2 steps/s against 15 asked for
+            engine.gate.release()
+            await pilot.pause(0.5)
+        await wait_for(pilot, lambda: app.position >= 4)
+        header = app._topbar().plain
+        assert "▶ 15 steps/s (achieved " in header
+        achieved = app.achieved_rate()
+        assert achieved is not None and achieved < 4
+        told = []
+        app.notify = lambda message, **kw: told.append(message)
+        await pilot.press("space")                           # paused: + gives feedback, not silence
+        await pilot.press("plus")
+        await pilot.pause(0.2)
+        assert app.paused and app.speed == 30.0
+        assert told == ["speed 30 steps/s (paused: space runs)"]
+        engine.gate.release()                                # let the step in flight end, so quitting is quick

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
@@ -37,6 +39,7 @@ from .widgets.queues import RequestTable
 
 LESSON_SIZE = (160, 45)        # columns x lines at which the lesson panel and the engine panels all fit
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 0.0)    # steps per second; 0 = as fast as possible
+RATE_STEPS = 6                                          # steps the achieved rate is measured over
 MAX_SPEED_BATCH = 8                                     # events applied per tick at full speed (replay)
 REFRESH_INTERVAL = 1 / 20                               # redraw at most 20 times a second
 
@@ -86,6 +89,9 @@ class WatchApp(App[int]):
         self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
         self.status = "loading the model ..." if live else "replaying a recorded trace"
         self.engine_busy = False             # a step was asked of the worker and has not come back
+        self._busy_since = 0.0               # when that step was asked for (the header shows how long it runs)
+        self.queued_steps = 0                # n pressed while a step was running: each runs when it is back
+        self._shown_at: deque[float] = deque(maxlen=RATE_STEPS)   # when recent steps reached the screen
         self.engine_done = replay is not None
         self.engine_error: Optional[str] = None
         self._commands: "queue.Queue[str]" = queue.Queue()
@@ -180,7 +186,7 @@ class WatchApp(App[int]):
     def _from_thread(self, callback: Callable[..., None], *args: Any) -> None:
         try:
             self.call_from_thread(callback, *args)
-        except RuntimeError:            # the app is closing; nobody is left to tell
+        except (RuntimeError, NoMatches):   # the app is closing (its panels may be gone); nobody is left to tell
             pass
 
     def _engine_progress(self, message: str) -> None:
@@ -216,7 +222,10 @@ class WatchApp(App[int]):
         self.events.append(event)
         if self.position == len(self.events) - 1:
             self._apply(event)
-        if not self.paused and self.speed == 0:
+        if self.queued_steps and self.paused:
+            self.queued_steps -= 1
+            self._advance()
+        elif not self.paused and self.speed == 0:
             self._advance()
 
     # ------------------------------------------------------------------ moving through events
@@ -227,6 +236,9 @@ class WatchApp(App[int]):
         self._ticker = self.set_interval(interval, self._tick, name="player")
 
     def _tick(self) -> None:
+        if self.engine_busy:                 # the header's "step running 2.4 s" counts up
+            for topbar in self.query("#topbar").results(Static):     # none while the app is closing
+                topbar.update(self._topbar())
         if self.paused or self.state is None:
             return
         for _ in range(MAX_SPEED_BATCH if self.speed == 0 else 1):
@@ -242,6 +254,7 @@ class WatchApp(App[int]):
             return True
         if self.live is not None and not self.engine_done and not self.engine_busy and not self.engine_error:
             self.engine_busy = True
+            self._busy_since = time.monotonic()
             self._commands.put("step")
         elif self.engine_done and not self.paused and self.live is None:
             self.status = "end of the trace: b steps back, q quits"
@@ -252,6 +265,7 @@ class WatchApp(App[int]):
         assert self.state is not None
         self.state.apply(event)
         self.position += 1
+        self._shown_at.append(time.monotonic())
         self._keep_selection_valid()
         for listener in self.step_listeners:
             listener(event, self.state)
@@ -330,6 +344,13 @@ class WatchApp(App[int]):
             else:
                 text.append("  PAUSED" if self.paused else f"  ▶ {speed_label(self.speed)}",
                             style="bold #edc948" if self.paused else "bold")
+                achieved = self.achieved_rate()
+                if not self.paused and achieved is not None and (self.speed == 0 or achieved < 0.8 * self.speed):
+                    text.append(f" (achieved {achieved:.2g}/s)", style="bold #e15759")
+            if self.engine_busy:
+                queued = f", {self.queued_steps} queued" if self.queued_steps else ""
+                text.append(f"  ⏳ step {len(self.events) + 1} running {time.monotonic() - self._busy_since:.1f} s"
+                            f"{queued}", style="bold #f28e2b")
             text.append(f"  │ {info.num_blocks} blocks x {info.block_size} tok, budget "
                         f"{info.max_num_batched_tokens} tok, {info.max_num_seqs} seqs, chunked prefill "
                         f"{'on' if info.enable_chunked_prefill else 'off'}, prefix cache "
@@ -345,9 +366,13 @@ class WatchApp(App[int]):
         self.refresh_panels()
 
     def action_step(self) -> None:
-        """Exactly one step forward; pauses first, so that it stays one."""
+        """Exactly one step forward; pauses first, so that it stays one. Pressed while the engine is still
+        computing a step, it is queued, not lost: every press is one step."""
         self.paused = True
-        if not self._advance():
+        if self.engine_busy and self.position >= len(self.events):
+            self.queued_steps += 1
+            self.refresh_panels()
+        elif not self._advance():
             self.refresh_panels()
 
     def action_back(self) -> None:
@@ -366,8 +391,18 @@ class WatchApp(App[int]):
     def _set_speed(self, direction: int) -> None:
         i = SPEEDS.index(self.speed) + direction
         self.speed = SPEEDS[max(0, min(i, len(SPEEDS) - 1))]
+        self._shown_at.clear()                  # the achieved rate starts again at the new pace
         self._restart_ticker()
+        if self.paused:
+            self.notify(f"speed {speed_label(self.speed)} (paused: space runs)", timeout=2)
         self.refresh_panels()
+
+    def achieved_rate(self) -> Optional[float]:
+        """Steps per second that really reached the screen lately (a slow engine falls short of --speed)."""
+        if len(self._shown_at) < 3:
+            return None
+        span = self._shown_at[-1] - self._shown_at[0]
+        return (len(self._shown_at) - 1) / span if span > 0 else None
 
     def action_select(self, offset: int) -> None:
         if self.state is None:
