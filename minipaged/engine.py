@@ -26,7 +26,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .memory import DTYPES, choose_device, choose_dtype, choose_num_threads, num_cpu_blocks, num_kv_blocks
+from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -51,7 +51,7 @@ class Engine:
         self.config = config = EngineConfig(model=model, **options)
         config.validate()
         self.device = choose_device(config)
-        num_threads = choose_num_threads(config)
+        num_threads = apply_num_threads(config)
         dtype_name = choose_dtype(config, self.device)
         self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
         self.tokenizer = self.loaded.tokenizer
@@ -95,7 +95,6 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
-        self.counters = self._counters.totals          # steps, tokens, preemptions, seconds ... (they only grow)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -186,7 +185,7 @@ class Engine:
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
-        s, kv = self.scheduler, self.kv
+        s, stats = self.scheduler, self.stats()
         event = StepEvent(
             step=self._step_index, time_s=end - self._start_time, duration_s=end - start,
             schedule_s=(end - start) - model_s, model_s=model_s, budget_limit=self.config.max_num_batched_tokens,
@@ -198,12 +197,12 @@ class Engine:
             preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
                                        "not enough free KV blocks for a running request") for p in plan.preempted),
             swapped_in=tuple(r.request_id for r in plan.swapped_in), finished=tuple(finishes),
-            new_token_ids=new_token_ids, new_text=self.outputs.drain_text(), kv=kv.drain_changes(),
-            num_free_blocks=kv.num_free_blocks, num_cached_free_blocks=kv.num_cached_free_blocks,
-            num_total_blocks=kv.num_blocks, num_free_cpu_blocks=self.cpu_pool.num_free_blocks,
-            num_total_cpu_blocks=self.cpu_pool.num_blocks,
+            new_token_ids=new_token_ids, new_text=self.outputs.drain_text(), kv=self.kv.drain_changes(),
+            num_free_blocks=stats["blocks_free"], num_cached_free_blocks=stats["blocks_cached_free"],
+            num_total_blocks=stats["blocks_total"], num_free_cpu_blocks=stats["cpu_blocks_free"],
+            num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
-            swapped=tuple(r.request_id for r in s.swapped), counters=self.stats())
+            swapped=tuple(r.request_id for r in s.swapped), counters=stats)
         for callback in list(self._subscribers):
             try:
                 callback(event)
@@ -252,6 +251,11 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Forget all cached prefixes; returns how many blocks lost their hash."""
         return self.kv.reset_prefix_cache()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Running totals only: steps, tokens, preemptions, seconds ... (they only grow)."""
+        return self._counters.totals
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""

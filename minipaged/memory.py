@@ -29,8 +29,8 @@ def choose_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def choose_num_threads(config: EngineConfig) -> int:
-    """Threads for torch's CPU work, set once for the process (torch's setting is global).
+def apply_num_threads(config: EngineConfig) -> int:
+    """Set torch's CPU thread count for the process (torch's setting is global); returns it.
 
     Measured on a 2-core machine (SmolLM2, 40 tokens; docs in the README): quiet, 2 threads beat 1 by 1.3x
     at batch 16 and tie at batch 1; with one other busy process, 2 threads were 2.5x *slower* than 1,

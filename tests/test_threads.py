@@ -9,7 +9,7 @@ import torch
 from minipaged import ConfigError
 from minipaged.cli import make_parser
 from minipaged.config import EngineConfig
-from minipaged.memory import choose_num_threads
+from minipaged.memory import apply_num_threads
 from minipaged.options import engine_options
 
 
@@ -35,12 +35,12 @@ def test_the_default_leaves_a_core_free_unless_told_otherwise(monkeypatch, env, 
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", env)
-    assert choose_num_threads(EngineConfig(num_threads=asked)) == expected == torch.get_num_threads()
+    assert apply_num_threads(EngineConfig(num_threads=asked)) == expected == torch.get_num_threads()
 
 
 def test_zero_leaves_torchs_own_setting_alone():
     torch.set_num_threads(2)
-    assert choose_num_threads(EngineConfig(num_threads=0)) == 2 == torch.get_num_threads()
+    assert apply_num_threads(EngineConfig(num_threads=0)) == 2 == torch.get_num_threads()
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
