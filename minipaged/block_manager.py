@@ -154,22 +154,24 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def num_blocks_to_allocate(self, req: Request, num_new_tokens: int, start: int,
-                               cached_blocks: Sequence[int] = ()) -> int:
+                               cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0) -> int:
         """Free-queue entries this allocation consumes: new blocks plus cache hits that are now free."""
         have = len(self.req_blocks.get(req.request_id, ())) + len(cached_blocks)
-        new_blocks = max(0, self.blocks_needed(start + num_new_tokens) - have)
+        new_blocks = max(0, self.blocks_needed(start + num_new_tokens + num_lookahead_tokens) - have)
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
         return new_blocks + revived
 
     def allocate_slots(self, req: Request, num_new_tokens: int, start: Optional[int] = None,
-                       cached_blocks: Sequence[int] = ()) -> bool:
+                       cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0) -> bool:
         """Make room for tokens ``start : start + num_new_tokens`` of the request; False if the pool is short.
 
         ``cached_blocks`` are prefix-cache hits taken at admission (prefix-aware admission: only the blocks
-        beyond them are counted as needed). All or nothing: on False nothing has changed.
+        beyond them are counted as needed). ``num_lookahead_tokens`` more slots are made for a draft model's
+        guesses (speculative decoding). All or nothing: on False nothing has changed.
         """
         start = req.num_computed_tokens if start is None else start
-        if self.num_blocks_to_allocate(req, num_new_tokens, start, cached_blocks) > len(self.free_queue):
+        if self.num_blocks_to_allocate(req, num_new_tokens, start, cached_blocks,
+                                       num_lookahead_tokens) > len(self.free_queue):
             return False
         rid = req.request_id
         table = self.req_blocks.setdefault(rid, [])
@@ -183,12 +185,13 @@ class KVCacheManager:
             self.changes.allocated.setdefault(rid, []).extend(cached_blocks)
             self.changes.cache_hits.setdefault(rid, []).extend(cached_blocks)
             self.req_num_hashed[rid] = len(table)
-        for _ in range(self.blocks_needed(start + num_new_tokens) - len(table)):
+        for _ in range(self.blocks_needed(start + num_new_tokens + num_lookahead_tokens) - len(table)):
             block_id = self._take_free_block()
             table.append(block_id)
             self.changes.allocated.setdefault(rid, []).append(block_id)
         if self.enable_caching:
-            self._register_full_blocks(req, start + num_new_tokens)
+            # Only the request's own tokens: draft tokens may be rejected, so their blocks must not be shared.
+            self._register_full_blocks(req, min(start + num_new_tokens, req.num_tokens))
         return True
 
     def _take_free_block(self) -> int:

@@ -5,7 +5,10 @@ Names follow vLLM's spelling (``block_size``, ``max_num_seqs`` ...) so that what
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
+
+if TYPE_CHECKING:
+    from .spec_decode.config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
@@ -83,6 +86,11 @@ class EngineConfig:
         "help": "CPU threads for torch's matmuls (0: leave torch's own setting); more threads than free cores "
                 "makes every step wait for the slowest", "aliases": ("--threads",),
         "shown_default": "$OMP_NUM_THREADS if set, else all cores but one"})
+    # A dict (from Python) or JSON (from the command line) in vLLM's spelling; ``speculative`` parses it.
+    # The seed guide's flags (--speculative-method, --num-speculative-tokens, --speculative-model) fill it too.
+    speculative_config: Optional[dict] = field(default=None, metadata={
+        "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+        "cli_type": str, "shown_default": "off"})
     # Not a flag: the engine picks the attention code from the device (None: triton on CUDA, torch elsewhere);
     # Engine(..., attention_backend="torch") from Python forces one, e.g. to compare them on a GPU.
     attention_backend: Optional[str] = field(default=None, metadata={"flag": False})
@@ -123,6 +131,13 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+        _ = self.speculative                               # parse it now: a bad one fails before loading
+
+    @property
+    def speculative(self) -> "Optional[SpeculativeConfig]":
+        """``speculative_config`` checked and with vLLM's defaults filled in (None: no speculation)."""
+        from .spec_decode.config import SpeculativeConfig
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def finalize(self, model_max_len: int) -> None:
         """Fill in the derived values once the model's context length is known."""

@@ -13,13 +13,18 @@ Follow a request from top to bottom:
   6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens and finishes
      requests that a token stops; finished ones free their blocks at once (continuous batching).
   7. The ``OutputProcessor`` turns tokens into text, applies stop strings and builds ``RequestOutput``s.
-  8. A ``StepEvent`` records all of it for the TUI, traces and metrics.
+  8. With speculative decoding on, a proposer guesses each decoding request's next k tokens; the next
+     step schedules them with the request's last token and the rejection sampler keeps those the target
+     agrees with (``minipaged.spec_decode``).
+  9. A ``StepEvent`` records all of it for the TUI, traces and metrics.
 """
 from __future__ import annotations
 
 import logging
 import sys
 import time
+
+import torch
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .block_manager import CpuBlockPool, KVCacheManager
@@ -31,9 +36,14 @@ from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelRunner
+from .runner import ModelInput, ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode.config import SELF_DRAFT, SpeculativeConfig
+from .spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, self_draft
+from .spec_decode.ngram import NgramProposer
+from .spec_decode.proposer import Draft, Proposer
+from .spec_decode.rejection_sampler import Verified, verify
 from .stats import EngineCounters
 
 logger = logging.getLogger("minipaged")
@@ -58,9 +68,15 @@ class Engine:
         self.model = CompactLlama(self.loaded.hf_model)
         config.finalize(self.loaded.config.max_position_embeddings)
         self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.speculative = spec = config.speculative
+        self.draft_model = self._load_draft(spec, dtype_name, load_progress) if spec and spec.uses_draft_model \
+            else None
 
         # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
-        bytes_per_block = self.model.kv_bytes_per_token() * config.block_size
+        # A draft model keeps its own KV in the same blocks, so a block costs both models' bytes.
+        kv_bytes_per_token = self.model.kv_bytes_per_token() + (self.draft_model.kv_bytes_per_token()
+                                                                if self.draft_model else 0)
+        bytes_per_block = kv_bytes_per_token * config.block_size
         num_blocks = num_kv_blocks(config, self.device, bytes_per_block)
         cpu_blocks = num_cpu_blocks(config, bytes_per_block)
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
@@ -70,21 +86,32 @@ class Engine:
 
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
                                      self.kv.blocks_needed, num_blocks)
-        self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids)
+        lookahead = spec.num_speculative_tokens if self.draft_model is not None else 0
+        self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids, lookahead)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.proposer: Optional[Proposer] = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif self.draft_model is not None:
+            self.proposer = DraftModelProposer(self.draft_model, num_blocks, config.block_size, self.backend,
+                                               self.kv.blocks_of, self.sampler)
+        self._draft_probs: dict[str, Any] = {}     # a sampling draft model's q for each request's pending drafts
 
         self.info = EngineInfo(
             model=model, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
-            preemption_mode=config.preemption_mode, kv_bytes_per_token=self.model.kv_bytes_per_token(),
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads)
+            preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
+            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
+            speculative=spec.describe() if spec else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         capacity = (f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
                     f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
-                    f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token)")
+                    f"{kv_bytes_per_token / 1024:.1f} KiB per token"
+                    f"{', draft model included' if self.draft_model else ''})")
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
@@ -95,6 +122,25 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
+
+    def _load_draft(self, spec: SpeculativeConfig, dtype_name: str,
+                    progress: Optional[Callable[[str], None]]) -> CompactLlama:
+        """The draft model: the target's own first layers, or another checkpoint with the same vocabulary."""
+        if spec.model == SELF_DRAFT:
+            if spec.num_draft_layers >= self.model.num_layers:
+                raise ConfigError(f"num_draft_layers={spec.num_draft_layers} leaves nothing to skip: the target has "
+                                  f"{self.model.num_layers} layers; use 1 to {self.model.num_layers - 1}.")
+            return self_draft(self.model, spec.num_draft_layers)
+        from transformers import AutoConfig, AutoTokenizer
+        from .model.loader import resolve_model_path
+        path, _ = resolve_model_path(spec.model, progress)
+        problem = check_same_vocabulary(self.tokenizer, AutoTokenizer.from_pretrained(path),
+                                        self.model.embed.shape[0], AutoConfig.from_pretrained(path).vocab_size,
+                                        spec.model)
+        if problem is not None:                    # found from its config and tokenizer, before its weights load
+            raise ConfigError(problem)
+        loaded = load_model(spec.model, dtype=DTYPES[dtype_name], device=str(self.device), progress=progress)
+        return CompactLlama(loaded.hf_model)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -141,18 +187,26 @@ class Engine:
     def step(self) -> StepEvent:
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
+        for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
+            self._drop_drafts(p.request.request_id)
         self._copy_swapped_blocks(plan)
-        sampled, model_s = self._execute(plan)             # request id -> its next token (None: sampling failed)
+        sampled, verified, model_s = self._execute(plan)   # request id -> its new tokens (None: sampling failed)
+        num_before = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks}
         finished = self.scheduler.update_from_output(plan, sampled)
-        new_token_ids = {rid: [token] for rid, token in sampled.items() if token is not None}
-        for req, stop in self.outputs.process_tokens(new_token_ids, time.perf_counter()):
+        new_token_ids = {c.request.request_id: c.request.output_token_ids[num_before[c.request.request_id]:]
+                         for c in plan.chunks if c.request.request_id in sampled and sampled[c.request.request_id]}
+        for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter()):
+            if surplus:                                    # accepted drafts after a stop string never happened
+                del req.output_token_ids[-surplus:]
+                del new_token_ids[req.request_id][-surplus:]
             if not req.is_finished:                        # a stop string, found in the text
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
                 finished.append(req)
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         for req in finished:
             self._record_finish(req, time.perf_counter())
-        return self._emit(plan, new_token_ids, start, model_s)
+        draft_s = self._propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
+        return self._emit(plan, new_token_ids, verified, start, model_s, draft_s)
 
     def _copy_swapped_blocks(self, plan: SchedulerOutput) -> None:
         """The data movement of swapping, before the forward pass reads the cache."""
@@ -161,38 +215,92 @@ class Engine:
         if plan.swap_in:
             self.runner.copy_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, Optional[int]], float]:
-        """Run the model on every scheduled token and sample; returns the tokens and the seconds it took."""
+    def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
+        """Run the model on every scheduled token and pick the new tokens: a sample from each finished
+        prefill's or decode's last row, or the rejection sampler's verdict on a decode's drafts. Returns the
+        tokens, the verdicts and the seconds it took."""
         if not plan.chunks:
-            return {}, 0.0
+            return {}, {}, 0.0
         model_input = self.runner.prepare(plan.chunks)
         forward_start = time.perf_counter()
         logits = self.runner.execute(model_input)
-        tokens = self.sampler.sample(logits, model_input.sampled_requests)
-        return ({req.request_id: token for req, token in zip(model_input.sampled_requests, tokens)},
-                time.perf_counter() - forward_start)
+        drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}
+        rows = logits.split(model_input.num_logits_rows)
+        plain = [i for i, req in enumerate(model_input.sampled_requests) if req.request_id not in drafts]
+        tokens = self.sampler.sample(torch.stack([rows[i][-1] for i in plain]) if plain else logits[:0],
+                                     [model_input.sampled_requests[i] for i in plain])
+        sampled: dict[str, Optional[list[int]]] = {
+            model_input.sampled_requests[i].request_id: None if t is None else [t] for i, t in zip(plain, tokens)}
+        verified = self._verify(model_input, rows, drafts)
+        sampled.update({rid: (v.token_ids if v is not None else None) for rid, v in verified.items()})
+        return sampled, {rid: v for rid, v in verified.items() if v is not None}, time.perf_counter() - forward_start
+
+    def _verify(self, model_input: ModelInput, rows: Sequence[Any],
+                drafts: dict[str, tuple[int, ...]]) -> dict[str, Optional[Verified]]:
+        """The rejection sampler on each request that carried drafts (None: its sampling failed)."""
+        verdicts: dict[str, Optional[Verified]] = {}
+        for req, req_rows in zip(model_input.sampled_requests, rows):
+            rid = req.request_id
+            if rid not in drafts:
+                continue
+            probs = self._draft_probs.pop(rid, None)
+            draft = Draft(list(drafts[rid]), None if probs is None else probs[:len(drafts[rid])])
+            try:
+                verdicts[rid] = verify(req_rows, draft, req.params, self.sampler.generator_for(req))
+            except (RuntimeError, ValueError) as exc:
+                logger.error("verifying drafts failed for request %s (%s); it is aborted.", rid, exc)
+                verdicts[rid] = None
+        return verdicts
+
+    def _propose(self, requests: list[Request]) -> float:
+        """Guess the next tokens of every request that just got a token and decodes next; returns seconds.
+
+        A request drafts at most k tokens, none that would pass max_model_len, and none beyond its last
+        possible token (the target adds one of its own to every verification)."""
+        if self.proposer is None:
+            return 0.0
+        begin = time.perf_counter()
+        k = self.speculative.num_speculative_tokens
+        ready = [r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill]
+        limits = {r.request_id: max(0, min(k, self.config.max_model_len - r.num_tokens,
+                                           r.params.max_tokens - len(r.output_token_ids) - 1)) for r in ready}
+        by_id = {r.request_id: r for r in ready}
+        for rid, draft in self.proposer.propose(ready, limits).items():
+            by_id[rid].spec_token_ids = draft.token_ids
+            if draft.probs is not None:
+                self._draft_probs[rid] = draft.probs
+        return time.perf_counter() - begin
+
+    def _drop_drafts(self, request_id: str) -> None:
+        self._draft_probs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _record_finish(self, req: Request, now: float) -> None:
         self.sampler.forget(req.request_id)
+        self._drop_drafts(req.request_id)
         self._counters.count_finish()
         self._pending_finishes.append(self.outputs.finish(req, now))
 
-    def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], start: float,
-              model_s: float) -> StepEvent:
+    def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], verified: dict[str, Verified],
+              start: float, model_s: float, draft_s: float) -> StepEvent:
         """Count the step, build its StepEvent and hand it to every subscriber."""
         end = time.perf_counter()
-        self._counters.count_step(plan, len(new_token_ids), model_s, end - start)
+        self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, end - start, verified)
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
         s, stats = self.scheduler, self.stats()
         event = StepEvent(
             step=self._step_index, time_s=end - self._start_time, duration_s=end - start,
-            schedule_s=(end - start) - model_s, model_s=model_s, budget_limit=self.config.max_num_batched_tokens,
+            schedule_s=(end - start) - model_s - draft_s, model_s=model_s, draft_s=draft_s,
+            budget_limit=self.config.max_num_batched_tokens,
             budget_used=plan.num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
             scheduled=tuple(ScheduledRequest(ch.request.request_id, ch.kind, ch.start, ch.end,
                                              ch.request.num_prompt_tokens, ch.num_cached_tokens,
-                                             len(ch.request.output_token_ids)) for ch in plan.chunks),
+                                             len(ch.request.output_token_ids), ch.spec_token_ids,
+                                             self._num_accepted(ch.request.request_id, verified))
+                            for ch in plan.chunks),
             arrivals=tuple(arrivals),
             preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
                                        "not enough free KV blocks for a running request") for p in plan.preempted),
@@ -209,6 +317,11 @@ class Engine:
             except Exception:                         # an observer must never take the engine down
                 logger.exception("a StepEvent subscriber raised; it stays subscribed")
         return event
+
+    @staticmethod
+    def _num_accepted(request_id: str, verified: dict[str, Verified]) -> int:
+        verdict = verified.get(request_id)
+        return 0 if verdict is None else verdict.num_accepted
 
     # ------------------------------------------------------------------ results out
     def pop_finished(self) -> list[RequestOutput]:

@@ -34,6 +34,8 @@ class EngineInfo:
     dtype: str
     attention_backend: str
     num_threads: Optional[int] = None    # torch's CPU threads (None: a trace recorded before it was kept)
+    speculative: Optional[str] = None    # speculative decoding, described ("ngram k=3 (n-grams 2-4)"); None: off
+    num_speculative_tokens: int = 0      # k: drafts per request per step
 
 
 @dataclass(frozen=True)
@@ -54,19 +56,35 @@ class RequestArrival:
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step. Tokens ``start:end`` of the request get their KV computed."""
+    """One request's share of a step. Tokens ``start:end`` of the request get their KV computed.
+
+    With speculative decoding a decode also carries draft tokens (the last ``len(draft_token_ids)`` of
+    ``start:end``); the target accepted the first ``num_accepted`` of them and replaced the next (or, all
+    accepted, added a bonus token): the request's last new token in ``StepEvent.new_token_ids``.
+    """
 
     request_id: str
     kind: str                    # "prefill" (a whole prompt or a chunk of it, or a recompute) or "decode"
     start: int                   # num_computed_tokens before the step
-    end: int                     # ... after it
+    end: int                     # ... after it (drafts included; see computed_end)
     prompt_len: int
     num_cached_tokens: int       # tokens found in the prefix cache when admitted this step (else 0)
     num_output_tokens: int       # generated tokens after this step
+    draft_token_ids: tuple[int, ...] = ()
+    num_accepted: int = 0
 
     @property
     def num_new_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def num_rejected(self) -> int:
+        return len(self.draft_token_ids) - self.num_accepted
+
+    @property
+    def computed_end(self) -> int:
+        """num_computed_tokens after the step: rejected drafts' KV does not count."""
+        return self.end - self.num_rejected
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ class StepEvent:
     time_s: float                # seconds since the engine started, at the end of the step
     duration_s: float            # the whole step
     schedule_s: float            # everything but the forward pass: scheduling, KV bookkeeping, batch building
-    model_s: float               # the model's forward pass and sampling
+    model_s: float               # the model's forward pass and sampling (verification included)
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step
     max_num_seqs: int
@@ -138,6 +156,7 @@ class StepEvent:
     running: tuple[str, ...] = ()
     swapped: tuple[str, ...] = ()
     counters: dict[str, float] = field(default_factory=dict)   # cumulative totals (see Engine.stats())
+    draft_s: float = 0.0         # speculative decoding: the proposer's time (a draft model's forward passes)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -158,7 +177,8 @@ class StepEvent:
                              if k in ("swapped_out", "swapped_in") else v) for k, v in kv.items()})
         return StepEvent(
             **{**d, "kv": kv,
-               "scheduled": tuple(ScheduledRequest(**s) for s in d.get("scheduled", ())),
+               "scheduled": tuple(ScheduledRequest(**{**s, "draft_token_ids": tuple(s.get("draft_token_ids", ()))})
+                                  for s in d.get("scheduled", ())),
                "arrivals": tuple(RequestArrival.from_dict(a) for a in d.get("arrivals", ())),
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
                "finished": tuple(RequestFinish(**f) for f in d.get("finished", ())),
@@ -303,7 +323,7 @@ class EngineView:
         for s in ev.scheduled:
             req = self.requests.get(s.request_id)
             if req is not None:
-                req.num_computed = s.end
+                req.num_computed = s.computed_end
                 req.num_output_tokens = s.num_output_tokens
                 if s.num_cached_tokens:
                     req.num_cached_tokens = s.num_cached_tokens

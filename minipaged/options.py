@@ -18,6 +18,7 @@ is imported only when ``build_engine`` runs.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -49,7 +50,7 @@ class EngineFlag:
         or nothing when a switch's value is the default already."""
         if self.switch_to is not None:
             return [self.flag] if value == self.switch_to else []
-        return [self.flag, str(value)]
+        return [self.flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 def _value_type(hint: Any) -> tuple[type, Optional[tuple[str, ...]]]:
@@ -73,6 +74,7 @@ def _flag_of(f: Field, hints: dict[str, Any]) -> EngineFlag:
         flag = "--no-" + f.name.removeprefix("enable_") if default else "--" + f.name
         return EngineFlag(f.name, flag.replace("_", "-"), f.metadata["help"], shown, switch_to=not default)
     value_type, choices = _value_type(hints[f.name])
+    value_type = f.metadata.get("cli_type", value_type)    # a dict field is typed as JSON text
     return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, value_type, choices,
                       aliases=tuple(f.metadata.get("aliases", ())))
 
@@ -98,11 +100,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
         else:
             group.add_argument(f.flag, *f.aliases, dest=f.name, type=f.value_type, choices=f.choices, default=None,
                                help=help_text)
+    _add_speculative_arguments(parser)
+
+
+# The seed guide's spelling of speculative decoding (vLLM's older flags): each fills one key of
+# speculative_config, on top of whatever --speculative-config JSON gave.
+SPECULATIVE_FLAGS = (
+    ("--speculative-method", "method", str, "ngram or draft_model"),
+    ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step (k)"),
+    ("--speculative-model", "model", str, "the draft model (a Llama checkpoint with the same vocabulary, or "
+                                         "'self' for the target's first --num-draft-layers layers)"),
+    ("--num-draft-layers", "num_draft_layers", int, "layers of a self-draft"),
+    ("--prompt-lookup-min", "prompt_lookup_min", int, "ngram: shortest n-gram to match (default: 5)"),
+    ("--prompt-lookup-max", "prompt_lookup_max", int, "ngram: longest n-gram to match (default: 5)"),
+)
+
+
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (or --speculative-config JSON)")
+    for flag, key, value_type, help_text in SPECULATIVE_FLAGS:
+        group.add_argument(flag, dest="spec_" + key, type=value_type, default=None, help=help_text)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The Engine(**options) the user gave as flags; everything else keeps the engine's default."""
-    return {f.name: getattr(args, f.name) for f in engine_flags() if getattr(args, f.name, None) is not None}
+    options = {f.name: getattr(args, f.name) for f in engine_flags() if getattr(args, f.name, None) is not None}
+    typed = {key: getattr(args, "spec_" + key) for _flag, key, _t, _h in SPECULATIVE_FLAGS
+             if getattr(args, "spec_" + key, None) is not None}
+    given = options.get("speculative_config")
+    if isinstance(given, str):
+        try:
+            given = options["speculative_config"] = json.loads(given)
+        except json.JSONDecodeError:
+            return options                                 # the engine's check says what is wrong with it
+    if typed and (given is None or isinstance(given, dict)):
+        if "method" not in typed and "model" in typed and not given:
+            typed["method"] = "draft_model"                # --speculative-model M alone, as in the guide
+        options["speculative_config"] = {**(given or {}), **typed}
+    return options
 
 
 def as_flag(name: str) -> str:

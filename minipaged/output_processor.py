@@ -63,20 +63,25 @@ class OutputProcessor:
                 if rid in self._states and not self._states[rid].request.is_finished]
 
     # ------------------------------------------------------------------ each step
-    def process_tokens(self, new_token_ids: dict[str, list[int]], now: float) -> list[tuple[Request, str]]:
-        """Grow each request's text by its new tokens; returns the requests a stop string ends, with it."""
-        stopped: list[tuple[Request, str]] = []
+    def process_tokens(self, new_token_ids: dict[str, list[int]], now: float) -> list[tuple[Request, str, int]]:
+        """Grow each request's text by its new tokens; returns the requests a stop string ends, with it and
+        how many of the new tokens came after the one that completed it (speculative decoding appends several
+        tokens a step; those after a stop must go, as if generated one at a time)."""
+        stopped: list[tuple[Request, str, int]] = []
         for rid, tokens in new_token_ids.items():
             state = self._states[rid]
-            state.token_times.extend([now] * len(tokens))
-            old_len = len(state.text)
-            state.text += state.detokenizer.add_tokens(tokens)
             req = state.request
-            stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
-            if stop is not None:
-                stopped.append((req, stop))
-            elif not req.is_finished:
-                self._stream(state, finished=False)
+            for i, token in enumerate(tokens):
+                state.token_times.append(now)
+                old_len = len(state.text)
+                state.text += state.detokenizer.add_tokens([token])
+                stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
+                if stop is not None:
+                    stopped.append((req, stop, len(tokens) - 1 - i))
+                    break
+            else:
+                if not req.is_finished:
+                    self._stream(state, finished=False)
         return stopped
 
     @staticmethod

@@ -114,6 +114,9 @@ class Request:
     first_scheduled_time: Optional[float] = None
     sample_index: int = 0               # which of the n parallel samples this is
     parent_id: Optional[str] = None     # the id the user sees when n > 1
+    # Speculative decoding: guesses of the next tokens, made after the last step, for the next one to
+    # check. They are not the request's tokens (num_tokens leaves them out) until the target accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

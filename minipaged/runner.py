@@ -2,8 +2,9 @@
 
 For each scheduled chunk it emits the chunk's token ids and positions, the cache slot each new token's K/V
 goes to (block id * block_size + offset, looked up in the block table the chunk carries), and, if the chunk
-reaches the end of the request's known tokens, the row whose logits are sampled. A chunk in the middle of
-a long prompt samples nothing: its job is only to fill the cache.
+reaches the end of the request's known tokens, the rows whose logits are sampled: the last token's, and one
+more per draft token a speculative decode carries (the target's verdict on each guess). A chunk in the
+middle of a long prompt samples nothing: its job is only to fill the cache.
 
 Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
 reads the block manager, so the same runner could sit in another process (tensor parallelism).
@@ -26,6 +27,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_requests: list[Request]
+    num_logits_rows: list[int]          # rows per sampled request, in order: 1 + its draft tokens
 
 
 class ModelRunner:
@@ -46,19 +48,23 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampled: list[Request] = []
+        num_rows: list[int] = []
         for chunk in chunks:
             req = chunk.request
             table = list(chunk.block_table)
-            input_ids.extend(req.token_ids_between(chunk.start, chunk.end))
+            input_ids.extend(req.token_ids_between(chunk.start, chunk.start + chunk.num_known_tokens))
+            input_ids.extend(chunk.spec_token_ids)
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
             query_start_loc.append(len(input_ids))
             seq_lens.append(chunk.end)
             tables.append(table)
-            if chunk.samples:                        # every known token has KV now: sample the next one
-                logits_indices.append(len(input_ids) - 1)
+            if chunk.samples:                        # every known token has KV now: sample what comes next
+                rows = chunk.end - max(chunk.start, req.num_tokens - 1)   # the last known token and each draft
+                logits_indices.extend(range(len(input_ids) - rows, len(input_ids)))
                 sampled.append(req)
+                num_rows.append(rows)
         width = max(len(t) for t in tables)
         block_tables = [t + [0] * (width - len(t)) for t in tables]
 
@@ -69,7 +75,7 @@ class ModelRunner:
             slot_mapping=tensor(slots), block_tables=tensor(block_tables, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
             host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend)
-        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled)
+        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled, num_rows)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .request import Request
+from .request import Request, SamplingParams
 
 logger = logging.getLogger("minipaged.sampling")
 
@@ -48,17 +48,25 @@ class Sampler:
         return tokens
 
     def _sample_row(self, logits: torch.Tensor, req: Request) -> int:
-        p = req.params
-        logits = logits.float().cpu() / p.temperature
-        if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the tokens ranked above it already cover top_p of the mass
-            drop = probs.cumsum(-1) - probs > p.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-        probs = logits.softmax(-1)
+        probs = probabilities(logits, req.params)
         return int(torch.multinomial(probs, 1, generator=self.generator_for(req)).item())
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: temperature, then top-k, then top-p (nucleus).
+
+    ``logits`` is one row [vocab] or several [rows, vocab] (speculative decoding verifies several positions
+    of one request at once); the result has the same shape, on the CPU, in float32.
+    """
+    logits = logits.float().cpu() / params.temperature
+    if params.top_k and 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p of the mass
+        drop = probs.cumsum(-1) - probs > params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(-1)

@@ -16,7 +16,17 @@ Policies
 Token accounting (vLLM v1's ``update_from_output``)
   * After the forward pass, ``update_from_output`` is the one place that advances ``num_computed_tokens``,
     appends sampled tokens and finishes requests whose token says stop (EOS, a stop token id, max_tokens,
-    max_model_len). Rolling tokens back (speculative decoding) would happen here and nowhere else.
+    max_model_len).
+
+Speculative decoding
+  * A decode that has draft tokens (``Request.spec_token_ids``, guessed after the last step) schedules them
+    as ordinary extra tokens: [last token, d_0 .. d_{k-1}] share the token budget with prefill chunks and
+    are trimmed when it is short; slots are allocated for them (a draft model also gets k "lookahead" slots
+    to write its own guesses' KV, as vLLM's ``num_lookahead_tokens``). Drafts are not the request's tokens,
+    so they are never hashed into the prefix cache.
+  * After verification ``update_from_output`` appends the accepted drafts and the target's own token, and
+    rolls ``num_computed_tokens`` back by the rejected count: those slots stay allocated, and the next
+    step's tokens overwrite them. A preempted request drops its drafts.
 
 Memory
   * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
@@ -56,15 +66,22 @@ class ScheduledChunk:
     num_cached_tokens: int = 0      # prefix-cache hit at admission this step (tokens)
     cached_prefix_end: int = 0      # positions below this sit in cache-hit blocks: never rewrite their KV
     samples: bool = False           # True when every known token has KV after this chunk
+    spec_token_ids: tuple[int, ...] = ()   # draft tokens, the chunk's last tokens (speculative decoding)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Scheduled tokens that are the request's own (the rest are drafts to verify)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
+
+    @property
     def kind(self) -> str:
-        """'decode' for one token past the prompt, else 'prefill' (a prompt, a chunk, or a recompute)."""
-        if self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens:
+        """'decode' for one token past the prompt (plus any drafts), else 'prefill' (a prompt, a chunk, or a
+        recompute)."""
+        if self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens:
             return "decode"
         return "prefill"
 
@@ -91,8 +108,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens   # slots a draft model writes its guesses into
         self.kv = kv
         self.cpu_pool = cpu_pool
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -122,10 +140,20 @@ class Scheduler:
         self.kv.free(req)
 
     def _chunk(self, req: Request, start: int, num_new: int, num_cached: int = 0,
-               cached_prefix_end: int = 0) -> ScheduledChunk:
+               cached_prefix_end: int = 0, spec_token_ids: Sequence[int] = ()) -> ScheduledChunk:
         """The runner's share of a grant: the tokens, the block table now, and whether it samples."""
         return ScheduledChunk(req, start, num_new, tuple(self.kv.blocks_of(req.request_id)), num_cached,
-                              cached_prefix_end, samples=start + num_new == req.num_tokens)
+                              cached_prefix_end, samples=start + num_new - len(spec_token_ids) == req.num_tokens,
+                              spec_token_ids=tuple(spec_token_ids))
+
+    def _allocate(self, req: Request, num_new: int, start: Optional[int] = None,
+                  cached_blocks: Sequence[int] = ()) -> bool:
+        """Slots for the scheduled tokens, plus a draft model's lookahead slots where the request can use them
+        (never past max_model_len or its last possible token)."""
+        start = req.num_computed_tokens if start is None else start
+        last_possible = min(self.config.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
+        lookahead = max(0, min(self.num_lookahead_tokens, last_possible - (start + num_new)))
+        return self.kv.allocate_slots(req, num_new, start, cached_blocks, num_lookahead_tokens=lookahead)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -167,14 +195,17 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
+            num_known = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_known + len(req.spec_token_ids), budget)
+            while not self._allocate(req, num_new):
                 victim = self._choose_victim(scheduled_ids)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
+                drafts, req.spec_token_ids = req.spec_token_ids[:max(0, num_new - num_known)], []
+                out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new, spec_token_ids=drafts))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
         return budget
@@ -188,6 +219,7 @@ class Scheduler:
         num_blocks = len(self.kv.blocks_of(victim.request_id))
         self.running.remove(victim)
         victim.num_preemptions += 1
+        victim.spec_token_ids = []                 # guesses for a step that will not come
         mode = self.config.preemption_mode
         mapping = self.kv.swap_out(victim, self.cpu_pool) if mode == "swap" else None
         if mapping is not None:
@@ -225,7 +257,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate_slots(req, num_new):
+            if self._allocate(req, num_new):
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
         return budget
@@ -241,7 +273,7 @@ class Scheduler:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
-            if not self.kv.allocate_slots(req, num_new, start=num_cached, cached_blocks=cached_blocks):
+            if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # FCFS: nobody jumps the queue
             self.waiting.popleft()
             self.kv.record_prefix_query(req.num_tokens, num_cached)
@@ -256,13 +288,17 @@ class Scheduler:
         return budget
 
     # ------------------------------------------------------------------ after the forward pass
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, Optional[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, Optional[list[int]]]) -> list[Request]:
         """Account for a finished forward pass; returns the requests that finished.
 
         Every scheduled chunk's KV now exists, so ``num_computed_tokens`` moves to its end. A request whose
-        chunk reached the end of its known tokens got a sampled token (``None``: its sampling failed, and it
-        alone is aborted); the token is appended and checked against the stop conditions that a token
-        decides. Stop *strings* need text, so the output processor checks those afterwards.
+        chunk reached the end of its known tokens got new tokens: one sampled token, or with speculative
+        decoding the accepted drafts plus the target's own token (``None``: its sampling failed, and it
+        alone is aborted). Drafts the target rejected hold KV for tokens that are not the request's, so
+        ``num_computed_tokens`` rolls back over them; their slots stay allocated and get overwritten.
+        Each token is appended and checked against the stop conditions that a token decides; tokens after
+        a stop are dropped. Stop *strings* need text, so the output processor checks those afterwards.
         """
         self.kv.mark_forward_done()
         finished: list[Request] = []
@@ -271,8 +307,17 @@ class Scheduler:
             req.num_computed_tokens = chunk.end
             if req.request_id not in sampled:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
-            token = sampled[req.request_id]
-            status = RequestStatus.FINISHED_ABORTED if token is None else self._append_token(req, token)
+            tokens = sampled[req.request_id]
+            if tokens is None:
+                status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED
+            else:
+                num_rejected = len(chunk.spec_token_ids) - (len(tokens) - 1)
+                req.num_computed_tokens -= num_rejected
+                status = None
+                for token in tokens:
+                    status = self._append_token(req, token)
+                    if status is not None:
+                        break
             if status is not None:
                 self.finish_request(req, status)
                 finished.append(req)

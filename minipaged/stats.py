@@ -5,8 +5,11 @@ the block manager and the scheduler each time. ``minipaged.metrics`` exports bot
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from .block_manager import CpuBlockPool, KVCacheManager
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode.rejection_sampler import Verified
 
 
 class EngineCounters:
@@ -14,9 +17,12 @@ class EngineCounters:
         self.totals: dict[str, float] = {
             "steps": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "preemptions_recompute": 0,
             "preemptions_swap": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0, "requests_finished": 0,
-            "forward_seconds": 0.0, "step_seconds": 0.0}
+            "forward_seconds": 0.0, "step_seconds": 0.0,
+            # speculative decoding, as vLLM counts it: verifications with drafts, drafts, accepted drafts
+            "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
 
-    def count_step(self, plan: SchedulerOutput, num_generated: int, model_s: float, step_s: float) -> None:
+    def count_step(self, plan: SchedulerOutput, num_generated: int, model_s: float, step_s: float,
+                   verified: Mapping[str, Verified] = {}) -> None:
         t = self.totals
         t["steps"] += 1
         t["prompt_tokens_computed"] += sum(c.num_new_tokens for c in plan.chunks if c.kind == "prefill")
@@ -27,6 +33,13 @@ class EngineCounters:
         t["blocks_swapped_in"] += len(plan.swap_in)
         t["forward_seconds"] += model_s
         t["step_seconds"] += step_s
+        for verdict in verified.values():
+            t["spec_decode_num_drafts"] += 1
+            t["spec_decode_num_draft_tokens"] += verdict.num_draft_tokens
+            t["spec_decode_num_accepted_tokens"] += verdict.num_accepted
+            for position in range(verdict.num_accepted):    # acceptance by draft position (0: the first guess)
+                key = f"spec_decode_num_accepted_tokens_pos_{position}"
+                t[key] = t.get(key, 0) + 1
 
     def count_finish(self) -> None:
         self.totals["requests_finished"] += 1

@@ -114,6 +114,12 @@ def test_static_batching_admits_nobody_until_the_batch_is_done(tiny_engine_facto
     assert len(cont_events) < len(events)                # continuous batching needs fewer steps
 
 
+SPECULATION = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "self-draft": {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 2},
+}
+
+
 def rng_cpu_blocks(seed: int) -> int:
     """A CPU swap pool from tiny (swap falls back to recompute) to roomy."""
     return random.Random(seed).choice([4, 16, 64])
@@ -122,11 +128,14 @@ def rng_cpu_blocks(seed: int) -> int:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(budget=st.integers(4, 96), seed=st.integers(0, 10_000), num_blocks=st.integers(30, 120),
        chunked=st.booleans(), max_num_seqs=st.integers(1, 8), aborts=st.integers(0, 3),
-       preemption_mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["continuous", "static"]))
+       preemption_mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["continuous", "static"]),
+       speculation=st.sampled_from([None, "ngram", "self-draft"]))
 def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget, seed, num_blocks, chunked,
-                                                    max_num_seqs, aborts, preemption_mode, policy):
+                                                    max_num_seqs, aborts, preemption_mode, policy, speculation):
     options = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                    preemption_mode=preemption_mode, policy=policy, num_cpu_blocks=rng_cpu_blocks(seed))
+    if speculation is not None:          # drafts take budget and slots, roll back, and are dropped on preemption
+        options["speculative_config"] = SPECULATION[speculation]
     if chunked:
         options["max_num_batched_tokens"] = budget
     engine = tiny_engine_factory(**options)

@@ -1,0 +1,100 @@
+"""Drafting with a smaller model: it runs k times, one token each, and the target checks all k at once.
+
+The draft model keeps its own paged KV cache (its own tensors, its own layer count and head shapes) but
+uses the **same block tables** as the target: block b holds the target's KV in the target's tensors and
+the draft's KV in the draft's tensors. One block manager therefore serves both, and preemption, swapping
+and freeing need no second set of books. The scheduler gives each request k "lookahead" slots beyond its
+scheduled tokens so the draft can write the KV of its own guesses (vLLM: ``num_lookahead_tokens``).
+
+Each proposal is one catch-up pass over the request's tokens that the draft has not seen yet (the whole
+prompt the first time; afterwards the tokens the last verification accepted), which also guesses d_0, then
+k - 1 single-token passes for d_1 .. d_{k-1}. All requests go through each pass together, as one batch.
+
+The *self-draft* is the target's own first N layers with its final norm and LM head (the idea of
+LayerSkip / "draft & verify" self-speculation): no second checkpoint, same vocabulary by construction.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..model import CompactLlama
+from ..request import Request
+from ..runner import ModelRunner
+from ..sampling import Sampler, probabilities
+from ..scheduler import ScheduledChunk
+from .proposer import Draft
+
+
+class DraftModelProposer:
+    def __init__(self, model: CompactLlama, num_blocks: int, block_size: int, backend: str,
+                 block_table_of: Callable[[str], list[int]], sampler: Sampler) -> None:
+        self.model = model
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.runner = ModelRunner(model, self.kv_cache, block_size, backend)
+        self.block_table_of = block_table_of
+        self.sampler = sampler                 # the requests' own generators: a seed drives drafts too
+        self.num_computed: dict[str, int] = {}   # tokens of each request whose KV is in the draft's cache
+
+    def forget(self, request_id: str) -> None:
+        self.num_computed.pop(request_id, None)
+
+    def propose(self, requests: Sequence[Request], max_drafts: dict[str, int]) -> dict[str, Draft]:
+        active = [r for r in requests if max_drafts[r.request_id] > 0]
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in active}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
+        chunks = []
+        for req in active:                     # pass 0: catch up, and guess d_0
+            start = self.num_computed.get(req.request_id, 0)
+            chunks.append(self._chunk(req, start, req.num_tokens - start, ()))
+            self.num_computed[req.request_id] = req.num_tokens
+        for j in range(max(max_drafts[r.request_id] for r in active) if active else 0):
+            self._guess(chunks, tokens, probs)
+            # pass j + 1: feed d_j at its position, guess d_{j+1}
+            chunks = [self._chunk(r, r.num_tokens + j, 1, (tokens[r.request_id][-1],))
+                      for r in active if max_drafts[r.request_id] > j + 1]
+        return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None) for rid, ids in tokens.items()}
+
+    def _chunk(self, req: Request, start: int, num_new: int, guesses: tuple[int, ...]) -> ScheduledChunk:
+        return ScheduledChunk(req, start, num_new, tuple(self.block_table_of(req.request_id)), samples=True,
+                              spec_token_ids=guesses)
+
+    def _guess(self, chunks: list[ScheduledChunk], tokens: dict[str, list[int]],
+               probs: dict[str, list[torch.Tensor]]) -> None:
+        """One batched draft forward; each request's next guess (argmax, or a sample from q that is kept)."""
+        model_input = self.runner.prepare(chunks)
+        logits = self.runner.execute(model_input)
+        for row, req in enumerate(model_input.sampled_requests):
+            rid = req.request_id
+            if req.params.greedy:
+                tokens[rid].append(int(logits[row].argmax()))
+                continue
+            q = probabilities(logits[row], req.params)
+            tokens[rid].append(int(torch.multinomial(q, 1, generator=self.sampler.generator_for(req))))
+            probs[rid].append(q)
+
+
+def self_draft(target: CompactLlama, num_layers: int) -> CompactLlama:
+    """The target's first ``num_layers`` layers, sharing its weights (nothing is copied)."""
+    import copy
+    if num_layers >= target.num_layers:
+        raise ValueError(f"a self-draft needs fewer layers than the target's {target.num_layers}, got {num_layers}.")
+    draft = copy.copy(target)
+    draft.layers = target.layers[:num_layers]
+    draft.num_layers = num_layers
+    draft._cos = draft._sin = None            # its own RoPE table cache
+    return draft
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_rows: int, draft_vocab_rows: int,
+                          draft_name: str) -> Optional[str]:
+    """Why the draft cannot propose tokens for the target, or None if it can."""
+    if target_vocab_rows != draft_vocab_rows:
+        return (f"the draft model {draft_name!r} has a vocabulary of {draft_vocab_rows} tokens and the target "
+                f"{target_vocab_rows}: a draft must share the target's tokenizer (use a smaller model of the same "
+                "family, or the self-draft: model 'self' with num_draft_layers).")
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        return (f"the draft model {draft_name!r} has as many tokens as the target but a different tokenizer: its "
+                "token ids mean other text. Use a draft of the same family, or the self-draft (model 'self').")
+    return None

@@ -1,0 +1,359 @@
+"""Speculative decoding: configuration, exactness (greedy and sampled), scheduling and events.
+
+The rule for every engine feature holds here too: speculation must never change greedy outputs. Greedy
+outputs are compared with speculation off (itself checked against transformers elsewhere) and, once,
+with transformers' own greedy ``generate``. Sampled outputs are checked for the right *distribution*.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from minipaged import Engine, SamplingParams
+from minipaged.cli import main as cli_main
+from minipaged.config import ConfigError
+from minipaged.events import EngineView, StepEvent
+from minipaged.options import add_engine_arguments, engine_options
+from minipaged.spec_decode import rejection_sampler
+from minipaged.spec_decode.config import SpeculativeConfig
+from minipaged.spec_decode.ngram import find_ngram_continuation
+from minipaged.spec_decode.proposer import Draft
+from minipaged.spec_decode.rejection_sampler import verify
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SELF_DRAFT = {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 3}
+
+
+def repetitive_prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
+    """Prompts that quote themselves (so n-grams match) beside plain random ones, sharing a prefix."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(12)]
+    prompts = []
+    for i in range(n):
+        phrase = [rng.randrange(256) for _ in range(rng.randint(3, 7))]
+        body = phrase * rng.randint(2, 4) if i % 2 == 0 else [rng.randrange(256) for _ in range(rng.randint(2, 30))]
+        prompts.append(system + body if i % 3 else body)
+    return prompts
+
+
+def greedy_tokens(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+# ----------------------------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown speculative method 'medusa'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "draft_model", "model": "self", "num_speculative_tokens": 2}, "num_draft_layers >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown speculative_config key\(s\) \['k'\]"),
+    ('{"method": "ngram", ', "not valid JSON"),
+])
+def test_bad_speculative_configs_fail_before_anything_loads(config, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine("/nonexistent/model/folder", speculative_config=config)   # it would fail to load, later
+
+
+def test_vllm_defaults_for_the_lookup_bounds():
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    one = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from minipaged.model.testing import build_byte_tokenizer
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="vocabulary of 300 tokens and the target 259"):
+        Engine(tiny_model, speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                               "num_speculative_tokens": 2})
+
+
+def test_a_self_draft_must_skip_some_layers(tiny_model):
+    with pytest.raises(ConfigError, match="the target has 2 layers; use 1 to 1"):
+        Engine(tiny_model, speculative_config={**SELF_DRAFT, "num_draft_layers": 2})
+
+
+def parse_flags(words: list[str]) -> dict:
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return engine_options(parser.parse_args(words))
+
+
+def test_the_guides_flags_and_vllms_json_both_configure_speculation():
+    assert parse_flags(["--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    assert parse_flags(["--speculative-model", "self", "--num-draft-layers", "8", "--num-speculative-tokens", "5"]) \
+        == {"speculative_config": {"model": "self", "num_draft_layers": 8, "num_speculative_tokens": 5,
+                                   "method": "draft_model"}}
+    assert parse_flags(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                        "--prompt-lookup-max", "3"]) == {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}}
+
+
+def test_a_bad_flag_value_is_a_clear_error_on_the_command_line(capsys):
+    code = cli_main(["generate", "hi", "--model", "/nonexistent", "--speculative-method", "ngram",
+                     "--num-speculative-tokens", "0"])
+    assert code == 2
+    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------- n-gram lookup
+
+def test_ngram_lookup_prefers_the_longest_suffix_then_the_earliest_occurrence():
+    assert find_ngram_continuation([1, 2, 3, 4, 5, 1, 2, 3], 2, 4, 3) == [4, 5, 1]
+    # "9 1 2" (3 tokens) beats the later, shorter match of "1 2"
+    assert find_ngram_continuation([9, 1, 2, 7, 5, 1, 2, 8, 9, 1, 2], 2, 3, 2) == [7, 5]
+    assert find_ngram_continuation([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [7, 1]   # earliest of equals
+    assert find_ngram_continuation([1, 2, 3, 4], 2, 4, 3) == []                      # no match: no draft
+    assert find_ngram_continuation([1, 2, 9, 1, 2], 2, 4, 5) == [9, 1, 2]            # the text ran out
+    assert find_ngram_continuation([1, 2, 9, 1, 2], 3, 4, 5) == []                   # shorter than min
+
+
+# ----------------------------------------------------------------------------------- greedy exactness
+
+@pytest.fixture(scope="module")
+def reference(tiny_engine_factory):
+    return greedy_tokens(tiny_engine_factory(enable_prefix_caching=False, num_blocks=512), repetitive_prompts())
+
+
+FEATURES = {
+    "defaults": {},
+    "budget-5": dict(max_num_batched_tokens=5),          # drafts trimmed to fit, prompts chunked
+    "budget-17": dict(max_num_batched_tokens=17),
+    "chunked-off": dict(enable_chunked_prefill=False),
+    "preempt-recompute": dict(num_blocks=22, preemption_mode="recompute"),
+    "preempt-swap": dict(num_blocks=22, preemption_mode="swap", num_cpu_blocks=64),
+    "prefix-cache-off": dict(enable_prefix_caching=False),
+    "max-num-seqs-2": dict(max_num_seqs=2),
+}
+DRAFTERS = {
+    "ngram": NGRAM,
+    "self-draft": SELF_DRAFT,
+    "other-model": None,              # filled in with the untied tiny model: another architecture, same vocab
+    "target-itself": None,            # the target as its own draft: every guess is right
+}
+
+
+def drafter(name: str, tiny_model: str, tiny_model_untied: str) -> dict:
+    if name == "other-model":
+        return {"method": "draft_model", "model": tiny_model_untied, "num_speculative_tokens": 4}
+    if name == "target-itself":
+        return {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 4}
+    return DRAFTERS[name]
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_outputs_are_unchanged_by_speculation(name, feature, reference, tiny_engine_factory, tiny_model,
+                                                     tiny_model_untied):
+    engine = tiny_engine_factory(speculative_config=drafter(name, tiny_model, tiny_model_untied),
+                                 **FEATURES[feature])
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, repetitive_prompts()) == reference
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    if name == "target-itself":
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    if feature.startswith("preempt"):
+        assert stats["preemptions_recompute"] + stats["preemptions_swap"] > 0
+    for event in events:
+        assert event.budget_used <= event.budget_limit
+    assert stats["blocks_free"] == stats["blocks_total"] and stats["cpu_blocks_free"] == stats["cpu_blocks_total"]
+    engine.kv.check_invariants()
+
+
+def test_speculation_matches_transformers_generate_and_takes_fewer_steps(tiny_model_untied):
+    prompts = repetitive_prompts(seed=3, n=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = Engine(tiny_model_untied, block_size=8, num_blocks=64)
+    spec = Engine(tiny_model_untied, block_size=8, num_blocks=64,
+                  speculative_config={"method": "draft_model", "model": tiny_model_untied, "num_speculative_tokens": 3})
+    ours = greedy_tokens(spec, prompts, params)
+    hf = plain.loaded.hf_model
+    for prompt, tokens in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+                          do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
+    greedy_tokens(plain, prompts, params)
+    # four tokens per target forward when every guess is right: far fewer steps than one token each
+    assert spec.stats()["steps"] * 2 < plain.stats()["steps"]
+
+
+def test_parallel_samples_and_stop_strings_with_speculation(tiny_engine_factory):
+    prompts = repetitive_prompts(seed=5, n=3)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    plain = tiny_engine_factory().generate(prompts, params)
+    spec = tiny_engine_factory(speculative_config=SELF_DRAFT).generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in spec] == [[c.token_ids for c in o.outputs] for o in plain]
+    # a stop string in the middle of an accepted run: the tokens after it never happened
+    text = plain[0].outputs[0].text
+    stop = text[5:7]
+    stopped_plain = tiny_engine_factory().generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24,
+                                                                               stop=[stop], ignore_eos=True))[0]
+    target_draft = {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 6}
+    stopped_spec = tiny_engine_factory(speculative_config=target_draft).generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0]
+    assert stopped_spec.outputs[0].token_ids == stopped_plain.outputs[0].token_ids
+    assert stopped_spec.outputs[0].text == stopped_plain.outputs[0].text
+
+
+def test_drafts_never_pass_max_tokens_or_max_model_len(tiny_engine_factory):
+    engine = tiny_engine_factory(max_model_len=40, speculative_config={**NGRAM, "num_speculative_tokens": 8})
+    prompt = [7, 8, 9] * 11                               # 33 tokens that the lookup keeps matching
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(prompt) + len(out.token_ids) == 40
+    assert all(s.end <= 40 for e in events for s in e.scheduled)
+    out = engine.generate([prompt[:12]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+
+
+# ----------------------------------------------------------------------------------- events
+
+def test_events_carry_drafts_and_verdicts_and_replay_the_same(tiny_engine_factory):
+    engine = tiny_engine_factory(speculative_config=SELF_DRAFT, num_blocks=40)
+    view = EngineView(engine.info)
+    assert engine.info.speculative == "self-draft 1 layers k=3" and engine.info.num_speculative_tokens == 3
+    for prompt in repetitive_prompts(seed=2, n=6):
+        engine.add_request(prompt, GREEDY)
+    events = []
+    while engine.has_unfinished_requests():
+        event = engine.step()
+        events.append(event)
+        view.apply(event)
+        replayed = StepEvent.from_dict(__import__("json").loads(event.to_json()))
+        assert replayed == event
+        running = {r.request_id: r for r in engine.scheduler.running}
+        for s in event.scheduled:
+            assert s.num_accepted <= len(s.draft_token_ids)
+            if s.draft_token_ids:
+                assert s.kind == "decode"
+                new = event.new_token_ids.get(s.request_id, [])
+                assert new[:s.num_accepted] == list(s.draft_token_ids[:s.num_accepted])
+            if s.request_id in running:        # the view, from events alone, knows how much KV is real
+                assert view.requests[s.request_id].num_computed == running[s.request_id].num_computed_tokens
+        for block in engine.kv.blocks:
+            assert len(view.block_owners[block.block_id]) == block.ref_cnt
+            assert view.block_cached[block.block_id] == (block.block_hash is not None)
+    drafted = sum(len(s.draft_token_ids) for e in events for s in e.scheduled)
+    accepted = sum(s.num_accepted for e in events for s in e.scheduled)
+    stats = engine.stats()
+    assert (drafted, accepted) == (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"])
+    per_position = [stats.get(f"spec_decode_num_accepted_tokens_pos_{i}", 0) for i in range(3)]
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+
+
+def test_drafts_are_never_shared_through_the_prefix_cache(tiny_engine_factory):
+    """A rejected draft's slot must not end up in a cached block: run with a drafter that is always wrong,
+    then a second request with the first one's prompt + output must get exactly the same tokens."""
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 1})
+    prompt = [5, 6, 5, 6, 5, 6, 5]
+    first = engine.generate([prompt], GREEDY)[0]
+    assert engine.stats()["spec_decode_num_draft_tokens"] > engine.stats()["spec_decode_num_accepted_tokens"]
+    again = tiny_engine_factory(enable_prefix_caching=False).generate([prompt + first.token_ids[:12]], GREEDY)[0]
+    cached = engine.generate([prompt + first.token_ids[:12]], GREEDY)[0]
+    assert cached.num_cached_tokens > 0 and cached.token_ids == again.token_ids
+
+
+# ----------------------------------------------------------------------------------- the rejection sampler
+
+def total_variation(counts: Counter, p: torch.Tensor) -> float:
+    n = sum(counts.values())
+    return 0.5 * sum(abs(counts.get(i, 0) / n - float(p[i])) for i in range(len(p)))
+
+
+P = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.30, 0.05, 0.05, 0.10, 0.20, 0.30]])
+Q = torch.tensor([[0.50, 0.05, 0.30, 0.05, 0.05, 0.05], [0.05, 0.50, 0.20, 0.05, 0.10, 0.10]])
+PARAMS = SamplingParams(temperature=1.0)
+
+
+def sample_outputs(num: int, seed: int, with_q: bool) -> tuple[Counter, Counter]:
+    """Run the sampler ``num`` times on synthetic p and q: the first and second output token's counts."""
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.cat([P.log(), P[1:].log()])            # rows for d_0, d_1 and the bonus
+    first, second = Counter(), Counter()
+    for _ in range(num):
+        if with_q:
+            d = [int(torch.multinomial(Q[i], 1, generator=gen)) for i in range(2)]
+            draft = Draft(d, Q.clone())
+        else:
+            draft = Draft([1, 0])                                  # a fixed guess (q = 1 for it: n-gram)
+        out = verify(target_logits, draft, PARAMS, gen)
+        first[out.token_ids[0]] += 1
+        if len(out.token_ids) > 1:
+            second[out.token_ids[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft-model", "ngram"])
+def test_rejection_sampling_outputs_the_targets_distribution(with_q):
+    first, second = sample_outputs(6000, seed=1, with_q=with_q)
+    assert total_variation(first, P[0]) < 0.03
+    assert total_variation(second, P[1]) < 0.04
+
+
+def test_sampling_the_recovered_token_from_p_instead_of_p_minus_q_is_caught(monkeypatch):
+    monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
+    first, _ = sample_outputs(6000, seed=1, with_q=True)
+    assert total_variation(first, P[0]) > 0.1
+
+
+def test_verification_with_top_k_and_temperature_applies_them_to_p_first():
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.5, top_k=2, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    outs = Counter(verify(logits, Draft([3]), params, gen).token_ids[0] for _ in range(3000))
+    assert set(outs) <= {0, 1}                                    # token 3 is outside top-k: always rejected
+    p0 = torch.softmax(torch.tensor([4.0, 3.0]) / 0.5, -1)
+    assert abs(outs[0] / 3000 - float(p0[0])) < 0.03
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():
+    logits = torch.full((4, 8), -5.0)
+    for row, best in enumerate([3, 1, 4, 6]):
+        logits[row, best] = 5.0
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(temperature=0)
+    assert verify(logits, Draft([3, 1, 4]), greedy, gen).token_ids == [3, 1, 4, 6]      # all + bonus
+    assert verify(logits, Draft([3, 2, 4]), greedy, gen).token_ids == [3, 1]            # recovered at 1
+    assert verify(logits, Draft([0, 1, 4]), greedy, gen).num_accepted == 0
+
+
+def test_first_verified_token_has_the_same_distribution_with_and_without_speculation(tiny_engine_factory,
+                                                                                      monkeypatch):
+    """End to end at temperature 1.3 with top-k 3, over 1500 seeds: the first two generated tokens (the
+    second is the first one a verification decides) with a self-draft vs without speculation. The same
+    bound catches a rejection sampler that samples the recovered token from p instead of max(p - q, 0)."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    num = 1500
+
+    def first_two(**options) -> Counter:
+        engine = tiny_engine_factory(num_blocks=2048, **options)
+        params = [SamplingParams(temperature=1.3, top_k=3, max_tokens=3, seed=s, ignore_eos=True) for s in range(num)]
+        return Counter(tuple(o.token_ids[:2]) for o in engine.generate([prompt] * num, params))
+
+    def distance(a: Counter, b: Counter) -> float:
+        return 0.5 * sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b)) / num
+
+    plain = first_two()
+    spec_engine_draws = first_two(speculative_config=SELF_DRAFT)
+    assert distance(plain, spec_engine_draws) < 0.08
+    monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
+    assert distance(plain, first_two(speculative_config=SELF_DRAFT)) > 0.08
