@@ -20,6 +20,7 @@ Follow a request from top to bottom:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -38,7 +39,7 @@ from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from .runner import ModelInput, ModelRunner
 from .sampling import Sampler
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .spec_decode.config import SELF_DRAFT, SpeculativeConfig
 from .spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, self_draft
 from .spec_decode.ngram import NgramProposer
@@ -107,6 +108,7 @@ class Engine:
             preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
             device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
+            speculative_config=spec.as_dict() if spec else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         capacity = (f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
                     f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
@@ -127,10 +129,16 @@ class Engine:
                     progress: Optional[Callable[[str], None]]) -> CompactLlama:
         """The draft model: the target's own first layers, or another checkpoint with the same vocabulary."""
         if spec.model == SELF_DRAFT:
-            if spec.num_draft_layers >= self.model.num_layers:
-                raise ConfigError(f"num_draft_layers={spec.num_draft_layers} leaves nothing to skip: the target has "
-                                  f"{self.model.num_layers} layers; use 1 to {self.model.num_layers - 1}.")
-            return self_draft(self.model, spec.num_draft_layers)
+            layers = self.model.num_layers if spec.num_draft_layers is None else spec.num_draft_layers
+            if layers > self.model.num_layers:
+                raise ConfigError(f"num_draft_layers={layers}, but the target has {self.model.num_layers} layers; "
+                                  f"use 1 to {self.model.num_layers - 1} (or leave it out: all layers, a draft "
+                                  "that is always right and never faster, for watching the mechanics).")
+            if layers == self.model.num_layers:
+                logger.warning("The self-draft uses all %d layers: every guess will be accepted, but drafting "
+                               "costs as much as the target. Give num_draft_layers < %d for a draft that can "
+                               "pay off.", layers, layers)
+            return self_draft(self.model, layers)
         from transformers import AutoConfig, AutoTokenizer
         from .model.loader import resolve_model_path
         path, _ = resolve_model_path(spec.model, progress)
@@ -296,11 +304,7 @@ class Engine:
             schedule_s=(end - start) - model_s - draft_s, model_s=model_s, draft_s=draft_s,
             budget_limit=self.config.max_num_batched_tokens,
             budget_used=plan.num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
-            scheduled=tuple(ScheduledRequest(ch.request.request_id, ch.kind, ch.start, ch.end,
-                                             ch.request.num_prompt_tokens, ch.num_cached_tokens,
-                                             len(ch.request.output_token_ids), ch.spec_token_ids,
-                                             self._num_accepted(ch.request.request_id, verified))
-                            for ch in plan.chunks),
+            scheduled=tuple(self._scheduled_record(ch, verified) for ch in plan.chunks),
             arrivals=tuple(arrivals),
             preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
                                        "not enough free KV blocks for a running request") for p in plan.preempted),
@@ -318,10 +322,18 @@ class Engine:
                 logger.exception("a StepEvent subscriber raised; it stays subscribed")
         return event
 
-    @staticmethod
-    def _num_accepted(request_id: str, verified: dict[str, Verified]) -> int:
-        verdict = verified.get(request_id)
-        return 0 if verdict is None else verdict.num_accepted
+    def _scheduled_record(self, chunk: ScheduledChunk, verified: dict[str, Verified]) -> ScheduledRequest:
+        """The event's record of one chunk; a verified decode also says what was guessed and kept, as text."""
+        req = chunk.request
+        record = ScheduledRequest(req.request_id, chunk.kind, chunk.start, chunk.end, req.num_prompt_tokens,
+                                  chunk.num_cached_tokens, len(req.output_token_ids))
+        verdict = verified.get(req.request_id)
+        if verdict is None:
+            return record
+        piece = self.tokenizer.decode
+        return dataclasses.replace(record, draft_token_ids=chunk.spec_token_ids, num_accepted=verdict.num_accepted,
+                                   draft_pieces=tuple(piece([t]) for t in chunk.spec_token_ids),
+                                   target_piece=piece(verdict.token_ids[-1:]))
 
     # ------------------------------------------------------------------ results out
     def pop_finished(self) -> list[RequestOutput]:

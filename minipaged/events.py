@@ -36,6 +36,7 @@ class EngineInfo:
     num_threads: Optional[int] = None    # torch's CPU threads (None: a trace recorded before it was kept)
     speculative: Optional[str] = None    # speculative decoding, described ("ngram k=3 (n-grams 2-4)"); None: off
     num_speculative_tokens: int = 0      # k: drafts per request per step
+    speculative_config: Optional[dict] = None   # the whole configuration, vLLM's keys, defaults filled in
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ScheduledRequest:
     num_output_tokens: int       # generated tokens after this step
     draft_token_ids: tuple[int, ...] = ()
     num_accepted: int = 0
+    draft_pieces: tuple[str, ...] = ()   # each draft token as text, for drawing (thin clients have no tokenizer)
+    target_piece: str = ""               # the target's own token after the accepted drafts, as text
 
     @property
     def num_new_tokens(self) -> int:
@@ -177,7 +180,8 @@ class StepEvent:
                              if k in ("swapped_out", "swapped_in") else v) for k, v in kv.items()})
         return StepEvent(
             **{**d, "kv": kv,
-               "scheduled": tuple(ScheduledRequest(**{**s, "draft_token_ids": tuple(s.get("draft_token_ids", ()))})
+               "scheduled": tuple(ScheduledRequest(**{**s, "draft_token_ids": tuple(s.get("draft_token_ids", ())),
+                                                       "draft_pieces": tuple(s.get("draft_pieces", ()))})
                                   for s in d.get("scheduled", ())),
                "arrivals": tuple(RequestArrival.from_dict(a) for a in d.get("arrivals", ())),
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),

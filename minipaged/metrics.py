@@ -49,6 +49,13 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between two tokens of a request", registry=r,
                              buckets=LATENCY_BUCKETS)
+        # speculative decoding, vLLM's names: acceptance rate = accepted / draft tokens
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verifications of a request's drafts", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft", ["position"],
+                                             registry=r)
         self.step_time = Histogram(p + "step_duration_seconds", "One engine step", registry=r,
                                    buckets=LATENCY_BUCKETS)
         self._latency = LatencyFold()
@@ -72,6 +79,13 @@ class EngineMetrics:
             self.preemptions.labels(mode=p.mode).inc()
         self.prefix_queries.inc(self._delta(event, "prefix_cache_queries"))
         self.prefix_hits.inc(self._delta(event, "prefix_cache_hits"))
+        for s in event.scheduled:
+            if s.draft_token_ids:
+                self.spec_drafts.inc()
+                self.spec_draft_tokens.inc(len(s.draft_token_ids))
+                self.spec_accepted.inc(s.num_accepted)
+                for position in range(s.num_accepted):
+                    self.spec_accepted_per_pos.labels(position=str(position)).inc()
         self.step_time.observe(event.duration_s)
         step_start = event.time_s - event.duration_s     # for old traces, whose arrivals carry no time
         ttfts, gaps = self._latency.apply(

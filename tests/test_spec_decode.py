@@ -53,7 +53,8 @@ def greedy_tokens(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
      r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
-    ({"method": "draft_model", "model": "self", "num_speculative_tokens": 2}, "num_draft_layers >= 1"),
+    ({"method": "draft_model", "model": "self", "num_draft_layers": 0, "num_speculative_tokens": 2},
+     "num_draft_layers must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown speculative_config key\(s\) \['k'\]"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
@@ -80,9 +81,19 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
                                                "num_speculative_tokens": 2})
 
 
-def test_a_self_draft_must_skip_some_layers(tiny_model):
+def test_a_self_draft_cannot_have_more_layers_than_the_target(tiny_model):
     with pytest.raises(ConfigError, match="the target has 2 layers; use 1 to 1"):
-        Engine(tiny_model, speculative_config={**SELF_DRAFT, "num_draft_layers": 2})
+        Engine(tiny_model, speculative_config={**SELF_DRAFT, "num_draft_layers": 3})
+
+
+def test_a_self_draft_of_all_layers_is_always_right_and_says_it_never_pays(tiny_engine_factory, caplog):
+    whole = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+    engine = tiny_engine_factory(speculative_config=whole)
+    assert "every guess will be accepted" in caplog.text
+    assert engine.info.speculative == "self-draft all layers k=3"
+    engine.generate(repetitive_prompts(n=3), GREEDY)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
 
 
 def parse_flags(words: list[str]) -> dict:
@@ -357,3 +368,19 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     assert distance(plain, spec_engine_draws) < 0.08
     monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
     assert distance(plain, first_two(speculative_config=SELF_DRAFT)) > 0.08
+
+
+def test_prometheus_counters_under_vllms_names_match_the_engine(tiny_engine_factory):
+    from prometheus_client.parser import text_string_to_metric_families
+    from minipaged.metrics import EngineMetrics
+    engine = tiny_engine_factory(speculative_config=NGRAM)
+    metrics = EngineMetrics(engine)
+    engine.generate(repetitive_prompts(), GREEDY)
+    stats = engine.stats()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition()) for s in family.samples}
+    assert samples[("minipaged:spec_decode_num_draft_tokens_total", ())] == stats["spec_decode_num_draft_tokens"] > 0
+    assert samples[("minipaged:spec_decode_num_accepted_tokens_total", ())] == stats["spec_decode_num_accepted_tokens"] > 0
+    assert samples[("minipaged:spec_decode_num_drafts_total", ())] == stats["spec_decode_num_drafts"]
+    assert samples[("minipaged:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == \
+        stats["spec_decode_num_accepted_tokens_pos_0"]

@@ -410,3 +410,38 @@ async def test_the_header_shows_the_achieved_rate_when_the_engine_falls_short():
         assert app.paused and app.speed == 30.0
         assert told == ["speed 30 steps/s (paused: space runs)"]
         engine.gate.release()                                # let the step in flight end, so quitting is quick
+
+
+@run_async
+async def test_speculation_shows_each_drafts_verdict_and_the_acceptance_gauges(tiny_model, tmp_path):
+    """The batch panel draws each verified decode's drafts (accepted / rejected) and the target's token; the
+    gauges show acceptance; a recorded trace replays the same strips."""
+    from minipaged.tui import build_live_run
+    from minipaged.tui.widgets.batch import ACCEPTED, BONUS, BatchPanel, RECOVERED, REJECTED
+    from minipaged.tui.widgets.gauges import Gauges
+
+    trace = tmp_path / "spec.jsonl"
+    live = build_live_run(live_args(tiny_model, "--record", str(trace), "--speculative-model", "self",
+                                    "--num-draft-layers", "1", "--num-speculative-tokens", "3"))
+    app = WatchApp(live=live, paused=True)
+    seen: set[str] = set()
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        assert "speculative self-draft 1 layers k=3" in app._topbar().plain
+        for _ in range(12):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: not app.engine_busy)
+            await pilot.pause()
+            drawn = app.query_one(BatchPanel).render()
+            seen |= {str(span.style) for span in drawn.spans}
+            if {s.draft_token_ids != () for s in app.state.last_event.scheduled} == {True}:
+                assert "decode 1+" in drawn.plain
+        assert {ACCEPTED, REJECTED} <= seen and (BONUS in seen or RECOVERED in seen)
+        gauges = app.query_one(Gauges)
+        assert gauges.query_one("#gauge-accept").display and "%" in str(gauges.query_one("#gauge-accept").render())
+        log = [line.text for line in app.state.log if line.kind == "spec"]
+        assert log and "accepted" in log[0]
+        await pilot.press("q")
+    info, events = read_trace(str(trace))
+    assert info.speculative == "self-draft 1 layers k=3"
+    assert any(s.draft_token_ids and s.draft_pieces for ev in events for s in ev.scheduled)

@@ -354,8 +354,8 @@ class WatchApp(App[int]):
             text.append(f"  │ {info.num_blocks} blocks x {info.block_size} tok, budget "
                         f"{info.max_num_batched_tokens} tok, {info.max_num_seqs} seqs, chunked prefill "
                         f"{'on' if info.enable_chunked_prefill else 'off'}, prefix cache "
-                        f"{'on' if info.enable_prefix_caching else 'off'}, preempt {info.preemption_mode}",
-                        style="dim")
+                        f"{'on' if info.enable_prefix_caching else 'off'}, preempt {info.preemption_mode}"
+                        + (f", speculative {info.speculative}" if info.speculative else ""), style="dim")
         text.append("\n")
         text.append(f" {self.status}", style="red" if self.engine_error else "italic")
         return text

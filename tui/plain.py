@@ -13,7 +13,7 @@ from rich.text import Text
 from minipaged.events import EngineInfo, StepEvent
 
 from .state import WatchState, printable
-from .widgets.batch import budget_bar
+from .widgets.batch import budget_bar, draft_strip
 from .widgets.event_log import ICONS
 
 
@@ -52,15 +52,20 @@ def progress_line(state: WatchState, q: dict[str, list[str]]) -> Text:
 def gauge_line(state: WatchState) -> str:
     def last(metric, fmt: str) -> str:
         return "-" if metric.last is None else format(metric.last, fmt)
-    return (f"  {last(state.tokens_per_s, '.1f')} tok/s, TTFT {last(state.ttft_ms, '.0f')} ms, "
+    line = (f"  {last(state.tokens_per_s, '.1f')} tok/s, TTFT {last(state.ttft_ms, '.0f')} ms, "
             f"ITL {last(state.itl_ms, '.1f')} ms")
+    if state.info.speculative and state.acceptance_rate.last is not None:
+        line += (f", drafts accepted {state.acceptance_rate.last:.0%}, "
+                 f"{state.acceptance_length.last:.2f} tokens per verification")
+    return line
 
 
 def print_header(console: Console, info: EngineInfo, description: str = "") -> None:
     console.print(f"[bold]minipaged watch[/] {info.model}: {info.num_blocks} KV blocks x {info.block_size} tokens\n"
                   f"budget {info.max_num_batched_tokens} tokens, max {info.max_num_seqs} seqs, chunked prefill "
                   f"{'on' if info.enable_chunked_prefill else 'off'}, prefix caching "
-                  f"{'on' if info.enable_prefix_caching else 'off'}, preemption {info.preemption_mode}")
+                  f"{'on' if info.enable_prefix_caching else 'off'}, preemption {info.preemption_mode}"
+                  + (f", speculative {info.speculative}" if info.speculative else ""))
     if description:
         console.print(f"[italic]{description}[/]")
 
@@ -88,6 +93,10 @@ def print_step(console: Console, state: WatchState) -> None:
         console.print(Text("  cpu    ").append_text(block_strip(state, width, cpu=True)))
     if q["running"] or q["swapped"]:
         console.print(progress_line(state, q), highlight=False)
+    for s in ev.scheduled:                       # the batch panel's draft strips
+        if s.draft_token_ids:
+            console.print(Text("  ⚡ ").append(s.request_id, state.colour(s.request_id)).append("  ")
+                          .append_text(draft_strip(s)), highlight=False)
     for line in state.log:
         if line.step == ev.step:
             icon, colour = ICONS.get(line.kind, ("·", "white"))

@@ -125,6 +125,14 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
             else:
                 last = " (last chunk)" if s.end >= target else ""
                 add("chunk", f"{s.request_id} prefill chunk {s.start}→{s.end} of {target}{last}", s.request_id)
+    verified = [s for s in ev.scheduled if s.draft_token_ids]
+    if verified:
+        drafted = sum(len(s.draft_token_ids) for s in verified)
+        accepted = sum(s.num_accepted for s in verified)
+        produced = accepted + len(verified)
+        add("spec", f"verified {drafted} draft{'s' if drafted > 1 else ''} of {len(verified)} request"
+                    f"{'s' if len(verified) > 1 else ''}: {accepted} accepted ({accepted / drafted:.0%}), "
+                    f"{produced} token{'s' if produced > 1 else ''} in one forward pass")
     for f in ev.finished:
         ttft = "" if f.ttft_s is None else f", TTFT {f.ttft_s * 1e3:.0f} ms"
         add("finish", f"{f.request_id} finished ({f.finish_reason}): {f.num_output_tokens} tokens{ttft}",
@@ -153,6 +161,10 @@ class WatchState:
         self.ttft_ms = Metric()
         self.itl_ms = Metric()
         self.engine_s = 0.0
+        # Speculative decoding, per step with drafts: accepted / drafted, and tokens per verification
+        # (accepted drafts + the target's own token; 1.0 means speculation bought nothing).
+        self.acceptance_rate = Metric()
+        self.acceptance_length = Metric()
         self._latency = LatencyFold()
         self._recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
 
@@ -184,6 +196,11 @@ class WatchState:
         busy = sum(d for _n, d in self._recent)
         self.tokens_per_s.add(sum(n for n, _d in self._recent) / busy if busy > 0 else 0.0)
         self._track_latencies(ev)
+        verified = [s for s in ev.scheduled if s.draft_token_ids]
+        if verified:
+            accepted = sum(s.num_accepted for s in verified)
+            self.acceptance_rate.add(accepted / sum(len(s.draft_token_ids) for s in verified))
+            self.acceptance_length.add(1 + accepted / len(verified))
 
     def _track_latencies(self, ev: StepEvent) -> None:
         arrived = self.engine_s                            # the step's requests arrived just before it

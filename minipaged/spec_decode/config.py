@@ -28,7 +28,7 @@ class SpeculativeConfig:
     prompt_lookup_min: Optional[int] = None   # ngram: shortest suffix n-gram that may match
     prompt_lookup_max: Optional[int] = None   # ngram: longest one, tried first
     model: Optional[str] = None               # draft_model: a Llama checkpoint with the same vocabulary, or "self"
-    num_draft_layers: Optional[int] = None    # draft_model "self": how many of the target's layers draft
+    num_draft_layers: Optional[int] = None    # draft_model "self": how many of the target's layers draft (all)
 
     @staticmethod
     def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -80,9 +80,12 @@ class SpeculativeConfig:
                 raise ConfigError("method 'draft_model' needs model: a Llama checkpoint with the target's "
                                   "vocabulary, or 'self' (the target's first num_draft_layers layers).")
             if self.model == SELF_DRAFT:
-                if not is_int(self.num_draft_layers) or self.num_draft_layers < 1:
-                    raise ConfigError("a self-draft needs num_draft_layers >= 1 (how many of the target's layers "
-                                      f"draft), got {self.num_draft_layers!r}.")
+                # None: every layer. The draft is then the target itself: every guess is right, which shows
+                # the mechanics (lesson 6) but drafting costs as much as the target, so it is never faster.
+                if self.num_draft_layers is not None and (not is_int(self.num_draft_layers)
+                                                          or self.num_draft_layers < 1):
+                    raise ConfigError("a self-draft's num_draft_layers must be an integer >= 1 (how many of the "
+                                      f"target's layers draft), got {self.num_draft_layers!r}.")
             elif self.num_draft_layers is not None:
                 raise ConfigError("num_draft_layers only applies to the self-draft (model 'self').")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
@@ -109,7 +112,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             return f"ngram k={k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
         if self.model == SELF_DRAFT:
-            return f"self-draft {self.num_draft_layers} layers k={k}"
+            layers = "all layers" if self.num_draft_layers is None else f"{self.num_draft_layers} layers"
+            return f"self-draft {layers} k={k}"
         return f"draft model {self.model} k={k}"
 
     def as_dict(self) -> dict[str, Any]:

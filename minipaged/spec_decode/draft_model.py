@@ -78,8 +78,8 @@ class DraftModelProposer:
 def self_draft(target: CompactLlama, num_layers: int) -> CompactLlama:
     """The target's first ``num_layers`` layers, sharing its weights (nothing is copied)."""
     import copy
-    if num_layers >= target.num_layers:
-        raise ValueError(f"a self-draft needs fewer layers than the target's {target.num_layers}, got {num_layers}.")
+    if not 1 <= num_layers <= target.num_layers:
+        raise ValueError(f"a self-draft takes 1 to {target.num_layers} of the target's layers, got {num_layers}.")
     draft = copy.copy(target)
     draft.layers = target.layers[:num_layers]
     draft.num_layers = num_layers

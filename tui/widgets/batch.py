@@ -11,10 +11,34 @@ from typing import Optional
 from rich.text import Text
 from textual.widget import Widget
 
-from ..state import WatchState, prefill_span
+from minipaged.events import ScheduledRequest
+
+from ..state import WatchState, prefill_span, printable
 
 DECODE_COLOUR = "#c9c9c9"
 EMPTY = "#3a3a3a"
+# Speculative decoding: a draft the target accepted, one it rejected (and every later one, unchecked), and
+# the target's own token: a bonus when every draft was accepted, else the token that replaced the rejected one.
+ACCEPTED = "#0b0b0b on #59a14f"
+REJECTED = "strike #e15759"
+BONUS = "bold #0b0b0b on #76b7b2"
+RECOVERED = "bold #0b0b0b on #edc948"
+
+
+def draft_strip(s: ScheduledRequest) -> Text:
+    """One verified decode's drafts, each coloured by the verdict, then the target's own token."""
+    text = Text()
+    for i, piece in enumerate(s.draft_pieces):
+        text.append(token_cell(piece), ACCEPTED if i < s.num_accepted else REJECTED)
+        text.append(" ")
+    text.append(token_cell(s.target_piece), BONUS if s.num_accepted == len(s.draft_token_ids) else RECOVERED)
+    return text
+
+
+def token_cell(piece: str) -> str:
+    """A token's text, drawable and visible: spaces as '␣', newlines as '⏎', nothing as '∅'."""
+    shown = printable(piece).replace("\n", "⏎").replace(" ", "␣")
+    return shown[:12] if shown else "∅"
 
 
 def budget_bar(state: WatchState, width: int) -> Text:
@@ -87,6 +111,10 @@ class BatchPanel(Widget):
                 text.append(f"  {prefill_span(s, ev)}", style="dim")
                 if s.num_cached_tokens:
                     text.append(f"  +{s.num_cached_tokens} cached", style="#7d8fa3")
+            elif s.draft_token_ids:
+                text.append(f"decode 1+{len(s.draft_token_ids)}")
+                text.append(f"  +{s.num_accepted + 1} ", style="dim")
+                text.append_text(draft_strip(s))
             else:
                 text.append(f"decode  {s.num_new_tokens:>4}")
                 text.append(f"  token {s.num_output_tokens}", style="dim")

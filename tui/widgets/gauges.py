@@ -22,6 +22,13 @@ GAUGES: tuple[tuple[str, str, Callable[[WatchState], Metric], Callable[[Metric],
     ("ttft", "TTFT ms", lambda s: s.ttft_ms, lambda m: "      -" if m.last is None else f"{m.last:7.0f}"),
     ("itl", "ITL ms", lambda s: s.itl_ms, lambda m: "      -" if m.last is None else f"{m.last:7.1f}"),
 )
+# Shown only when the engine speculates: the share of drafts accepted, and tokens per verification.
+SPEC_GAUGES: tuple[tuple[str, str, Callable[[WatchState], Metric], Callable[[Metric], str]], ...] = (
+    ("accept", "accepted", lambda s: s.acceptance_rate,
+     lambda m: "      -" if m.last is None else f"{m.last * 100:5.1f} %"),
+    ("acclen", "tok/verify", lambda s: s.acceptance_length,
+     lambda m: "      -" if m.last is None else f"{m.last:7.2f}"),
+)
 
 
 class Gauges(Vertical):
@@ -32,14 +39,18 @@ class Gauges(Vertical):
         self.border_title = "Metrics"
 
     def compose(self) -> ComposeResult:
-        for key, label, _get, _fmt in GAUGES:
-            with Horizontal(classes="gauge-row"):
+        for key, label, _get, _fmt in GAUGES + SPEC_GAUGES:
+            with Horizontal(classes="gauge-row spec-gauge" if (key, label, _get, _fmt) in SPEC_GAUGES
+                            else "gauge-row"):
                 yield Label(label, classes="gauge-label")
                 yield Label("", id=f"gauge-{key}", classes="gauge-value")
                 yield Sparkline([], id=f"spark-{key}", classes="gauge-spark")
 
     def show(self, state: Optional[WatchState]) -> None:
-        for key, _label, get, fmt in GAUGES:
+        speculating = state is not None and bool(state.info.speculative)
+        for row in self.query(".spec-gauge"):
+            row.display = speculating
+        for key, _label, get, fmt in GAUGES + (SPEC_GAUGES if speculating else ()):
             value = self.query_one(f"#gauge-{key}", Label)
             spark = self.query_one(f"#spark-{key}", Sparkline)
             metric = get(state) if state is not None else None
