@@ -51,6 +51,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = engine.stats()
     err.print(f"[dim]steps={int(stats['steps'])} prefix-cache hit rate={stats['prefix_cache_hit_rate']:.0%} "
               f"preemptions={int(stats['preemptions_recompute'] + stats['preemptions_swap'])}[/]")
+    if stats["spec_decode_num_drafts"]:
+        drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+        err.print(f"[dim]speculative ({engine.info.speculative}): {int(accepted)} of {int(drafted)} draft tokens "
+                  f"accepted ({accepted / drafted:.0%}), {1 + accepted / stats['spec_decode_num_drafts']:.2f} "
+                  f"tokens per verification[/]")
     return 0
 
 

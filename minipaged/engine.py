@@ -24,9 +24,9 @@ import dataclasses
 import logging
 import sys
 import time
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
@@ -37,14 +37,12 @@ from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelInput, ModelRunner
+from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from .spec_decode.config import SELF_DRAFT, SpeculativeConfig
-from .spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, self_draft
-from .spec_decode.ngram import NgramProposer
-from .spec_decode.proposer import Draft, Proposer
-from .spec_decode.rejection_sampler import Verified, verify
+from .spec_decode.draft_model import load_draft_model
+from .spec_decode.rejection_sampler import Verified
+from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineCounters
 
 logger = logging.getLogger("minipaged")
@@ -69,9 +67,9 @@ class Engine:
         self.model = CompactLlama(self.loaded.hf_model)
         config.finalize(self.loaded.config.max_position_embeddings)
         self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.speculative = spec = config.speculative
-        self.draft_model = self._load_draft(spec, dtype_name, load_progress) if spec and spec.uses_draft_model \
-            else None
+        spec = config.speculative
+        self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
+                                            load_progress) if spec and spec.uses_draft_model else None
 
         # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
         # A draft model keeps its own KV in the same blocks, so a block costs both models' bytes.
@@ -92,13 +90,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.proposer: Optional[Proposer] = None
-        if spec is not None and spec.method == "ngram":
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif self.draft_model is not None:
-            self.proposer = DraftModelProposer(self.draft_model, num_blocks, config.block_size, self.backend,
-                                               self.kv.blocks_of, self.sampler)
-        self._draft_probs: dict[str, Any] = {}     # a sampling draft model's q for each request's pending drafts
+        self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
+            spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,
+            block_table_of=self.kv.blocks_of, max_model_len=config.max_model_len, sampler=self.sampler)
 
         self.info = EngineInfo(
             model=model, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
@@ -124,31 +118,6 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
-
-    def _load_draft(self, spec: SpeculativeConfig, dtype_name: str,
-                    progress: Optional[Callable[[str], None]]) -> CompactLlama:
-        """The draft model: the target's own first layers, or another checkpoint with the same vocabulary."""
-        if spec.model == SELF_DRAFT:
-            layers = self.model.num_layers if spec.num_draft_layers is None else spec.num_draft_layers
-            if layers > self.model.num_layers:
-                raise ConfigError(f"num_draft_layers={layers}, but the target has {self.model.num_layers} layers; "
-                                  f"use 1 to {self.model.num_layers - 1} (or leave it out: all layers, a draft "
-                                  "that is always right and never faster, for watching the mechanics).")
-            if layers == self.model.num_layers:
-                logger.warning("The self-draft uses all %d layers: every guess will be accepted, but drafting "
-                               "costs as much as the target. Give num_draft_layers < %d for a draft that can "
-                               "pay off.", layers, layers)
-            return self_draft(self.model, layers)
-        from transformers import AutoConfig, AutoTokenizer
-        from .model.loader import resolve_model_path
-        path, _ = resolve_model_path(spec.model, progress)
-        problem = check_same_vocabulary(self.tokenizer, AutoTokenizer.from_pretrained(path),
-                                        self.model.embed.shape[0], AutoConfig.from_pretrained(path).vocab_size,
-                                        spec.model)
-        if problem is not None:                    # found from its config and tokenizer, before its weights load
-            raise ConfigError(problem)
-        loaded = load_model(spec.model, dtype=DTYPES[dtype_name], device=str(self.device), progress=progress)
-        return CompactLlama(loaded.hf_model)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -213,7 +182,9 @@ class Engine:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         for req in finished:
             self._record_finish(req, time.perf_counter())
-        draft_s = self._propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
+        draft_s = 0.0
+        if self.speculator is not None:                    # guesses for the next step
+            draft_s = self.speculator.propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
         return self._emit(plan, new_token_ids, verified, start, model_s, draft_s)
 
     def _copy_swapped_blocks(self, plan: SchedulerOutput) -> None:
@@ -233,56 +204,25 @@ class Engine:
         forward_start = time.perf_counter()
         logits = self.runner.execute(model_input)
         drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}
-        rows = logits.split(model_input.num_logits_rows)
-        plain = [i for i, req in enumerate(model_input.sampled_requests) if req.request_id not in drafts]
-        tokens = self.sampler.sample(torch.stack([rows[i][-1] for i in plain]) if plain else logits[:0],
-                                     [model_input.sampled_requests[i] for i in plain])
-        sampled: dict[str, Optional[list[int]]] = {
-            model_input.sampled_requests[i].request_id: None if t is None else [t] for i, t in zip(plain, tokens)}
-        verified = self._verify(model_input, rows, drafts)
-        sampled.update({rid: (v.token_ids if v is not None else None) for rid, v in verified.items()})
-        return sampled, {rid: v for rid, v in verified.items() if v is not None}, time.perf_counter() - forward_start
-
-    def _verify(self, model_input: ModelInput, rows: Sequence[Any],
-                drafts: dict[str, tuple[int, ...]]) -> dict[str, Optional[Verified]]:
-        """The rejection sampler on each request that carried drafts (None: its sampling failed)."""
-        verdicts: dict[str, Optional[Verified]] = {}
-        for req, req_rows in zip(model_input.sampled_requests, rows):
-            rid = req.request_id
-            if rid not in drafts:
+        sampled: dict[str, Optional[list[int]]] = {}
+        verified: dict[str, Verified] = {}
+        plain: list[tuple[Request, torch.Tensor]] = []
+        for req, rows in zip(model_input.sampled_requests, logits.split(model_input.num_logits_rows)):
+            if req.request_id not in drafts:
+                plain.append((req, rows[-1]))
                 continue
-            probs = self._draft_probs.pop(rid, None)
-            draft = Draft(list(drafts[rid]), None if probs is None else probs[:len(drafts[rid])])
-            try:
-                verdicts[rid] = verify(req_rows, draft, req.params, self.sampler.generator_for(req))
-            except (RuntimeError, ValueError) as exc:
-                logger.error("verifying drafts failed for request %s (%s); it is aborted.", rid, exc)
-                verdicts[rid] = None
-        return verdicts
-
-    def _propose(self, requests: list[Request]) -> float:
-        """Guess the next tokens of every request that just got a token and decodes next; returns seconds.
-
-        A request drafts at most k tokens, none that would pass max_model_len, and none beyond its last
-        possible token (the target adds one of its own to every verification)."""
-        if self.proposer is None:
-            return 0.0
-        begin = time.perf_counter()
-        k = self.speculative.num_speculative_tokens
-        ready = [r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill]
-        limits = {r.request_id: max(0, min(k, self.config.max_model_len - r.num_tokens,
-                                           r.params.max_tokens - len(r.output_token_ids) - 1)) for r in ready}
-        by_id = {r.request_id: r for r in ready}
-        for rid, draft in self.proposer.propose(ready, limits).items():
-            by_id[rid].spec_token_ids = draft.token_ids
-            if draft.probs is not None:
-                self._draft_probs[rid] = draft.probs
-        return time.perf_counter() - begin
+            verdict = self.speculator.verify(req, rows, drafts[req.request_id])
+            sampled[req.request_id] = None if verdict is None else verdict.token_ids
+            if verdict is not None:
+                verified[req.request_id] = verdict
+        if plain:
+            tokens = self.sampler.sample(torch.stack([row for _req, row in plain]), [req for req, _row in plain])
+            sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
+        return sampled, verified, time.perf_counter() - forward_start
 
     def _drop_drafts(self, request_id: str) -> None:
-        self._draft_probs.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def _record_finish(self, req: Request, now: float) -> None:
         self.sampler.forget(req.request_id)

@@ -384,3 +384,14 @@ def test_prometheus_counters_under_vllms_names_match_the_engine(tiny_engine_fact
     assert samples[("minipaged:spec_decode_num_drafts_total", ())] == stats["spec_decode_num_drafts"]
     assert samples[("minipaged:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == \
         stats["spec_decode_num_accepted_tokens_pos_0"]
+
+
+def test_cli_generate_speculates_and_reports_acceptance(tiny_model, capsys):
+    prompt = "abcabcabcabcabcabcabcabc"
+    assert cli_main(["generate", prompt, "--model", tiny_model, "--max-tokens", "20", "--temperature", "0"]) == 0
+    plain = capsys.readouterr().out
+    assert cli_main(["generate", prompt, "--model", tiny_model, "--max-tokens", "20", "--temperature", "0",
+                     "--speculative-model", "self", "--num-speculative-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain                         # the same answer, streamed
+    assert "speculative (self-draft all layers k=3):" in captured.err and "(100%)" in captured.err

@@ -15,16 +15,21 @@ LayerSkip / "draft & verify" self-speculation): no second checkpoint, same vocab
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import logging
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..config import ConfigError
 from ..model import CompactLlama
 from ..request import Request
 from ..runner import ModelRunner
 from ..sampling import Sampler, probabilities
 from ..scheduler import ScheduledChunk
+from .config import SELF_DRAFT, SpeculativeConfig
 from .proposer import Draft
+
+logger = logging.getLogger("minipaged.spec_decode")
 
 
 class DraftModelProposer:
@@ -85,6 +90,34 @@ def self_draft(target: CompactLlama, num_layers: int) -> CompactLlama:
     draft.num_layers = num_layers
     draft._cos = draft._sin = None            # its own RoPE table cache
     return draft
+
+
+def load_draft_model(config: SpeculativeConfig, target: CompactLlama, target_tokenizer: Any, dtype: Any,
+                     device: str, progress: Optional[Callable[[str], None]] = None) -> CompactLlama:
+    """The draft model: the target's own first layers, or another checkpoint with the same vocabulary
+    (checked from its config and tokenizer, before its weights load)."""
+    if config.model == SELF_DRAFT:
+        layers = target.num_layers if config.num_draft_layers is None else config.num_draft_layers
+        if layers > target.num_layers:
+            raise ConfigError(f"num_draft_layers={layers}, but the target has {target.num_layers} layers; use 1 to "
+                              f"{target.num_layers - 1} (or leave it out: all layers, a draft that is always right "
+                              "and never faster, for watching the mechanics).")
+        if layers == target.num_layers:
+            logger.warning("The self-draft uses all %d layers: every guess will be accepted, but drafting costs as "
+                           "much as the target. Give num_draft_layers < %d for a draft that can pay off.",
+                           layers, layers)
+        return self_draft(target, layers)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..model import load_model
+    from ..model.loader import resolve_model_path
+    path, _ = resolve_model_path(config.model, progress)
+    problem = check_same_vocabulary(target_tokenizer, AutoTokenizer.from_pretrained(path), target.embed.shape[0],
+                                    AutoConfig.from_pretrained(path).vocab_size, config.model)
+    if problem is not None:
+        raise ConfigError(problem)
+    loaded = load_model(config.model, dtype=dtype, device=device, progress=progress)
+    return CompactLlama(loaded.hf_model)
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_rows: int, draft_vocab_rows: int,

@@ -1,0 +1,75 @@
+"""The engine's side of speculative decoding: draft after a step, verify in the next.
+
+``Engine.step`` calls ``propose`` once the step's tokens are in: every request that got a token and decodes
+next gets up to k guesses (``Request.spec_token_ids``), which the scheduler adds to its next decode. After
+that step's forward pass, ``verify`` runs the rejection sampler on each request's rows of logits. A
+drafting model's probabilities (q) wait here between the two, keyed by request.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..request import Request, RequestStatus
+from ..sampling import Sampler
+from .config import SpeculativeConfig
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+from .proposer import Draft, Proposer
+from .rejection_sampler import Verified, verify
+
+logger = logging.getLogger("minipaged.spec_decode")
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, sampler: Sampler) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.sampler = sampler                         # the requests' own seeded generators
+        self._draft_probs: dict[str, torch.Tensor] = {}
+
+    def propose(self, requests: Sequence[Request]) -> float:
+        """Guess the next tokens of every request here that decodes next; returns the seconds it took.
+
+        A request drafts at most k tokens, none that would pass max_model_len, and none beyond its last
+        possible token (every verification adds one token of the target's own)."""
+        begin = time.perf_counter()
+        k = self.config.num_speculative_tokens
+        ready = {r.request_id: r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill}
+        limits = {rid: max(0, min(k, self.max_model_len - r.num_tokens,
+                                  r.params.max_tokens - len(r.output_token_ids) - 1)) for rid, r in ready.items()}
+        for rid, draft in self.proposer.propose(list(ready.values()), limits).items():
+            ready[rid].spec_token_ids = draft.token_ids
+            if draft.probs is not None:
+                self._draft_probs[rid] = draft.probs
+        return time.perf_counter() - begin
+
+    def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int]) -> Optional[Verified]:
+        """The rejection sampler on one request's rows (last token + each draft); None if it failed."""
+        probs = self._draft_probs.pop(req.request_id, None)
+        draft = Draft(list(draft_token_ids), None if probs is None else probs[:len(draft_token_ids)])
+        try:
+            return verify(rows, draft, req.params, self.sampler.generator_for(req))
+        except (RuntimeError, ValueError) as exc:
+            logger.error("verifying drafts failed for request %s (%s); it is aborted.", req.request_id, exc)
+            return None
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or lost its KV (preempted): its drafts and the draft model's state go."""
+        self._draft_probs.pop(request_id, None)
+        self.proposer.forget(request_id)
+
+
+def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
+                     backend: str, block_table_of: Callable[[str], list[int]], max_model_len: int,
+                     sampler: Sampler) -> Speculator:
+    """The proposer the configuration names, wrapped for the engine."""
+    if config.method == "ngram":
+        proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        proposer = DraftModelProposer(draft_model, num_blocks, block_size, backend, block_table_of, sampler)
+    return Speculator(config, proposer, max_model_len, sampler)
