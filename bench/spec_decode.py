@@ -1,4 +1,4 @@
-"""Speculative decoding on the embedded SmolLM2: off vs n-gram vs self-draft, at batch 1, 4 and 16.
+"""Speculative decoding on the embedded SmolLM2: off vs n-gram vs self-draft, at batch 1, 4, 16 and 64.
 
 Two workloads, as the seed guide's "When to use" suggests comparing:
   * input-grounded: the answer quotes its input (repeat / correct / edit a passage), where prompt lookup
@@ -10,7 +10,7 @@ length (tokens per verification: accepted + the target's own), tokens per target
 generated tokens / request-forwards that produced tokens), wall time and the speed-up over speculation
 off, and whether greedy outputs were identical (they must be).
 
-    python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16] [--ngram-k 3 5] [--quick]
+    python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5] [--quick]
 """
 from __future__ import annotations
 
@@ -82,7 +82,17 @@ def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) 
     verifications = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     produced = sum(len(t) for e in events for t in e.new_token_ids.values())
     forwards = sum(len(e.new_token_ids) for e in events)
+    offered: list[int] = []                # per draft position: how often a draft was there, and accepted
+    kept: list[int] = []
+    for s in (s for e in events for s in e.scheduled if s.draft_token_ids):
+        for i in range(len(s.draft_token_ids)):
+            if i == len(offered):
+                offered.append(0)
+                kept.append(0)
+            offered[i] += 1
+            kept[i] += i < s.num_accepted
     return {"wall_s": wall, "tokens": [o.token_ids for o in outs], "output_tokens": produced,
+            "acceptance_by_position": [round(k / o, 4) for k, o in zip(kept, offered)],
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / verifications if verifications else None,
             "tokens_per_forward": produced / forwards if forwards else 0.0, "steps": len(events)}
@@ -108,9 +118,11 @@ def early_exit_agreement(engine: Engine, prompts: list[str], layers: int, max_to
 
 def lesson_values(results: list[dict], draft_layers: int, agreement: float) -> dict:
     """The numbers lesson 6 quotes, keyed like ``grounded_b1_ngram_k3_speedup``."""
-    values: dict[str, object] = {"small_batch": min(r["batch"] for r in results),
-                                 "large_batch": max(r["batch"] for r in results),
-                                 "selfdraft_layers": draft_layers, "selfdraft_agreement": round(agreement, 4)}
+    values: dict[str, object] = {f"batch_{r['batch']}": r["batch"] for r in results}   # the text's labels
+    values.update({"small_batch": min(r["batch"] for r in results), "large_batch": max(r["batch"] for r in results),
+                   "selfdraft_layers": draft_layers, "selfdraft_agreement": round(agreement, 4),
+                   "ngram_k_long": max(int(r["config"].split("=")[1]) for r in results
+                                       if r["config"].startswith("ngram"))})
     for r in results:
         if r["config"] == "off":
             continue
@@ -120,6 +132,8 @@ def lesson_values(results: list[dict], draft_layers: int, agreement: float) -> d
         values[f"{key}_speedup"] = round(r["speedup"], 2)
         values[f"{key}_acceptance"] = round(r["acceptance_rate"] or 0.0, 4)
         values[f"{key}_tokens_per_forward"] = round(r["tokens_per_forward"], 2)
+        for i, share in enumerate(r.get("acceptance_by_position", [])):
+            values[f"{key}_acceptance_pos{i + 1}"] = share
     return values
 
 
@@ -140,7 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--ngram-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens for ngram")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens for the self-draft")
     ap.add_argument("--draft-layers", type=int, default=8)
@@ -169,7 +183,8 @@ def main() -> None:
     results, rows = [], []
     for workload, prompts in workloads(engines["off"]).items():
         for batch in args.batches:
-            chosen = prompts[:args.batch1_prompts if batch == 1 else args.prompts]
+            count = args.batch1_prompts if batch == 1 else max(args.prompts, batch)
+            chosen = [prompts[i % len(prompts)] for i in range(count)]     # a batch of 64 repeats the 16 prompts
             runs = {name: run(engine, chosen, batch, params) for name, engine in engines.items()}
             base = runs["off"]
             for name, r in runs.items():

@@ -35,6 +35,9 @@ from minipaged.request import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 MEASURED_FILE = HERE / "measured.json"
+# Numbers that depend on the model's weights (how often a draft is right, wall-clock speed-ups) cannot come
+# from the tiny test model: ``bench/spec_decode.py`` measures them on SmolLM2 and writes them here.
+SMOLLM2_FILE = HERE / "measured_smollm2.json"
 
 # --------------------------------------------------------------------------------------------- prompts
 
@@ -336,14 +339,16 @@ class CheckpointTracker:
 SOURCE_PACKAGES = {"minipaged": "minipaged", "kernels": "minipaged.kernels", "tui": "minipaged.tui",
                    "lessons": "minipaged.lessons"}
 
-PLACEHOLDER = re.compile(r"\{\{\s*(measured|config)\.([A-Za-z0-9_]+)(?::([^}]*))?\s*\}\}")
+PLACEHOLDER = re.compile(r"\{\{\s*(measured|config|smollm2)\.([A-Za-z0-9_]+)(?::([^}]*))?\s*\}\}")
 
 
-def fill(template: str, measured: dict[str, Any], options: dict[str, Any]) -> str:
-    """Replace ``{{measured.key:fmt}}`` and ``{{config.key:fmt}}``; an unknown key raises KeyError."""
+def fill(template: str, measured: dict[str, Any], options: dict[str, Any],
+         smollm2: Optional[dict[str, Any]] = None) -> str:
+    """Replace ``{{measured.key:fmt}}``, ``{{config.key:fmt}}`` and ``{{smollm2.key:fmt}}``; an unknown key
+    raises KeyError."""
     def sub(m: re.Match) -> str:
         space, key, spec = m.group(1), m.group(2), m.group(3) or ""
-        source = measured if space == "measured" else options
+        source = {"measured": measured, "config": options, "smollm2": smollm2 or {}}[space]
         if key not in source:
             raise KeyError(f"{space}.{key} is not known (have: {sorted(source)})")
         value = source[key]
@@ -365,6 +370,7 @@ class Lesson:
     measure: Callable[[dict[str, Run]], dict[str, Any]]
     summary: str = ""
     measured: dict[str, Any] = field(default_factory=dict)   # from measured.json (the last headless run)
+    smollm2: dict[str, Any] = field(default_factory=dict)    # from measured_smollm2.json (a benchmark's run)
 
     @property
     def markdown_path(self) -> Path:
@@ -376,25 +382,32 @@ class Lesson:
         return self.render(self.measured)
 
     def render(self, measured: dict[str, Any]) -> str:
-        return fill(self.template, measured, self.scenario.engine_options())
+        return fill(self.template, measured, self.scenario.engine_options(), self.smollm2)
 
     def render_quiz(self, measured: Optional[dict[str, Any]] = None) -> list[QuizQuestion]:
         values, options = self.measured if measured is None else measured, self.scenario.engine_options()
-        return [QuizQuestion(fill(q.question, values, options), tuple(fill(c, values, options) for c in q.choices),
-                             q.answer, fill(q.explanation, values, options)) for q in self.quiz]
+
+        def text(t: str) -> str:
+            return fill(t, values, options, self.smollm2)
+        return [QuizQuestion(text(q.question), tuple(text(c) for c in q.choices), q.answer, text(q.explanation))
+                for q in self.quiz]
 
     def render_checkpoint(self, index: int) -> tuple[str, str]:
         cp, options = self.checkpoints[index], self.scenario.engine_options()
-        return fill(cp.text, self.measured, options), fill(cp.hint, self.measured, options)
+        return fill(cp.text, self.measured, options, self.smollm2), fill(cp.hint, self.measured, options,
+                                                                         self.smollm2)
 
     def detect_variant(self, info: EngineInfo) -> Optional[str]:
         """Which of the scenario's variants a run is, judged by its EngineInfo (None: options were changed)."""
         from minipaged.config import EngineConfig
+        from minipaged.spec_decode.config import SpeculativeConfig
 
         defaults = EngineConfig()
         keys = {k for name in self.scenario.variants for k in self.scenario.engine_options(name)}
         for name in self.scenario.variants:
             options = {k: self.scenario.engine_options(name).get(k, getattr(defaults, k)) for k in keys}
+            if options.get("speculative_config") is not None:   # as the engine reports it: defaults filled in
+                options["speculative_config"] = SpeculativeConfig.parse(options["speculative_config"]).as_dict()
             if info.preemption_mode != "swap":
                 options.pop("num_cpu_blocks", None)      # the engine reports 0 CPU blocks without swap
             if all(getattr(info, k) == v for k, v in options.items() if hasattr(info, k)):
@@ -448,13 +461,19 @@ def load_measured() -> dict[str, dict[str, Any]]:
     return json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
 
 
+def load_smollm2() -> dict[str, dict[str, Any]]:
+    if not SMOLLM2_FILE.exists():
+        return {}
+    return json.loads(SMOLLM2_FILE.read_text(encoding="utf-8"))
+
+
 def _build(module_name: str, measured: dict[str, dict[str, Any]]) -> Lesson:
     mod = importlib.import_module(f"{__package__}.{module_name}")
     return Lesson(number=mod.NUMBER, title=mod.TITLE, slug=module_name,
                   template=(HERE / f"{module_name}.md").read_text(encoding="utf-8"),
                   scenario=mod.SCENARIO, checkpoints=tuple(mod.CHECKPOINTS), quiz=tuple(mod.QUIZ),
                   measure=mod.measure, summary=getattr(mod, "SUMMARY", ""),
-                  measured=measured.get(str(mod.NUMBER), {}))
+                  measured=measured.get(str(mod.NUMBER), {}), smollm2=load_smollm2().get(str(mod.NUMBER), {}))
 
 
 def list_lessons() -> list[Lesson]:
