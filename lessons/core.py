@@ -383,6 +383,11 @@ class Lesson:
         return [QuizQuestion(fill(q.question, values, options), tuple(fill(c, values, options) for c in q.choices),
                              q.answer, fill(q.explanation, values, options)) for q in self.quiz]
 
+    def asks_quiz(self, variant: Optional[str]) -> bool:
+        """The quiz belongs to the lesson, not to a run: it is asked in the main run (and in a run with the
+        learner's own options), so opening the other variants does not ask the same questions again."""
+        return variant is None or variant == self.scenario.main_variant
+
     def render_checkpoint(self, index: int) -> tuple[str, str]:
         cp, options = self.checkpoints[index], self.scenario.engine_options()
         return fill(cp.text, self.measured, options), fill(cp.hint, self.measured, options)

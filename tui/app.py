@@ -87,6 +87,7 @@ class WatchApp(App[int]):
         self.lesson = lesson                 # watch --lesson N: its text, checkpoints and quiz in the side panel
         # Called as listener(event, state) after each event is shown (lessons check their checkpoints here).
         self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
+        self.rewind_listeners: list[Callable[[WatchState], None]] = []     # called after go_to (stepping back)
         self.status = "loading the model ..." if live else "replaying a recorded trace"
         self.engine_busy = False             # a step was asked of the worker and has not come back
         self._busy_since = 0.0               # when that step was asked for (the header shows how long it runs)
@@ -294,6 +295,8 @@ class WatchApp(App[int]):
         self.state = WatchState.from_events(self.info, self.events[:position])
         self.position = position
         self._keep_selection_valid()
+        for listener in self.rewind_listeners:
+            listener(self.state)
         self.refresh_panels()
 
     def set_side_panel(self, *widgets: Widget) -> None:

@@ -128,6 +128,10 @@ def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[Step
 def print_lesson_summary(console: Console, lesson: Any, tracker: Any) -> None:
     """Checkpoints seen in this run, then the quiz: questions first, answers after, for a projected class."""
     console.print(f"[bold]checkpoints[/]: {len(tracker.ticked)} of {tracker.num_active} seen in this run")
+    if not lesson.asks_quiz(tracker.variant):
+        main = lesson.scenario.main_variant
+        console.print(f"[bold]quiz[/]: asked in the {main} run ({lesson.variant_command(main)})", highlight=False)
+        return
     quiz = lesson.render_quiz()
     console.print("[bold]quiz[/]")
     for number, q in enumerate(quiz, 1):
