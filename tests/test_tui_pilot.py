@@ -410,3 +410,34 @@ async def test_the_header_shows_the_achieved_rate_when_the_engine_falls_short():
         assert app.paused and app.speed == 30.0
         assert told == ["speed 30 steps/s (paused: space runs)"]
         engine.gate.release()                                # let the step in flight end, so quitting is quick
+
+
+def panel_lines(widget) -> list[str]:
+    """A panel's content lines exactly as drawn on screen."""
+    return ["".join(seg.text for seg in widget.render_line(y)).rstrip() for y in range(widget.content_size.height)]
+
+
+@run_async
+async def test_at_100x30_the_batch_panel_says_how_many_requests_it_cannot_list(tiny_model):
+    """24 decodes in a 6-row panel: three are listed and "+21 more" says the rest exist (issue 16, defect 9:
+    the line of totals wrapped and pushed the "more" row out)."""
+    from minipaged import Engine
+    from minipaged.tui.widgets.batch import BatchPanel
+    from minipaged.workloads import make_workload
+
+    workload = make_workload("burst")
+    run = LiveRun(lambda progress: Engine(tiny_model, num_blocks=512), workload)
+    info = run.load()
+    events = []
+    while (event := run.step()) is not None:
+        events.append(event)
+    step = next(i for i, e in enumerate(events, 1) if e.num_decode_tokens == 24)
+    app = WatchApp(replay=(info, events), paused=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.go_to(step)
+        await pilot.pause()
+        lines = panel_lines(app.query_one("#batch", BatchPanel))
+        assert len(lines) == 6 and lines[-1] == "+21 more", lines
+        assert sum(line.startswith("██ ") and " decode " in line for line in lines) == 3
+        assert lines[1].startswith("seqs 24/256") and lines[2].startswith("██ ")
+        await pilot.press("q")
