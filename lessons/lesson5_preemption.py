@@ -78,13 +78,13 @@ def _recomputed(t: Trace) -> Any:
 
 def _swapped_out(t: Trace) -> Any:
     for rid, pairs in t.last.kv.swapped_out.items():
-        return f"{rid}: GPU blocks {[g for g, _ in pairs]} copied to CPU blocks {[c for _, c in pairs]}"
+        return f"{rid}: KV blocks {[g for g, _ in pairs]} copied to host-pool blocks {[c for _, c in pairs]}"
     return None
 
 
 def _swapped_in(t: Trace) -> Any:
     for rid, pairs in t.last.kv.swapped_in.items():
-        return f"{rid}: back into GPU blocks {[g for _, g in pairs]}, nothing recomputed"
+        return f"{rid}: back into KV blocks {[g for _, g in pairs]}, nothing recomputed"
     return None
 
 
@@ -109,8 +109,8 @@ CHECKPOINTS = [
                variants=("recompute", "swap")),
     Checkpoint("the preempted request comes back and recomputes its prompt and its generated tokens",
                _recomputed, "keep going until it is admitted again", variants=("recompute",)),
-    Checkpoint("a preempted request's blocks are copied to the CPU pool", _swapped_out,
-               "watch the CPU map under the GPU map", variants=("swap",)),
+    Checkpoint("a preempted request's blocks are copied to the host pool", _swapped_out,
+               "watch the host-pool map under the KV map", variants=("swap",)),
     Checkpoint("the swapped request comes back without recomputing anything", _swapped_in,
                "keep going until ⇄ swapped in", variants=("swap",)),
     Checkpoint("every request finished with all its tokens", _all_done, "let the run finish"),

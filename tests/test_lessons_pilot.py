@@ -274,7 +274,7 @@ async def test_a_recorded_lesson_replays_with_the_same_ticks(tiny_model, tmp_pat
         await wait_for(pilot, lambda: app.engine_done)
         live_ticks = dict(app.query_one(LessonPanel).tracker.ticked)
         await leave(pilot, app)
-    assert checkpoint_index(lesson, "copied to the CPU pool") in live_ticks
+    assert checkpoint_index(lesson, "copied to the host pool") in live_ticks
     replay = WatchApp(replay=read_trace(str(trace)), speed=0.0, lesson=lesson)
     async with replay.run_test(size=(160, 50)) as pilot:
         await wait_for(pilot, lambda: replay.position == len(replay.events))

@@ -441,3 +441,20 @@ async def test_at_100x30_the_batch_panel_says_how_many_requests_it_cannot_list(t
         assert sum(line.startswith("██ ") and " decode " in line for line in lines) == 3
         assert lines[1].startswith("seqs 24/256") and lines[2].startswith("██ ")
         await pilot.press("q")
+
+
+@run_async
+async def test_on_a_cpu_the_pools_are_named_for_the_memory_they_live_in():
+    """The class's laptops have no GPU: the KV pool says "CPU memory" and the swap pool is the host pool."""
+    from minipaged.tui.widgets.block_map import pool_name
+
+    assert pool_name("cuda:0") == "GPU KV blocks" and pool_name("cpu") == "KV blocks (CPU memory)"
+    info, events = read_trace(str(TRACE))
+    assert info.device == "cpu" and info.num_cpu_blocks
+    app = WatchApp(replay=(info, events), paused=True)
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.go_to(len(events))
+        await pilot.pause()
+        assert app.query_one("#gpu-map", BlockMap).border_title.startswith("KV blocks (CPU memory): ")
+        assert app.query_one("#cpu-map", BlockMap).border_title.startswith("host pool (swap): ")
+        await pilot.press("q")

@@ -85,7 +85,7 @@ def print_step(console: Console, state: WatchState) -> None:
     console.print(Text("  budget ").append_text(budget_bar(state, width)))
     console.print(Text("  blocks ").append_text(block_strip(state, width)))
     if state.view.cpu_block_owner:
-        console.print(Text("  cpu    ").append_text(block_strip(state, width, cpu=True)))
+        console.print(Text("  host   ").append_text(block_strip(state, width, cpu=True)))
     if q["running"] or q["swapped"]:
         console.print(progress_line(state, q), highlight=False)
     for line in state.log:
