@@ -26,6 +26,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
+from .kernels import triton_available
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -57,7 +58,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.model = CompactLlama(self.loaded.hf_model)
         config.finalize(self.loaded.config.max_position_embeddings)
-        self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" and triton_available()
+                                                    else "torch")
 
         # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
         bytes_per_block = self.model.kv_bytes_per_token() * config.block_size
