@@ -458,3 +458,37 @@ async def test_on_a_cpu_the_pools_are_named_for_the_memory_they_live_in():
         assert app.query_one("#gpu-map", BlockMap).border_title.startswith("KV blocks (CPU memory): ")
         assert app.query_one("#cpu-map", BlockMap).border_title.startswith("host pool (swap): ")
         await pilot.press("q")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@run_async
+async def test_s_saves_the_screen_as_svg_and_png_in_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = replay_app()
+    notes: list[str] = []
+    app.notify = lambda message, **kwargs: notes.append(message)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("n", "n", "s", "s")
+        await pilot.press("q")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["minipaged-replay-step2-2.png", "minipaged-replay-step2-2.svg",
+                     "minipaged-replay-step2.png", "minipaged-replay-step2.svg"]
+    svg = (tmp_path / "minipaged-replay-step2.svg").read_text()
+    assert svg.lstrip().startswith("<svg") and "step&#160;2/" in svg
+    width, height = png_size((tmp_path / "minipaged-replay-step2.png").read_bytes())
+    assert width > 1000 and height > 500
+    assert any("minipaged-replay-step2.svg, minipaged-replay-step2.png in " + str(tmp_path) in n for n in notes)
+
+
+def test_the_png_has_text_drawn_not_only_boxes():
+    """Without a font resvg knows, the PNG shows coloured boxes and no text: the same screen with its text
+    made invisible must differ from it."""
+    from minipaged.tui.screenshots import render, svg_to_png
+
+    svg = asyncio.run(render(str(TRACE), 2, None, (80, 24)))
+    no_text = svg.replace("<text ", '<text visibility="hidden" ')
+    assert svg_to_png(svg) != svg_to_png(no_text)

@@ -64,6 +64,7 @@ class WatchApp(App[int]):
         Binding("minus,underscore", "slower", "Slower", key_display="-"),
         Binding("up", "select(-1)", "Select previous request", show=False),
         Binding("down", "select(1)", "Select next request", show=False),
+        Binding("s", "screenshot", "Save a picture of the screen (SVG and PNG)", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
@@ -428,6 +429,16 @@ class WatchApp(App[int]):
             panels = list(self.query("LessonPanel"))           # a lesson adds its own keys
             keys = self.BINDINGS + (panels[0].BINDINGS if panels else [])
             self.push_screen(HelpScreen(keys, replay=self.live is None))
+
+    def action_screenshot(self) -> None:
+        from .screenshots import save_screen
+
+        try:
+            paths = save_screen(self, Path.cwd())
+        except OSError as exc:
+            self.notify(f"could not save a picture here: {exc}", severity="error", timeout=6)
+            return
+        self.notify(", ".join(path.name for path in paths) + f" in {paths[0].parent}", title="Saved", timeout=6)
 
     async def action_quit(self) -> None:
         self._commands.put("stop")

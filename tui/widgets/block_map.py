@@ -183,7 +183,7 @@ def legend(full: bool = False) -> Text:
              (Cell("free", None, 0, 0, 1, False), "free"),
              (Cell("used", "r", 1, 1, 1, True), "selected request")]
     if full:
-        items += [(Cell("swapped", "r", 1, 1, 1, False), "(CPU map) a swapped-out request's block"),
+        items += [(Cell("swapped", "r", 1, 1, 1, False), "(host map) a swapped-out request's block"),
                   (Cell("used", "r", 1, 2, 4, False), "group of blocks, half in use"),
                   (Cell("shared", "r", 2, 4, 4, False), "group with shared blocks")]
     text = Text()
