@@ -136,11 +136,13 @@ QUIZ = [
         "{{measured.swap_blocks_out}} blocks out and {{measured.swap_blocks_in}} back. Both gave the same "
         "outputs as a run without preemption."),
     QuizQuestion(
-        "vLLM logs a warning for every preemption. Which change does it NOT suggest?",
+        "vLLM's optimization-and-tuning guide lists what to do when preemptions are frequent. Which change is "
+        "NOT on its list?",
         ("More KV cache memory (gpu_memory_utilization, num_blocks)", "A smaller max_num_seqs",
          "A smaller max_num_batched_tokens", "A larger block_size"),
         3,
-        "More memory or fewer requests at once. Here {{measured.roomy_blocks}} instead of {{config.num_blocks}} "
+        "The warning itself names more memory (gpu_memory_utilization, tensor_parallel_size); the guide adds "
+        "fewer requests at once (max_num_seqs, max_num_batched_tokens). Here {{measured.roomy_blocks}} instead of {{config.num_blocks}} "
         "blocks left {{measured.roomy_preemptions}} preemptions, and so did max_num_seqs {{measured.fewer_seqs}} "
         "({{measured.fewer_seqs_preemptions}}), but then the run took {{measured.fewer_seqs_steps}} steps "
         "instead of {{measured.recompute_steps}}."),
