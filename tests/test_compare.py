@@ -37,3 +37,21 @@ def test_static_and_continuous_on_the_same_workload(tiny_model):
     assert static.line().startswith(f"policy=static: {static.steps} steps, ")
     with pytest.raises(ValueError, match="two or three"):
         CompareRun([("a", None)], workload)
+
+
+def test_watch_compare_prints_a_summary_per_variant(tiny_model, capsys):
+    from minipaged.cli import make_parser
+    from minipaged.tui import run_watch
+
+    def watch(*extra: str) -> int:
+        return run_watch(make_parser().parse_args(["watch", "--model", tiny_model, "--workload", "chat",
+                                                   "--num-requests", "4", "--max-tokens", "6", *extra]))
+
+    assert watch("--no-tui", "--compare", "policy=static", "policy=continuous") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "workload chat, 4 requests, the same for each run:"
+    assert lines[1].startswith("  policy=static: ") and lines[2].startswith("  policy=continuous: ")
+    assert watch("--compare", "policy=static", "policy=continuous") == 2          # no side-by-side view yet
+    assert "use it with --no-tui" in capsys.readouterr().err
+    assert watch("--no-tui", "--compare", "policy=static") == 2
+    assert "two or three variants" in capsys.readouterr().err
