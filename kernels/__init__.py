@@ -42,6 +42,9 @@ def choose_backend(t: torch.Tensor, backend: str | None = None) -> str:
         return "triton" if t.is_cuda and triton_available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton" and not triton_available():
+        raise ValueError("the triton attention backend needs Triton: pip install 'minipaged[gpu]' (Linux with a "
+                         "CUDA GPU), or use the torch backend.")
     return backend
 
 

@@ -392,6 +392,11 @@ class Lesson:
         return [QuizQuestion(text(q.question), tuple(text(c) for c in q.choices), q.answer, text(q.explanation))
                 for q in self.quiz]
 
+    def asks_quiz(self, variant: Optional[str]) -> bool:
+        """The quiz belongs to the lesson, not to a run: it is asked in the main run (and in a run with the
+        learner's own options), so opening the other variants does not ask the same questions again."""
+        return variant is None or variant == self.scenario.main_variant
+
     def render_checkpoint(self, index: int) -> tuple[str, str]:
         cp, options = self.checkpoints[index], self.scenario.engine_options()
         return fill(cp.text, self.measured, options, self.smollm2), fill(cp.hint, self.measured, options,

@@ -78,13 +78,13 @@ def _recomputed(t: Trace) -> Any:
 
 def _swapped_out(t: Trace) -> Any:
     for rid, pairs in t.last.kv.swapped_out.items():
-        return f"{rid}: GPU blocks {[g for g, _ in pairs]} copied to CPU blocks {[c for _, c in pairs]}"
+        return f"{rid}: KV blocks {[g for g, _ in pairs]} copied to host-pool blocks {[c for _, c in pairs]}"
     return None
 
 
 def _swapped_in(t: Trace) -> Any:
     for rid, pairs in t.last.kv.swapped_in.items():
-        return f"{rid}: back into GPU blocks {[g for _, g in pairs]}, nothing recomputed"
+        return f"{rid}: back into KV blocks {[g for _, g in pairs]}, nothing recomputed"
     return None
 
 
@@ -109,8 +109,8 @@ CHECKPOINTS = [
                variants=("recompute", "swap")),
     Checkpoint("the preempted request comes back and recomputes its prompt and its generated tokens",
                _recomputed, "keep going until it is admitted again", variants=("recompute",)),
-    Checkpoint("a preempted request's blocks are copied to the CPU pool", _swapped_out,
-               "watch the CPU map under the GPU map", variants=("swap",)),
+    Checkpoint("a preempted request's blocks are copied to the host pool", _swapped_out,
+               "watch the host-pool map under the KV map", variants=("swap",)),
     Checkpoint("the swapped request comes back without recomputing anything", _swapped_in,
                "keep going until ⇄ swapped in", variants=("swap",)),
     Checkpoint("every request finished with all its tokens", _all_done, "let the run finish"),
@@ -136,11 +136,13 @@ QUIZ = [
         "{{measured.swap_blocks_out}} blocks out and {{measured.swap_blocks_in}} back. Both gave the same "
         "outputs as a run without preemption."),
     QuizQuestion(
-        "vLLM logs a warning for every preemption. Which change does it NOT suggest?",
+        "vLLM's optimization-and-tuning guide lists what to do when preemptions are frequent. Which change is "
+        "NOT on its list?",
         ("More KV cache memory (gpu_memory_utilization, num_blocks)", "A smaller max_num_seqs",
          "A smaller max_num_batched_tokens", "A larger block_size"),
         3,
-        "More memory or fewer requests at once. Here {{measured.roomy_blocks}} instead of {{config.num_blocks}} "
+        "The warning itself names more memory (gpu_memory_utilization, tensor_parallel_size); the guide adds "
+        "fewer requests at once (max_num_seqs, max_num_batched_tokens). Here {{measured.roomy_blocks}} instead of {{config.num_blocks}} "
         "blocks left {{measured.roomy_preemptions}} preemptions, and so did max_num_seqs {{measured.fewer_seqs}} "
         "({{measured.fewer_seqs_preemptions}}), but then the run took {{measured.fewer_seqs_steps}} steps "
         "instead of {{measured.recompute_steps}}."),

@@ -32,6 +32,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
+from .kernels import triton_available
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -66,7 +67,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.model = CompactLlama(self.loaded.hf_model)
         config.finalize(self.loaded.config.max_position_embeddings)
-        self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" and triton_available()
+                                                    else "torch")
         spec = config.speculative
         self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
                                             load_progress) if spec and spec.uses_draft_model else None

@@ -109,6 +109,80 @@ async def test_a_quiz_out_of_view_is_shown_before_it_can_be_answered():
         assert panel.answers == [0]
 
 
+def shown_marks(text: str) -> list[str]:
+    return [line.split()[0] for line in text.splitlines() if line.startswith(" ") and line.split()
+            and line.split()[0] in ("✔", "▶", "○", "·")]
+
+
+def test_the_count_matches_the_checkpoints_listed_for_this_run(tiny_model):
+    """Lesson 3's cache-on run has 6 of the lesson's 7 checkpoints: the count says 6, six are listed under
+    it, and the seventh is listed apart, as another run's."""
+    lesson = get_lesson(3)
+    run = run_variant(lesson.scenario, tiny_model, "cache-on")
+    panel = LessonPanel(lesson)
+    panel.tracker = lesson.tracker(run.info)
+    text = str(panel.checkpoints_text())
+    this_run, other_runs = text.split("more in the lesson's other runs")
+    assert "Checkpoints 0/6 in this run" in this_run and len(shown_marks(this_run)) == 6
+    assert shown_marks(other_runs) == ["·"]
+
+
+@run_async
+async def test_brackets_scroll_the_checkpoints_and_quiz():
+    app = PanelApp(get_lesson(5))
+    async with app.run_test(size=(60, 24)) as pilot:
+        progress = app.query_one("#lesson-progress")
+        await pilot.pause()
+        assert progress.max_scroll_y > 0 and progress.scroll_offset.y == 0
+        await pilot.press("right_square_bracket")
+        await pilot.pause()
+        assert progress.scroll_offset.y > 0
+        await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert progress.scroll_offset.y == 0
+
+
+@run_async
+async def test_the_quiz_is_asked_in_the_main_run_only(tiny_model):
+    lesson = get_lesson(2)
+    static = run_variant(lesson.scenario, tiny_model, "static")
+    app = PanelApp(lesson)
+    async with app.run_test(size=(70, 50)) as pilot:
+        panel = app.query_one(LessonPanel)
+        panel.start(static.info)
+        assert panel.tracker.variant == "static"
+        shown = str(panel.quiz_text())
+        assert "asked in the continuous run: minipaged watch --lesson 2" in shown
+        assert lesson.render_quiz()[0].question not in shown
+        await pilot.press("1")
+        assert panel.answers == []
+    main = run_variant(lesson.scenario, tiny_model, "continuous")
+    panel = LessonPanel(lesson)
+    panel.tracker = lesson.tracker(main.info)
+    assert lesson.render_quiz()[0].question in str(panel.quiz_text())
+
+
+@run_async
+async def test_stepping_back_in_a_replay_unticks_later_checkpoints(tiny_model):
+    lesson = get_lesson(3)
+    run = run_variant(lesson.scenario, tiny_model, "cache-on")
+    hit = checkpoint_index(lesson, "cache hit")
+    app = WatchApp(replay=(run.info, run.events), paused=True, lesson=lesson)
+    async with app.run_test(size=(160, 50)) as pilot:
+        panel = app.query_one(LessonPanel)
+        for _ in range(3):
+            await pilot.press("n")
+        await wait_for(pilot, lambda: app.position == 3)
+        assert hit in panel.ticked_on_screen() and "✔ a request is admitted reusing" in str(panel.checkpoints_text())
+        await pilot.press("b")
+        assert hit not in panel.ticked_on_screen()
+        assert "✔ a request is admitted reusing" not in str(panel.checkpoints_text())
+        assert "Checkpoints 1/6" in str(panel.checkpoints_text())
+        await pilot.press("n")
+        assert panel.ticked_on_screen()[hit][0] == 3
+        await pilot.press("q")
+
+
 # ------------------------------------------------------------------------------------ inside minipaged watch
 
 @run_async
@@ -140,9 +214,11 @@ async def test_watch_lesson_opens_and_a_checkpoint_ticks_after_the_right_steps(t
         # The panel has focus, yet the app's keys still work.
         await pilot.press("down")
         assert app.selected == "r1"
-        await pilot.press("b")
-        assert app.position == 2 and panel.tracker.ticked[hit][0] == 3     # stays ticked
+        await pilot.press("b")                                  # back before the hit: open again
+        assert app.position == 2 and hit not in panel.ticked_on_screen()
         await pilot.press("n")
+        await wait_for(pilot, lambda: app.position == 3)
+        assert panel.ticked_on_screen()[hit][0] == 3
         await leave(pilot, app)
 
 
@@ -198,7 +274,7 @@ async def test_a_recorded_lesson_replays_with_the_same_ticks(tiny_model, tmp_pat
         await wait_for(pilot, lambda: app.engine_done)
         live_ticks = dict(app.query_one(LessonPanel).tracker.ticked)
         await leave(pilot, app)
-    assert checkpoint_index(lesson, "copied to the CPU pool") in live_ticks
+    assert checkpoint_index(lesson, "copied to the host pool") in live_ticks
     replay = WatchApp(replay=read_trace(str(trace)), speed=0.0, lesson=lesson)
     async with replay.run_test(size=(160, 50)) as pilot:
         await wait_for(pilot, lambda: replay.position == len(replay.events))
@@ -233,3 +309,11 @@ def test_watch_lesson_errors_and_plain_mode(tiny_model, capsys):
     flat = " ".join(out.split())                                   # the console wraps long lines
     asked = flat.index(f"Q{len(quiz)}. {' '.join(quiz[-1].question.split())}")
     assert f"Q1. {' '.join(quiz[0].question.split())}" in flat and flat.index("answers Q1:") > asked
+
+
+def test_plain_mode_asks_the_quiz_in_the_main_run_only(tiny_model, capsys):
+    from minipaged.tui import run_watch
+    assert run_watch(watch_args(tiny_model, "--lesson", "2", "--policy", "static", "--no-tui")) == 0
+    out = capsys.readouterr().out
+    assert "quiz: asked in the continuous run (minipaged watch --lesson 2" in " ".join(out.split())
+    assert "answers" not in out

@@ -445,3 +445,85 @@ async def test_speculation_shows_each_drafts_verdict_and_the_acceptance_gauges(t
     info, events = read_trace(str(trace))
     assert info.speculative == "self-draft 1 layers k=3"
     assert any(s.draft_token_ids and s.draft_pieces for ev in events for s in ev.scheduled)
+
+
+def panel_lines(widget) -> list[str]:
+    """A panel's content lines exactly as drawn on screen."""
+    return ["".join(seg.text for seg in widget.render_line(y)).rstrip() for y in range(widget.content_size.height)]
+
+
+@run_async
+async def test_at_100x30_the_batch_panel_says_how_many_requests_it_cannot_list(tiny_model):
+    """24 decodes in a 6-row panel: three are listed and "+21 more" says the rest exist (issue 16, defect 9:
+    the line of totals wrapped and pushed the "more" row out)."""
+    from minipaged import Engine
+    from minipaged.tui.widgets.batch import BatchPanel
+    from minipaged.workloads import make_workload
+
+    workload = make_workload("burst")
+    run = LiveRun(lambda progress: Engine(tiny_model, num_blocks=512), workload)
+    info = run.load()
+    events = []
+    while (event := run.step()) is not None:
+        events.append(event)
+    step = next(i for i, e in enumerate(events, 1) if e.num_decode_tokens == 24)
+    app = WatchApp(replay=(info, events), paused=True)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.go_to(step)
+        await pilot.pause()
+        lines = panel_lines(app.query_one("#batch", BatchPanel))
+        assert len(lines) == 6 and lines[-1] == "+21 more", lines
+        assert sum(line.startswith("██ ") and " decode " in line for line in lines) == 3
+        assert lines[1].startswith("seqs 24/256") and lines[2].startswith("██ ")
+        await pilot.press("q")
+
+
+@run_async
+async def test_on_a_cpu_the_pools_are_named_for_the_memory_they_live_in():
+    """The class's laptops have no GPU: the KV pool says "CPU memory" and the swap pool is the host pool."""
+    from minipaged.tui.widgets.block_map import pool_name
+
+    assert pool_name("cuda:0") == "GPU KV blocks" and pool_name("cpu") == "KV blocks (CPU memory)"
+    info, events = read_trace(str(TRACE))
+    assert info.device == "cpu" and info.num_cpu_blocks
+    app = WatchApp(replay=(info, events), paused=True)
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.go_to(len(events))
+        await pilot.pause()
+        assert app.query_one("#gpu-map", BlockMap).border_title.startswith("KV blocks (CPU memory): ")
+        assert app.query_one("#cpu-map", BlockMap).border_title.startswith("host pool (swap): ")
+        await pilot.press("q")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@run_async
+async def test_s_saves_the_screen_as_svg_and_png_in_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = replay_app()
+    notes: list[str] = []
+    app.notify = lambda message, **kwargs: notes.append(message)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("n", "n", "s", "s")
+        await pilot.press("q")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["minipaged-replay-step2-2.png", "minipaged-replay-step2-2.svg",
+                     "minipaged-replay-step2.png", "minipaged-replay-step2.svg"]
+    svg = (tmp_path / "minipaged-replay-step2.svg").read_text()
+    assert svg.lstrip().startswith("<svg") and "step&#160;2/" in svg
+    width, height = png_size((tmp_path / "minipaged-replay-step2.png").read_bytes())
+    assert width > 1000 and height > 500
+    assert any("minipaged-replay-step2.svg, minipaged-replay-step2.png in " + str(tmp_path) in n for n in notes)
+
+
+def test_the_png_has_text_drawn_not_only_boxes():
+    """Without a font resvg knows, the PNG shows coloured boxes and no text: the same screen with its text
+    made invisible must differ from it."""
+    from minipaged.tui.screenshots import render, svg_to_png
+
+    svg = asyncio.run(render(str(TRACE), 2, None, (80, 24)))
+    no_text = svg.replace("<text ", '<text visibility="hidden" ')
+    assert svg_to_png(svg) != svg_to_png(no_text)

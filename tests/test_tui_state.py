@@ -225,7 +225,7 @@ def test_no_tui_prints_one_block_per_step():
         assert words in out
     # What the TUI's other panels show: latencies, the CPU pool, each request's progress, the output text.
     assert "TTFT 100 ms" in out and "ITL 100.0 ms" in out
-    assert "  cpu    ██··" in out                                # 4 CPU blocks: one character each
+    assert "  host   ██··" in out                                # 4 CPU blocks: one character each
     assert "B ⇄ 1/2" in out and "A 1/2" in out
     assert "A said: xz" in out
 
@@ -236,7 +236,7 @@ def test_no_tui_block_strips_fit_the_line_however_big_the_pools():
     print_run(Console(file=buf, width=120, color_system=None), big, [step(1, num_total_blocks=5000,
                                                                           num_free_blocks=5000)])
     lines = buf.getvalue().splitlines()
-    for label in ("  blocks ", "  cpu    "):
+    for label in ("  blocks ", "  host   "):
         strip = next(line for line in lines if line.startswith(label))
         assert len(strip) <= 120, label
 

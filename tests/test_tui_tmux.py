@@ -79,7 +79,7 @@ def test_watch_replay_in_tmux(tmp_path):
     tmux = Tmux("replay")
     try:
         start_watch(tmux, status_file, "--replay", str(TRACE), "--paused")
-        screen = tmux.wait_for("GPU KV blocks")
+        screen = tmux.wait_for("KV blocks (CPU memory)")
         assert "REPLAY" in screen and "step 0/" in screen and "PAUSED" in screen
         tmux.keys("n")
         screen = tmux.wait_for("step 1/")

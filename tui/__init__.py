@@ -46,6 +46,10 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
                    help="open guided lesson N (list them: minipaged lessons): its scenario, with the lesson "
                         "text, checkpoints and quiz beside it; engine flags you give pick the run it compares "
                         "with, e.g. --lesson 2 --policy static%(default).0s")
+    g.add_argument("--compare", nargs="+", metavar="VARIANT", default=None,
+                   help="run the workload through two or three engines that differ in the options given as "
+                        "name=value, e.g. --compare policy=static policy=continuous; prints one summary line "
+                        "each (needs --no-tui: the side-by-side view is not built yet)%(default).0s")
 
     v = parser.add_argument_group("watching")
     v.add_argument("--replay", metavar="FILE", default=None,
@@ -74,17 +78,48 @@ def engine_options_for(args: argparse.Namespace, suggested: dict[str, Any]) -> d
     return options
 
 
-def build_live_run(args: argparse.Namespace):
-    """The workload and a LiveRun that will build the engine (in the worker thread, when it loads)."""
+def workload_of(args: argparse.Namespace):
+    """The workload the flags describe (a preset, maybe with the user's prompts and sizes)."""
     from minipaged.workloads import DEFAULT_WORKLOAD, make_workload, read_prompts_file
 
+    prompts = read_prompts_file(args.prompts) if args.prompts else None
+    return make_workload(args.workload or DEFAULT_WORKLOAD, num_requests=args.num_requests, rate=args.rate,
+                         max_tokens=args.max_tokens, seed=args.seed or 0, prompts=prompts)
+
+
+def build_live_run(args: argparse.Namespace):
+    """The workload and a LiveRun that will build the engine (in the worker thread, when it loads)."""
     from .driver import LiveRun
 
-    prompts = read_prompts_file(args.prompts) if args.prompts else None
-    workload = make_workload(args.workload or DEFAULT_WORKLOAD, num_requests=args.num_requests, rate=args.rate,
-                             max_tokens=args.max_tokens, seed=args.seed or 0, prompts=prompts)
+    workload = workload_of(args)
     options = engine_options_for(args, workload.engine_options)
     return LiveRun(lambda progress: build_engine(args.model, options, progress), workload, record=args.record)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``--compare A B [C]``: the same workload through each variant, stepped together; a summary each."""
+    from .compare import CompareRun, parse_variant
+
+    if args.tui or args.replay or args.lesson or args.record:
+        print("minipaged watch: --compare prints a summary for now: use it with --no-tui, and without --replay, "
+              "--lesson or --record.", file=sys.stderr)
+        return 2
+    try:
+        workload = workload_of(args)
+        base = engine_options_for(args, workload.engine_options)
+        variants = [(text, {**base, **parse_variant(text)}) for text in args.compare]
+        compare = CompareRun([(text, lambda progress, o=options: build_engine(args.model, o, progress))
+                              for text, options in variants], workload)
+    except (OSError, ValueError) as exc:
+        print(f"minipaged watch: {exc}", file=sys.stderr)
+        return 2
+    compare.load()
+    while not compare.done:
+        compare.step()
+    print(f"workload {workload.name}, {len(workload.arrivals)} requests, the same for each run:")
+    for summary in compare.summaries():
+        print("  " + summary.line())
+    return 0
 
 
 def _flag_problem(args: argparse.Namespace) -> Optional[str]:
@@ -118,6 +153,8 @@ def run_watch(args: argparse.Namespace) -> int:
     if problem:
         print(f"minipaged watch: {problem}", file=sys.stderr)
         return 2
+    if getattr(args, "compare", None):
+        return run_compare(args)
     replay = None
     live = None
     lesson = None

@@ -64,6 +64,7 @@ class WatchApp(App[int]):
         Binding("minus,underscore", "slower", "Slower", key_display="-"),
         Binding("up", "select(-1)", "Select previous request", show=False),
         Binding("down", "select(1)", "Select next request", show=False),
+        Binding("s", "screenshot", "Save a picture of the screen (SVG and PNG)", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
@@ -87,6 +88,7 @@ class WatchApp(App[int]):
         self.lesson = lesson                 # watch --lesson N: its text, checkpoints and quiz in the side panel
         # Called as listener(event, state) after each event is shown (lessons check their checkpoints here).
         self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
+        self.rewind_listeners: list[Callable[[WatchState], None]] = []     # called after go_to (stepping back)
         self.status = "loading the model ..." if live else "replaying a recorded trace"
         self.engine_busy = False             # a step was asked of the worker and has not come back
         self._busy_since = 0.0               # when that step was asked for (the header shows how long it runs)
@@ -294,6 +296,8 @@ class WatchApp(App[int]):
         self.state = WatchState.from_events(self.info, self.events[:position])
         self.position = position
         self._keep_selection_valid()
+        for listener in self.rewind_listeners:
+            listener(self.state)
         self.refresh_panels()
 
     def set_side_panel(self, *widgets: Widget) -> None:
@@ -425,6 +429,16 @@ class WatchApp(App[int]):
             panels = list(self.query("LessonPanel"))           # a lesson adds its own keys
             keys = self.BINDINGS + (panels[0].BINDINGS if panels else [])
             self.push_screen(HelpScreen(keys, replay=self.live is None))
+
+    def action_screenshot(self) -> None:
+        from .screenshots import save_screen
+
+        try:
+            paths = save_screen(self, Path.cwd())
+        except OSError as exc:
+            self.notify(f"could not save a picture here: {exc}", severity="error", timeout=6)
+            return
+        self.notify(", ".join(path.name for path in paths) + f" in {paths[0].parent}", title="Saved", timeout=6)
 
     async def action_quit(self) -> None:
         self._commands.put("stop")

@@ -21,7 +21,7 @@ READING = (
     "means three requests share the block: their prompts start the same way, so the prefix cache served it "
     "once for all. Grey blocks are free but still hold a cached prefix, reused if a later prompt matches, "
     "evicted oldest-first when the pool needs room. When the pool runs dry the newest running request is "
-    "preempted: recompute drops its blocks, swap copies them to the CPU pool (the second map).")
+    "preempted: recompute drops its blocks, swap copies them to the host pool (the second map).")
 
 
 def key_label(keys: str) -> str:

@@ -6,7 +6,11 @@ and a short quiz. It reads StepEvents only: the app calls ``on_step(event, state
 ``minipaged.lessons``. So it works the same on a live run, a replayed trace, or events fed by a test.
 
 Keys while the panel has focus (it takes it when it mounts; nothing else in the app is focusable): 1-4
-answer the quiz, PageUp/PageDown scroll the text. Every other key goes on to the app (space, n, b, arrows).
+answer the quiz, PageUp/PageDown scroll the text, [ and ] scroll the checkpoints and quiz. Every other key
+goes on to the app (space, n, b, arrows).
+
+A checkpoint shows as ticked only while the step that ticked it is on screen: step back before it and it
+is open again (the tracker remembers it, so stepping forward ticks it again without a second notice).
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ class LessonPanel(Vertical, can_focus=True):
         Binding("4", "answer(3)", "answer the quiz question", show=False),
         Binding("pageup", "scroll_text(-1)", "scroll the lesson text", show=False, key_display="PgUp"),
         Binding("pagedown", "scroll_text(1)", "scroll the lesson text", show=False, key_display="PgDn"),
+        Binding("left_square_bracket", "scroll_progress(-1)", "scroll the checkpoints and quiz", show=False,
+                key_display="["),
+        Binding("right_square_bracket", "scroll_progress(1)", "scroll the checkpoints and quiz", show=False,
+                key_display="]"),
     ]
 
     def __init__(self, lesson: Lesson, *, id: Optional[str] = "lesson") -> None:
@@ -60,6 +68,7 @@ class LessonPanel(Vertical, can_focus=True):
         self.tracker: Optional[CheckpointTracker] = None
         self.quiz = lesson.render_quiz()
         self.answers: list[int] = []            # the learner's choice for each question answered so far
+        self.shown_step: Optional[int] = None   # the step on screen (None: the newest one fed)
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -79,6 +88,9 @@ class LessonPanel(Vertical, can_focus=True):
         listeners = getattr(self.app, "step_listeners", None)
         if listeners is not None:
             listeners.append(self.on_step)
+        rewind_listeners = getattr(self.app, "rewind_listeners", None)
+        if rewind_listeners is not None:
+            rewind_listeners.append(self.on_rewind)
         info = getattr(self.app, "info", None)
         if isinstance(info, EngineInfo):
             self.start(info)
@@ -90,7 +102,7 @@ class LessonPanel(Vertical, can_focus=True):
         if self.tracker is not None:
             variant = self.tracker.variant
             text.append(f"\n{'this run: ' + variant if variant else 'a run with your own options'}", style="dim")
-        text.append("\nn step · space run · 1-4 quiz · PgUp/PgDn text", style="dim italic")
+        text.append("\nn step · space run · 1-4 quiz · PgUp/PgDn text · [ ] checkpoints", style="dim italic")
         return text
 
     # ------------------------------------------------------------------ events in
@@ -103,7 +115,14 @@ class LessonPanel(Vertical, can_focus=True):
 
     def on_step(self, event: StepEvent, state: Any) -> None:
         """The app showed ``event``; ``state`` is its WatchState (only ``state.info`` is used)."""
+        self.shown_step = event.step
         self.feed(event, state.info)
+
+    def on_rewind(self, state: Any) -> None:
+        """The app stepped back: ticks from later steps are open again until those steps are shown."""
+        last = state.last_event
+        self.shown_step = last.step if last is not None else 0
+        self.refresh_progress()
 
     def feed(self, event: StepEvent, info: EngineInfo) -> list[int]:
         self.start(info)
@@ -112,7 +131,7 @@ class LessonPanel(Vertical, can_focus=True):
         for i in new:
             text, _hint = self.lesson.render_checkpoint(i)
             self.app.notify(f"{TICK} {text}", title="Checkpoint", timeout=4)
-        if new:
+        if new or self.shown_step is not None:
             self.refresh_progress()
         return new
 
@@ -124,36 +143,56 @@ class LessonPanel(Vertical, can_focus=True):
     def checkpoints_text(self) -> Text:
         lesson, tracker = self.lesson, self.tracker
         active = [i for i in range(len(lesson.checkpoints)) if tracker is None or tracker.active(i)]
-        done = len(tracker.ticked) if tracker else 0
+        others = [i for i in range(len(lesson.checkpoints)) if i not in active]
+        ticked = self.ticked_on_screen()
         out = Text()
-        out.append(f"Checkpoints {done}/{len(active)}\n", style="bold")
-        next_index = tracker.next_index if tracker else (active[0] if active else None)
-        for i, cp in enumerate(lesson.checkpoints):
+        out.append(f"Checkpoints {len(ticked)}/{len(active)} in this run\n", style="bold")
+        next_index = next((i for i in active if i not in ticked), None)
+        for i in active:
             text, hint = lesson.render_checkpoint(i)
-            if tracker is not None and i in tracker.ticked:
-                step, detail = tracker.ticked[i]
+            if i in ticked:
+                step, detail = ticked[i]
                 out.append(f" {TICK} ", style="bold #59a14f")
                 out.append(text)
                 out.append(f"  step {step}\n", style="dim")
                 if detail:
                     out.append(f"   {detail}\n", style="#59a14f")
-            elif i in active:
+            else:
                 mark, style = (NEXT, "bold #edc948") if i == next_index else (TODO, "")
                 out.append(f" {mark} ", style=style)
                 out.append(text + "\n", style=style)
                 if i == next_index and hint:
                     out.append(f"   → {hint}\n", style="italic #edc948")
-            else:
-                variants = cp.variants or ()
-                out.append(f" {OTHER} {text}\n", style="dim")
-                if variants:
-                    out.append(f"   in another run: {lesson.variant_command(variants[0])}\n", style="dim italic")
+        if others:
+            out.append(f"{len(others)} more in the lesson's other runs\n", style="bold dim")
+        for i in others:
+            text, _hint = lesson.render_checkpoint(i)
+            variants = lesson.checkpoints[i].variants or ()
+            out.append(f" {OTHER} {text}\n", style="dim")
+            if variants:
+                out.append(f"   in another run: {lesson.variant_command(variants[0])}\n", style="dim italic")
         return out
+
+    def ticked_on_screen(self) -> dict[int, tuple[int, str]]:
+        """The tracker's ticks from the steps up to the one on screen."""
+        if self.tracker is None:
+            return {}
+        return {i: tick for i, tick in self.tracker.ticked.items()
+                if self.shown_step is None or tick[0] <= self.shown_step}
+
+    @property
+    def asks_quiz(self) -> bool:
+        return self.lesson.asks_quiz(self.tracker.variant if self.tracker is not None else None)
 
     def quiz_text(self) -> Text:
         """The question to answer now, and how the last answer went (not the whole history: it stays short)."""
-        right = sum(1 for q, a in zip(self.quiz, self.answers) if q.answer == a)
         out = Text()
+        if not self.asks_quiz:
+            main = self.lesson.scenario.main_variant
+            out.append("Quiz", style="bold")
+            out.append(f"  asked in the {main} run: {self.lesson.variant_command(main)}\n", style="dim")
+            return out
+        right = sum(1 for q, a in zip(self.quiz, self.answers) if q.answer == a)
         out.append(f"Quiz {right}/{len(self.quiz)} right", style="bold")
         if len(self.answers) < len(self.quiz):
             out.append(f"  press 1-{len(self.quiz[len(self.answers)].choices)} to answer", style="dim")
@@ -176,7 +215,7 @@ class LessonPanel(Vertical, can_focus=True):
 
     # ------------------------------------------------------------------ keys
     def action_answer(self, choice: int) -> None:
-        if len(self.answers) >= len(self.quiz):
+        if len(self.answers) >= len(self.quiz) or not self.asks_quiz:
             return
         if not self._quiz_in_view():              # never answer a question the learner has not seen
             progress = self.query_one("#lesson-progress", VerticalScroll)
@@ -197,7 +236,13 @@ class LessonPanel(Vertical, can_focus=True):
         return top >= 0 and (top + QUIZ_LINES_TO_SEE <= progress.size.height or top == 0)
 
     def action_scroll_text(self, direction: int) -> None:
-        scroller = self.query_one("#lesson-text", VerticalScroll)
+        self._page("#lesson-text", direction)
+
+    def action_scroll_progress(self, direction: int) -> None:
+        self._page("#lesson-progress", direction)
+
+    def _page(self, selector: str, direction: int) -> None:
+        scroller = self.query_one(selector, VerticalScroll)
         if direction < 0:
             scroller.scroll_page_up(animate=False)
         else:

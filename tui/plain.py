@@ -90,7 +90,7 @@ def print_step(console: Console, state: WatchState) -> None:
     console.print(Text("  budget ").append_text(budget_bar(state, width)))
     console.print(Text("  blocks ").append_text(block_strip(state, width)))
     if state.view.cpu_block_owner:
-        console.print(Text("  cpu    ").append_text(block_strip(state, width, cpu=True)))
+        console.print(Text("  host   ").append_text(block_strip(state, width, cpu=True)))
     if q["running"] or q["swapped"]:
         console.print(progress_line(state, q), highlight=False)
     for s in ev.scheduled:                       # the batch panel's draft strips
@@ -137,6 +137,10 @@ def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[Step
 def print_lesson_summary(console: Console, lesson: Any, tracker: Any) -> None:
     """Checkpoints seen in this run, then the quiz: questions first, answers after, for a projected class."""
     console.print(f"[bold]checkpoints[/]: {len(tracker.ticked)} of {tracker.num_active} seen in this run")
+    if not lesson.asks_quiz(tracker.variant):
+        main = lesson.scenario.main_variant
+        console.print(f"[bold]quiz[/]: asked in the {main} run ({lesson.variant_command(main)})", highlight=False)
+        return
     quiz = lesson.render_quiz()
     console.print("[bold]quiz[/]")
     for number, q in enumerate(quiz, 1):

@@ -101,7 +101,7 @@ class BatchPanel(Widget):
         listed = sorted(ev.scheduled, key=lambda s: (s.kind != "prefill", -s.num_new_tokens))
         for i, s in enumerate(listed):
             if i == rows - 1 and len(listed) > rows:
-                text.append(f"\n... and {len(listed) - i} more", style="dim")
+                text.append(f"\n+{len(listed) - i} more", style="dim")
                 break
             text.append("\n")
             text.append("██", state.colour(s.request_id))
@@ -118,4 +118,13 @@ class BatchPanel(Widget):
             else:
                 text.append(f"decode  {s.num_new_tokens:>4}")
                 text.append(f"  token {s.num_output_tokens}", style="dim")
-        return text
+        return fit_lines(text, width)
+
+
+def fit_lines(text: Text, width: int) -> Text:
+    """Cut every line to the panel's width: Textual wraps a long line whatever the Text's no_wrap says, and
+    a wrapped line pushes the last rows (the "+N more") out of the panel (issue 16, defect 9)."""
+    lines = text.split("\n")
+    for line in lines:
+        line.truncate(width, overflow="ellipsis")
+    return Text("\n").join(lines)

@@ -93,6 +93,15 @@ def choose_layout(num_blocks: int, width: int, height: int) -> GridLayout:
     return GridLayout(2, cols, 1, 0, group)
 
 
+HOST_POOL_NAME = "host pool (swap)"      # swapped-out KV lives in host memory, whatever the device
+
+
+def pool_name(device: str) -> str:
+    """The KV pool's name for the device it lives on: a laptop's pool is in CPU memory, so "GPU" would tell a
+    class that their laptop has a GPU (vLLM's names speak of GPU blocks because it runs on one)."""
+    return "GPU KV blocks" if device.startswith("cuda") else f"KV blocks ({device.split(':')[0].upper()} memory)"
+
+
 def gpu_cells(state: WatchState, group: int, selected: Optional[str]) -> list[Cell]:
     """Summarise the GPU pool into cells of ``group`` blocks."""
     view = state.view
@@ -174,7 +183,7 @@ def legend(full: bool = False) -> Text:
              (Cell("free", None, 0, 0, 1, False), "free"),
              (Cell("used", "r", 1, 1, 1, True), "selected request")]
     if full:
-        items += [(Cell("swapped", "r", 1, 1, 1, False), "(CPU map) a swapped-out request's block"),
+        items += [(Cell("swapped", "r", 1, 1, 1, False), "(host map) a swapped-out request's block"),
                   (Cell("used", "r", 1, 2, 4, False), "group of blocks, half in use"),
                   (Cell("shared", "r", 2, 4, 4, False), "group with shared blocks")]
     text = Text()
@@ -227,7 +236,7 @@ class BlockMap(Widget):
         self.grid = choose_layout(self.num_blocks, size.width, size.height)
         build = gpu_cells if self.pool == "gpu" else cpu_cells
         self.cells = build(self.state, self.grid.group, self.selected)
-        what = "GPU KV blocks" if self.pool == "gpu" else "CPU swap blocks"
+        what = pool_name(self.state.info.device) if self.pool == "gpu" else HOST_POOL_NAME
         group = self.grid.group
         scale = "1 cell = 1 block" if group == 1 else f"1 cell = {group} blocks"
         used = sum(c.used for c in self.cells)

@@ -65,7 +65,7 @@ class RequestTable(DataTable):
         for rid in state.ordered_requests():
             r = state.view.requests[rid]
             prompt_done = min(r.num_computed, r.prompt_len)
-            blocks = str(len(r.blocks)) if r.blocks else (f"{len(r.cpu_blocks)} cpu" if r.cpu_blocks else "")
+            blocks = str(len(r.blocks)) if r.blocks else (f"{len(r.cpu_blocks)} host" if r.cpu_blocks else "")
             rows.append((rid, r.prompt, [
                 Text("██", style=state.colour(rid)), Text(rid), Text(r.state, style=STATE_STYLE.get(r.state, "")),
                 Text(f"{progress(prompt_done, r.prompt_len, 4)} {prompt_done:>4}/{r.prompt_len}"),
