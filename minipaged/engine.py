@@ -18,6 +18,7 @@ Follow a request from top to bottom:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -29,6 +30,10 @@ from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
+from .parallel import ParallelLayout, rank0_model
+from .parallel.distributed_runner import DistributedRunner
+from .parallel.launch import serve_torchrun_worker, started_by_torchrun
+from .parallel.worker import WorkerSpec
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from .runner import ModelRunner
@@ -50,12 +55,16 @@ class Engine:
                               f"{sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
         self.config = config = EngineConfig(model=model, **options)
         config.validate()
+        if started_by_torchrun() and int(os.environ["RANK"]) > 0:
+            serve_torchrun_worker()            # a worker rank under torchrun: serve rank 0 until it closes
+            raise SystemExit(0)
         self.device = choose_device(config)
         num_threads = apply_num_threads(config)
         dtype_name = choose_dtype(config, self.device)
         self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
         self.tokenizer = self.loaded.tokenizer
-        self.model = CompactLlama(self.loaded.hf_model)
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.model = rank0_model(CompactLlama(self.loaded.hf_model), self.layout)   # a shard when tp x pp > 1
         config.finalize(self.loaded.config.max_position_embeddings)
         self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
 
@@ -71,7 +80,10 @@ class Engine:
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
                                      self.kv.blocks_needed, num_blocks)
         self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend) \
+            if self.layout.world_size == 1 else DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
+                model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
+                config.distributed_timeout))
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
 
@@ -81,10 +93,13 @@ class Engine:
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=self.model.kv_bytes_per_token(),
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads)
-        capacity = (f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
+            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
+            parallel=None if self.layout.world_size == 1 else self.layout.describe(
+                self.model.config.num_attention_heads, self.model.config.num_key_value_heads,
+                self.model.config.num_hidden_layers))
+        capacity = (f"KV cache{' per rank' if self.info.parallel else ''}: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
                     f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
-                    f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token)")
+                    f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token)" + (f"; {self.info.parallel}" if self.info.parallel else ""))
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
@@ -259,4 +274,16 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""
-        return self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler)
+        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler), **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (a single-process engine has nothing to stop)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

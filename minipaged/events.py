@@ -34,6 +34,7 @@ class EngineInfo:
     dtype: str
     attention_backend: str
     num_threads: Optional[int] = None    # torch's CPU threads (None: a trace recorded before it was kept)
+    parallel: Optional[str] = None       # the rank layout, "tp=3: 3 heads, 1 KV head per rank" (None: one rank)
 
 
 @dataclass(frozen=True)
