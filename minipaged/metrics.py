@@ -49,6 +49,8 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between two tokens of a request", registry=r,
                              buckets=LATENCY_BUCKETS)
+        self.communication = Counter(p + "communication_seconds", "Seconds rank 0 spent sending to, receiving "
+                                     "from and waiting for other ranks (tensor/pipeline parallelism)", registry=r)
         self.step_time = Histogram(p + "step_duration_seconds", "One engine step", registry=r,
                                    buckets=LATENCY_BUCKETS)
         self._latency = LatencyFold()
@@ -56,7 +58,8 @@ class EngineMetrics:
         if engine is not None:
             # Count from now on, like every other metric here, even if the engine has run before.
             stats = engine.stats()
-            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits")}
+            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits",
+                                                                       "communication_seconds") if name in stats}
             engine.subscribe(self.observe)
 
     def observe(self, event: StepEvent) -> None:
@@ -72,6 +75,7 @@ class EngineMetrics:
             self.preemptions.labels(mode=p.mode).inc()
         self.prefix_queries.inc(self._delta(event, "prefix_cache_queries"))
         self.prefix_hits.inc(self._delta(event, "prefix_cache_hits"))
+        self.communication.inc(self._delta(event, "communication_seconds"))
         self.step_time.observe(event.duration_s)
         step_start = event.time_s - event.duration_s     # for old traces, whose arrivals carry no time
         ttfts, gaps = self._latency.apply(

@@ -12,6 +12,7 @@ for slower ranks (a stage that is still computing), which is part of what commun
 """
 from __future__ import annotations
 
+import pickle
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,7 +35,9 @@ class Communicator:
         world = list(range(layout.world_size))
         # Workers wait for the next command as long as the engine sits idle, so that group never times out;
         # the work of a step goes through groups whose timeout bounds how long a stuck rank can stall us.
-        self.command_group = dist.new_group(world, timeout=IDLE_TIMEOUT)
+        # Commands are small pickles, so they always go through gloo on the CPU, even beside NCCL.
+        self.command_group = dist.new_group(world, timeout=IDLE_TIMEOUT, backend="gloo")
+        self.timeout = timeout
         self.step_group = dist.new_group(world, timeout=timeout)
         self.tp_group = None
         for stage in range(layout.pp):
@@ -52,11 +55,30 @@ class Communicator:
             self.seconds += time.perf_counter() - start
 
     def broadcast_command(self, command: Optional[Any] = None) -> Any:
-        """Rank 0 sends ``command`` (any picklable object, tensors on the CPU); every rank returns it."""
-        box = [command]
+        """Rank 0 sends ``command`` (any picklable object, tensors on the CPU); every rank returns it.
+
+        Workers wait for it without a time limit (the engine may sit idle for hours). Rank 0 waits at most
+        the step timeout: a gloo send only completes once the receiver takes it, so a stopped worker would
+        otherwise hold rank 0 forever.
+        """
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
         with self.timed():
-            dist.broadcast_object_list(box, src=0, group=self.command_group)
-        return box[0]
+            self._broadcast_from_rank0(size)
+            if self.rank != 0:
+                payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            self._broadcast_from_rank0(payload)
+        return command if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def _broadcast_from_rank0(self, tensor: torch.Tensor) -> None:
+        work = dist.broadcast(tensor, src=0, group=self.command_group, async_op=True)
+        if self.rank == 0:
+            work.wait(timeout=self.timeout)            # raises "timed out" when a worker does not take it
+        else:
+            work.wait()
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of ``partial`` over this stage's tensor-parallel ranks, added in rank order."""

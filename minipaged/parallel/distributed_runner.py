@@ -45,7 +45,7 @@ class DistributedRunner(ModelRunner):
             dist.broadcast_object_list([spec], src=0)
             self.comm = Communicator(self.layout, 0, spec.timeout_s)
             errors: list = [None] * self.layout.world_size
-            dist.gather_object(None, errors, dst=0, group=self.comm.step_group)
+            dist.gather_object(None, errors, dst=0)      # after loading: the start-up timeout
         except Exception as exc:
             self._fail("start-up", exc)
         if any(errors):
@@ -67,7 +67,7 @@ class DistributedRunner(ModelRunner):
         dead = self.workers.dead()
         if dead:
             what = ", ".join(f"worker rank {rank} exited (code {code})" for rank, code in dead)
-        elif exc is not None and "timeout" in str(exc).lower():
+        elif exc is not None and any(word in str(exc).lower() for word in ("timeout", "timed out")):
             what = f"a worker did not answer within distributed_timeout={self.timeout_s:g} s"
         else:
             what = f"communication with the workers failed ({type(exc).__name__}: {exc})"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 
 from ..config import ConfigError
 from .layout import ParallelLayout
-from .worker import serve, spawned_worker_main
+from .worker import serve, spawned_worker_main, start_up_timeout
 
 
 def started_by_torchrun() -> bool:
@@ -67,7 +66,7 @@ class Workers:
 def start_ranks(layout: ParallelLayout, device: torch.device, timeout_s: float) -> Workers:
     """Make this process rank 0 of a ``layout.world_size`` group; returns the workers it spawned."""
     backend = backend_for(device)
-    timeout = timedelta(seconds=timeout_s)
+    timeout = start_up_timeout(timeout_s)
     if started_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != layout.world_size:
@@ -106,9 +105,8 @@ def serve_torchrun_worker() -> None:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    timeout_s = float(os.environ.get("MINIPAGED_DISTRIBUTED_TIMEOUT", "120"))
     dist.init_process_group(backend_for(device), init_method="env://", rank=rank,
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout_s))
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=start_up_timeout(0))   # steps use rank 0's
     try:
         serve(rank, device)
     finally:

@@ -23,6 +23,14 @@ from .wire import from_wire
 logger = logging.getLogger("minipaged.parallel")
 
 
+START_UP_TIMEOUT_S = 300.0     # loading a model can take minutes on a busy machine
+
+
+def start_up_timeout(timeout_s: float) -> timedelta:
+    """The default group's timeout: it covers joining and loading, which take longer than a step."""
+    return timedelta(seconds=max(timeout_s, START_UP_TIMEOUT_S))
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs to build its shard, broadcast by rank 0 at start-up."""
@@ -97,7 +105,7 @@ def serve(rank: int, device: torch.device) -> None:
         cpu_cache = shard.allocate_kv_cache(spec.num_cpu_blocks, spec.block_size, "cpu") if spec.num_cpu_blocks else None
     except Exception as exc:                  # tell rank 0 why, instead of leaving it to time out
         error = f"rank {rank} could not load its shard: {exc!r}\n{traceback.format_exc()}"
-    dist.gather_object(error, None, dst=0, group=comm.step_group)
+    dist.gather_object(error, None, dst=0)
     if error:
         return
     while True:
@@ -120,7 +128,7 @@ def spawned_worker_main(rank: int, world_size: int, init_method: str, backend: s
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=start_up_timeout(timeout_s))
     try:
         serve(rank, device)
     finally:
