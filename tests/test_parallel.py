@@ -184,3 +184,28 @@ def test_torchrun_two_processes_give_the_spawned_tokens(tiny_model, prompts, sin
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
     got = json.loads(line.removeprefix("RESULT "))
     assert got == {"tokens": single[1], "parallel": "tp=2: 2 heads, 1 KV head per rank"}
+
+
+# ---------------------------------------------------------------- the emulation: all ranks as threads
+def emulated_engine(model: str, **layout) -> Engine:
+    from minipaged.parallel.emulate import EmulatedRunner
+    engine = Engine(model, block_size=4, num_blocks=64, num_threads=1)
+    engine.runner = EmulatedRunner(engine.model, ParallelLayout(**layout), 64, 4, engine.backend)
+    return engine
+
+
+def test_tp2_logits_are_bitwise_those_of_the_emulation_with_the_same_reduction_order(tiny_model, prompts):
+    _, emulated, _ = run_and_capture_logits(emulated_engine(tiny_model, tp=2), prompts, GREEDY.max_tokens)
+    with parallel_engine(tiny_model, tensor_parallel_size=2) as engine:
+        _, real, _ = run_and_capture_logits(engine, prompts, GREEDY.max_tokens)
+    for rid, rows in real.items():
+        assert torch.equal(torch.stack(rows), torch.stack(emulated[rid]))
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "pp": 2}, {"tp": 2}, {"pp": 2}], ids=["tp2xpp2", "tp2", "pp2"])
+def test_emulated_layouts_give_the_tokens_of_one_rank(tiny_model_untied, layout):
+    """tp=2 x pp=2 needs 4 ranks, too many processes for 2 cores: threads run the same per-rank code."""
+    prompts = random_prompts(random.Random(2), 3, 2, 17)
+    expected = [o.token_ids for o in parallel_engine(tiny_model_untied).generate(prompts, GREEDY)]
+    outs = emulated_engine(tiny_model_untied, **layout).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
