@@ -209,3 +209,13 @@ def test_emulated_layouts_give_the_tokens_of_one_rank(tiny_model_untied, layout)
     expected = [o.token_ids for o in parallel_engine(tiny_model_untied).generate(prompts, GREEDY)]
     outs = emulated_engine(tiny_model_untied, **layout).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
+
+
+def test_the_cli_stops_its_workers_and_exits_clean(tiny_model):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "minipaged", "generate", "--model", tiny_model, "-tp", "2",
+                             "--threads", "1", "--max-tokens", "4", "--no-chat", "hello"],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tp=2: 2 heads, 1 KV head per rank" in result.stderr
+    assert "Traceback" not in result.stderr and "lost rank 0" not in result.stderr    # stopped, not abandoned

@@ -10,6 +10,7 @@ A worker that dies, or stops answering for ``distributed_timeout`` seconds, ends
 """
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Optional
 
@@ -27,6 +28,17 @@ from .worker import WorkerSpec, copy_blocks, execute_shard
 logger = logging.getLogger("minipaged.parallel")
 
 
+# Held strongly: an engine the caller dropped without close() still has live workers to stop.
+_OPEN_RUNNERS: "set[DistributedRunner]" = set()
+
+
+@atexit.register
+def close_all() -> None:
+    """Stop the workers of every engine still open: at exit, and from the CLI before it leaves with os._exit."""
+    for runner in list(_OPEN_RUNNERS):
+        runner.close()
+
+
 class WorkerError(RuntimeError):
     """A worker rank died or stopped answering; the engine cannot go on."""
 
@@ -41,6 +53,7 @@ class DistributedRunner(ModelRunner):
         self.timeout_s = spec.timeout_s
         self.broken: Optional[str] = None
         self.workers: Workers = start_ranks(self.layout, kv_cache.device, spec.timeout_s)
+        _OPEN_RUNNERS.add(self)
         try:
             dist.broadcast_object_list([spec], src=0)
             self.comm = Communicator(self.layout, 0, spec.timeout_s)
@@ -100,6 +113,7 @@ class DistributedRunner(ModelRunner):
 
     def close(self) -> None:
         """Tell the workers to leave, wait for them (ending any that hang), and leave the group."""
+        _OPEN_RUNNERS.discard(self)
         if not dist.is_initialized():
             return
         if not self.broken:

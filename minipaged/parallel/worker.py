@@ -131,5 +131,8 @@ def spawned_worker_main(rank: int, world_size: int, init_method: str, backend: s
                             timeout=start_up_timeout(timeout_s))
     try:
         serve(rank, device)
+    except RuntimeError as exc:                 # rank 0 went away without a stop command (killed, crashed)
+        logger.error("rank %d: lost rank 0 (%s); this worker stops", rank, str(exc).splitlines()[0][:200])
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
