@@ -62,8 +62,9 @@ class DistributedRunner(ModelRunner):
         except Exception as exc:
             self._fail("start-up", exc)
         if any(errors):
-            self.close()
-            raise WorkerError("\n".join(e for e in errors if e))
+            self.broken = "\n".join(e for e in errors if e)
+            self.close(wait_s=1.0)
+            raise WorkerError(self.broken)
 
     @property
     def counters(self) -> dict[str, float]:
@@ -86,7 +87,7 @@ class DistributedRunner(ModelRunner):
             what = f"communication with the workers failed ({type(exc).__name__}: {exc})"
         self.broken = (f"{what} during {during}; the engine stopped. Start a new engine "
                        f"(and look at the worker's output for why it ended).")
-        self.workers.stop(1.0)
+        self.close(wait_s=1.0)
         raise WorkerError(self.broken) from exc
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
@@ -111,18 +112,18 @@ class DistributedRunner(ModelRunner):
             self._fail("a swap", exc)
         copy_blocks(src_cache, dst_cache, pairs)
 
-    def close(self) -> None:
-        """Tell the workers to leave, wait for them (ending any that hang), and leave the group."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell the workers to leave, wait for them (ending any that hang), and leave the group. Safe to repeat."""
         _OPEN_RUNNERS.discard(self)
-        if not dist.is_initialized():
-            return
-        if not self.broken:
+        if dist.is_initialized() and not self.broken:
             try:
                 self.comm.broadcast_command(("stop",))
             except Exception:                        # a worker already gone: stopping is all we wanted
                 pass
-        self.workers.stop()
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            logger.debug("destroying the process group failed", exc_info=True)
+        self.workers.stop(wait_s)
+        self.broken = self.broken or "this engine was closed (its workers are stopped); start a new one."
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.debug("destroying the process group failed", exc_info=True)

@@ -65,6 +65,9 @@ class Workers:
 
 def start_ranks(layout: ParallelLayout, device: torch.device, timeout_s: float) -> Workers:
     """Make this process rank 0 of a ``layout.world_size`` group; returns the workers it spawned."""
+    if dist.is_initialized():
+        raise ConfigError("this process already runs a parallel engine (torch.distributed has one default group "
+                          "per process); close() it before starting another.")
     backend = backend_for(device)
     timeout = start_up_timeout(timeout_s)
     if started_by_torchrun():
