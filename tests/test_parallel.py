@@ -122,21 +122,23 @@ def test_kv_pool_per_rank_grows_with_tp_and_the_header_says_how(tiny_model):
             parallel_engine(tiny_model, pipeline_parallel_size=2)
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
-def test_two_ranks_under_preemption_swap_prefix_caching_and_chunks(tiny_model, layout):
+@pytest.mark.parametrize("layout, mode", [({"tensor_parallel_size": 2}, "swap"), ({"pipeline_parallel_size": 2}, "swap"),
+                                          ({"tensor_parallel_size": 2}, "recompute")],
+                         ids=["tp2-swap", "pp2-swap", "tp2-recompute"])
+def test_two_ranks_under_preemption_prefix_caching_and_chunks(tiny_model, layout, mode):
     """Few blocks, a small token budget and shared prefixes: swaps, chunked prefills (steps that sample
     nothing) and cache hits must land in the same block ids on both ranks, or the tokens would differ."""
     rng = random.Random(5)
     shared = [rng.randrange(256) for _ in range(12)]
     prompts = [shared + p for p in random_prompts(rng, 5, 4, 14)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    options = {"num_blocks": 16, "max_num_batched_tokens": 16, "preemption_mode": "swap", "num_cpu_blocks": 64}
+    options = {"num_blocks": 16, "max_num_batched_tokens": 16, "preemption_mode": mode, "num_cpu_blocks": 64}
     expected = [o.token_ids for o in parallel_engine(tiny_model, **options).generate(prompts, params)]
     with parallel_engine(tiny_model, **layout, **options) as engine:
         outs = engine.generate(prompts, params)
         stats = engine.stats()
     assert [o.token_ids for o in outs] == expected
-    assert stats["preemptions_swap"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats[f"preemptions_{mode}"] > 0 and stats["prefix_cache_hits"] > 0
 
 
 # ---------------------------------------------------------------- faults
