@@ -80,8 +80,10 @@ class Engine:
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
                                      self.kv.blocks_needed, num_blocks)
         self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend) \
-            if self.layout.world_size == 1 else DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
+        if self.layout.world_size == 1:
+            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
+        else:          # starts the workers; each builds its own shard and caches from the spec
+            self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
                 model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
                 config.distributed_timeout))
         self.sampler = Sampler(config.seed)
@@ -97,9 +99,10 @@ class Engine:
             parallel=None if self.layout.world_size == 1 else self.layout.describe(
                 self.model.config.num_attention_heads, self.model.config.num_key_value_heads,
                 self.model.config.num_hidden_layers))
-        capacity = (f"KV cache{' per rank' if self.info.parallel else ''}: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
-                    f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
-                    f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token)" + (f"; {self.info.parallel}" if self.info.parallel else ""))
+        per_rank, layout_text = (" per rank", f"; {self.info.parallel}") if self.info.parallel else ("", "")
+        capacity = (f"KV cache{per_rank}: {num_blocks} blocks x {config.block_size} tokens = "
+                    f"{num_blocks * config.block_size} tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
+                    f"{self.model.kv_bytes_per_token() / 1024:.1f} KiB per token){layout_text}")
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
