@@ -113,6 +113,9 @@ def entry_point() -> None:
     in flight), so the command flushes its output and exits without that teardown.
     """
     code = main()
+    parallel = sys.modules.get("minipaged.parallel.distributed_runner")
+    if parallel is not None:                 # a parallel engine ran: stop its worker processes first
+        parallel.close_all()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -94,6 +94,14 @@ class EngineConfig:
     # Not a flag: the engine picks the attention code from the device (None: triton on CUDA, torch elsewhere);
     # Engine(..., attention_backend="torch") from Python forces one, e.g. to compare them on a GPU.
     attention_backend: Optional[str] = field(default=None, metadata={"flag": False})
+    # Parallelism (minipaged.parallel): world size = tp x pp processes, rank 0 being the engine's own.
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes that each hold a slice of every layer (heads, MLP columns, KV heads)",
+        "aliases": ("-tp",)})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "processes that each hold consecutive layers", "aliases": ("-pp",)})
+    distributed_timeout: float = field(default=120.0, metadata={
+        "help": "seconds a step may wait for another rank before the engine stops with an error"})
 
     def validate(self) -> None:
         def positive(name: str) -> None:
@@ -129,9 +137,18 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
         if self.device is not None and str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
+        if not is_number(self.distributed_timeout) or self.distributed_timeout <= 0:
+            raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}.")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
-        _ = self.speculative                               # parse it now: a bad one fails before loading
+        if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            # The draft model and the rejection sampler run on rank 0 only; a self-draft would need the
+            # sharded target's first layers on every rank. Not built yet.
+            raise ConfigError("speculative decoding does not combine with tensor or pipeline parallelism yet; "
+                              "use tensor_parallel_size=1 and pipeline_parallel_size=1, or turn speculation off.")
 
     @property
     def speculative(self) -> "Optional[SpeculativeConfig]":

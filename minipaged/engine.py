@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -36,6 +37,10 @@ from .kernels import triton_available
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
+from .parallel import ParallelLayout, rank0_model
+from .parallel.distributed_runner import DistributedRunner
+from .parallel.launch import serve_torchrun_worker, started_by_torchrun
+from .parallel.worker import WorkerSpec
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from .runner import ModelRunner
@@ -60,12 +65,16 @@ class Engine:
                               f"{sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
         self.config = config = EngineConfig(model=model, **options)
         config.validate()
+        if started_by_torchrun() and int(os.environ["RANK"]) > 0:
+            serve_torchrun_worker()            # a worker rank under torchrun: serve rank 0 until it closes
+            raise SystemExit(0)
         self.device = choose_device(config)
         num_threads = apply_num_threads(config)
         dtype_name = choose_dtype(config, self.device)
         self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
         self.tokenizer = self.loaded.tokenizer
-        self.model = CompactLlama(self.loaded.hf_model)
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        self.model = rank0_model(CompactLlama(self.loaded.hf_model), self.layout)   # a shard when tp x pp > 1
         config.finalize(self.loaded.config.max_position_embeddings)
         self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" and triton_available()
                                                     else "torch")
@@ -89,7 +98,12 @@ class Engine:
                                      self.kv.blocks_needed, num_blocks)
         lookahead = spec.num_speculative_tokens if self.draft_model is not None else 0
         self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids, lookahead)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
+        if self.layout.world_size == 1:
+            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
+        else:          # starts the workers; each builds its own shard and caches from the spec
+            self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
+                model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
+                config.distributed_timeout))
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
@@ -105,11 +119,15 @@ class Engine:
             device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
             speculative_config=spec.as_dict() if spec else None,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        capacity = (f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
-                    f"tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            parallel=None if self.layout.world_size == 1 else self.layout.describe(
+                self.model.config.num_attention_heads, self.model.config.num_key_value_heads,
+                self.model.config.num_hidden_layers))
+        per_rank, layout_text = (" per rank", f"; {self.info.parallel}") if self.info.parallel else ("", "")
+        capacity = (f"KV cache{per_rank}: {num_blocks} blocks x {config.block_size} tokens = "
+                    f"{num_blocks * config.block_size} tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
                     f"{kv_bytes_per_token / 1024:.1f} KiB per token"
-                    f"{', draft model included' if self.draft_model else ''})")
+                    f"{', draft model included' if self.draft_model else ''}){layout_text}")
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
@@ -326,4 +344,16 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""
-        return self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler)
+        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler), **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (a single-process engine has nothing to stop)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

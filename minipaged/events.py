@@ -37,6 +37,7 @@ class EngineInfo:
     speculative: Optional[str] = None    # speculative decoding, described ("ngram k=3 (n-grams 2-4)"); None: off
     num_speculative_tokens: int = 0      # k: drafts per request per step
     speculative_config: Optional[dict] = None   # the whole configuration, vLLM's keys, defaults filled in
+    parallel: Optional[str] = None       # the rank layout, "tp=3: 3 heads, 1 KV head per rank" (None: one rank)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft", ["position"],
                                              registry=r)
+        self.communication = Counter(p + "communication_seconds", "Seconds rank 0 spent sending to, receiving "
+                                     "from and waiting for other ranks (tensor/pipeline parallelism)", registry=r)
         self.step_time = Histogram(p + "step_duration_seconds", "One engine step", registry=r,
                                    buckets=LATENCY_BUCKETS)
         self._latency = LatencyFold()
@@ -63,7 +65,8 @@ class EngineMetrics:
         if engine is not None:
             # Count from now on, like every other metric here, even if the engine has run before.
             stats = engine.stats()
-            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits")}
+            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits",
+                                                                       "communication_seconds") if name in stats}
             engine.subscribe(self.observe)
 
     def observe(self, event: StepEvent) -> None:
@@ -86,6 +89,7 @@ class EngineMetrics:
                 self.spec_accepted.inc(s.num_accepted)
                 for position in range(s.num_accepted):
                     self.spec_accepted_per_pos.labels(position=str(position)).inc()
+        self.communication.inc(self._delta(event, "communication_seconds"))
         self.step_time.observe(event.duration_s)
         step_start = event.time_s - event.duration_s     # for old traces, whose arrivals carry no time
         ttfts, gaps = self._latency.apply(

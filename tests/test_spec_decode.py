@@ -395,3 +395,8 @@ def test_cli_generate_speculates_and_reports_acceptance(tiny_model, capsys):
     captured = capsys.readouterr()
     assert captured.out == plain                         # the same answer, streamed
     assert "speculative (self-draft all layers k=3):" in captured.err and "(100%)" in captured.err
+
+
+def test_speculation_with_parallelism_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="does not combine with tensor or pipeline parallelism"):
+        Engine("/nonexistent/model/folder", speculative_config=NGRAM, tensor_parallel_size=2)

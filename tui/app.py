@@ -340,6 +340,8 @@ class WatchApp(App[int]):
             text.append(f"{Path(info.model).name if '/' in info.model else info.model}  ", style="bold")
             if info.num_threads:
                 text.append(f"{info.num_threads} thread{'s' if info.num_threads > 1 else ''}  ", style="dim")
+            if getattr(info, "parallel", None):
+                text.append(f"{info.parallel}  ", style="dim")
             text.append(f"step {self.position}" + (f"/{len(self.events)}" if self.live is None else ""))
             if self.engine_error:
                 text.append("  STOPPED", style="bold red")

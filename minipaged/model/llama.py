@@ -10,7 +10,7 @@ The weights are the tensors transformers loaded (shared, not copied), so the mat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,19 +108,34 @@ class CompactLlama:
                            dtype=self.dtype, device=device or self.device)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Compute logits for the rows in ``logits_indices`` (the last token of each finished prefill/decode)."""
+        h = self.run_layers(self.embed[input_ids], positions, meta, kv_cache)
+        return self.final_logits(h[logits_indices], self.lm_head)
+
+    def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """The last norm and the LM head (or, under tensor parallelism, this rank's slice of its rows)."""
+        return F.linear(rms_norm(h, self.final_norm, self.eps), lm_head).float()
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                   all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Run the hidden states ``h`` through ``self.layers``; ``kv_cache`` holds exactly those layers.
+
+        Under tensor parallelism (``minipaged.parallel``) each rank holds some of the heads and some of the MLP's
+        columns, so ``o_proj`` and ``down`` produce partial sums: ``all_reduce`` adds them up over the ranks.
+        With one rank it is None: the layer is whole and its output needs nothing.
+        """
         cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
         cos = cos_table[positions].unsqueeze(1)               # [T, 1, head_dim]
         sin = sin_table[positions].unsqueeze(1)
-        h = self.embed[input_ids]
         num_tokens = h.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        reduce = all_reduce or (lambda partial: partial)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
             q, k, v = F.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
@@ -135,9 +150,8 @@ class CompactLlama:
             attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    self.scale, backend=meta.backend, host_seq_lens=meta.host_seq_lens,
                                    host_query_start_loc=meta.host_query_start_loc)
-            h = h + F.linear(attn.reshape(num_tokens, q_size), w.o)
+            h = h + reduce(F.linear(attn.reshape(num_tokens, q_size), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
-        h = rms_norm(h[logits_indices], self.final_norm, self.eps)
-        return F.linear(h, self.lm_head).float()
+            h = h + reduce(F.linear(F.silu(gate) * up, w.down))
+        return h
