@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, lessons.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -91,6 +91,11 @@ def make_parser() -> argparse.ArgumentParser:
                           "(default: the chat template, when the model has one)%(default).0s")
     add_engine_arguments(gen)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with /metrics and a live event stream",
+                           formatter_class=fmt)
+    from .serve import add_serve_arguments
+    add_serve_arguments(serve)
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -127,6 +132,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_generate(args)
         if args.command == "lessons":
             return cmd_lessons(args)
+        if args.command == "serve":
+            from .serve import run_serve
+            return run_serve(args)
         if args.command == "watch":
             from minipaged.tui import run_watch
             return run_watch(args)
