@@ -55,8 +55,8 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
+    metrics = EngineMetrics(engine)      # subscribed first: a client that got its answer finds it counted
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
-    metrics = EngineMetrics(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

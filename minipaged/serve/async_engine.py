@@ -82,6 +82,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._num_submitted_not_added = 0               # guarded by _lock
+        self._aborts_unpublished = False                # engine thread only
         self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
         engine.subscribe(self._on_event)
 
@@ -151,8 +152,11 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._handle_commands(wait=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
+            if not (self.engine.has_unfinished_requests() or self._aborts_unpublished):
                 continue
+            # An abort frees blocks at once, but only the next StepEvent tells metrics and watchers; when
+            # nothing else runs, an empty step publishes it.
+            self._aborts_unpublished = False
             try:
                 self.engine.step()                # subscribers (metrics, _on_event) run inside
             except Exception as exc:              # a bug: fail the requests in flight, keep serving
@@ -199,6 +203,7 @@ class AsyncEngine:
         for sub in stream.samples:
             self._sample_parent.pop(sub, None)
         self.engine.abort(request_id)                 # frees its blocks now; the next event records it
+        self._aborts_unpublished = True
         self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
 
     def _do_watch(self, q: asyncio.Queue) -> None:
