@@ -119,14 +119,24 @@ def entry_point() -> None:
     os._exit(code)
 
 
+def is_user_error(exc: Exception) -> bool:
+    """An error whose message tells the user what to fix (printed without a traceback). The model's errors
+    are checked only if the model module was loaded (only then can they be raised): importing it pulls in
+    torch, which thin clients (``watch --attach``, ``--replay``) must not pay for."""
+    from .config import ConfigError
+    from .request import InvalidRequestError
+    kinds: tuple[type, ...] = (ConfigError, InvalidRequestError)
+    if "minipaged.model" in sys.modules:
+        from .model import ModelNotAvailableError, UnsupportedModelError
+        kinds += (ModelNotAvailableError, UnsupportedModelError)
+    return isinstance(exc, kinds)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .config import ConfigError
-    from .model import ModelNotAvailableError, UnsupportedModelError
-    from .request import InvalidRequestError
     try:
         if args.command == "generate":
             return cmd_generate(args)
@@ -138,7 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "watch":
             from minipaged.tui import run_watch
             return run_watch(args)
-    except (ConfigError, ModelNotAvailableError, UnsupportedModelError, InvalidRequestError) as exc:
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
         print(f"minipaged: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
