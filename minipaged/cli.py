@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, serve, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, classroom, lessons.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -96,6 +96,11 @@ def make_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_arguments
     add_serve_arguments(serve)
 
+    classroom = sub.add_parser("classroom", help="serve the attach TUI to browsers (textual-serve): a class "
+                                                 "watches one server", formatter_class=fmt)
+    from minipaged.tui.classroom import add_classroom_arguments
+    add_classroom_arguments(classroom)
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -145,6 +150,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             from .serve import run_serve
             return run_serve(args)
+        if args.command == "classroom":
+            from minipaged.tui.classroom import run_classroom
+            return run_classroom(args)
         if args.command == "watch":
             from minipaged.tui import run_watch
             return run_watch(args)

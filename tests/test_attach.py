@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -108,3 +109,63 @@ def test_pilot_draws_a_request_sent_by_another_client_and_sends_its_own(server, 
     asyncio.run(run())
     health = wait_until_idle(server)
     assert health["blocks_free"] == health["blocks_total"]
+
+
+def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_model, tmp_path):
+    """No browser on CI machines: two websocket clients speak textual-serve's browser protocol instead, and
+    each must receive its own live attach TUI (the top bar says LIVE and names the server's model)."""
+    import aiohttp
+
+    from serve_util import free_port
+
+    model = Path(tiny_model).name                 # the top bar names the model once the event stream is read
+    port = free_port()
+    public = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "classroom.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged", "classroom", "--attach", server, "--port", str(port),
+                             "--public-url", public], stdout=log, stderr=subprocess.STDOUT)
+
+    async def one_browser(session: aiohttp.ClientSession) -> str:
+        seen = ""
+        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?width=140&height=40") as ws:
+            await ws.send_json(["resize", {"width": 140, "height": 40}])
+            deadline = time.monotonic() + 60
+            while not ("LIVE" in seen and model in seen) and time.monotonic() < deadline:
+                try:
+                    message = await ws.receive(timeout=5)
+                except asyncio.TimeoutError:
+                    continue
+                if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    data = message.data
+                    seen += data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+                elif message.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                    break
+        return seen
+
+    async def two_browsers() -> tuple[str, list[str]]:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):                  # wait for the page server to listen
+                try:
+                    async with session.get(public + "/") as page:
+                        html = await page.text()
+                        break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("classroom did not start: " + open(tmp_path / "classroom.log").read())
+            return html, list(await asyncio.gather(one_browser(session), one_browser(session)))
+
+    try:
+        html, screens = asyncio.run(two_browsers())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+    assert f"ws://127.0.0.1:{port}/ws" in html            # the page connects back to the public URL
+    for screen in screens:
+        assert "minipaged watch" in screen and "LIVE" in screen and model in screen, (
+            screen[-2000:], open(tmp_path / "classroom.log").read())
