@@ -44,12 +44,17 @@ def running_server(model: str, *flags: str, log_path: str) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def wait_until_idle(url: str, timeout: float = 10.0) -> dict:

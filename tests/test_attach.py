@@ -116,7 +116,7 @@ def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_mo
     each must receive its own live attach TUI (the top bar says LIVE and names the server's model)."""
     import aiohttp
 
-    from serve_util import free_port
+    from serve_util import free_port, stop_process
 
     model = Path(tiny_model).name                 # the top bar names the model once the event stream is read
     port = free_port()
@@ -158,12 +158,7 @@ def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_mo
     try:
         html, screens = asyncio.run(two_browsers())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
         log.close()
     assert f"ws://127.0.0.1:{port}/ws" in html            # the page connects back to the public URL
     for screen in screens:
