@@ -173,7 +173,7 @@ def test_seeds_reproduce_and_differ(client, model_name):
 # ------------------------------------------------------------------------------------ errors
 
 def test_bad_requests_get_error_json_while_a_long_stream_is_unharmed(client, server, model_name):
-    prompt, n_long = "A long request keeps streaming", 300
+    prompt, n_long = "A long request keeps streaming", 1000
     reference = client.completions.create(model=model_name, prompt=prompt, max_tokens=n_long, temperature=0,
                                           extra_body={"ignore_eos": True})
     got: dict = {}
@@ -322,7 +322,7 @@ def test_a_late_watcher_sees_the_same_block_map_as_an_early_one(client, server, 
     watcher.start()
     assert early_ready.wait(10)
     requests = [threading.Thread(target=client.completions.create,
-                                 kwargs=dict(model=model_name, prompt=f"watch me {i} " * (i + 1), max_tokens=80,
+                                 kwargs=dict(model=model_name, prompt=f"watch me {i} " * (i + 1), max_tokens=400,
                                              temperature=0, extra_body={"ignore_eos": True})) for i in range(3)]
     for r in requests:
         r.start()

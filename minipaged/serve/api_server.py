@@ -153,12 +153,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             token_ids = eng.inputs.chat_prompt(messages)
-            if asked is None:                             # vLLM: whatever room the context leaves
+            if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
                 if len(token_ids) >= max_model_len:
                     raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
                                              f"However, your messages resulted in {len(token_ids)} tokens. Please "
                                              f"reduce the length of the messages.", "messages")
-                max_tokens = max_model_len - len(token_ids)
+                room = min(max_model_len, eng.info.num_blocks * eng.info.block_size) - len(token_ids)
+                max_tokens = max(room, 1)
             else:
                 max_tokens = asked
                 check_context(len(token_ids), max_tokens, max_model_len)
