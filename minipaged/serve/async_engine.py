@@ -37,7 +37,6 @@ EVENT_QUEUE_LIMIT = 20_000      # a watcher this far behind is dropped (skipping
 class Accepted:
     """The engine took the request (it is queued): the first item of every successful stream."""
 
-    num_prompt_tokens: int
     params: SamplingParams
 
 
@@ -193,8 +192,7 @@ class AsyncEngine:
         samples = {request_id: 0} if params.n == 1 else {f"{request_id}.{i}": i for i in range(params.n)}
         self._streams[request_id] = _Stream(q, samples)
         self._sample_parent.update({sub: request_id for sub in samples})
-        num_prompt_tokens = len(prompt) if not isinstance(prompt, str) else -1
-        self._send(q, Accepted(num_prompt_tokens, params))
+        self._send(q, Accepted(params))
 
     def _do_abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
