@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, classroom, lessons.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -96,6 +96,16 @@ def make_parser() -> argparse.ArgumentParser:
                           "(default: the chat template, when the model has one)%(default).0s")
     add_engine_arguments(gen)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with /metrics and a live event stream",
+                           formatter_class=fmt)
+    from .serve import add_serve_arguments
+    add_serve_arguments(serve)
+
+    classroom = sub.add_parser("classroom", help="serve the attach TUI to browsers (textual-serve): a class "
+                                                 "watches one server", formatter_class=fmt)
+    from minipaged.tui.classroom import add_classroom_arguments
+    add_classroom_arguments(classroom)
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -122,23 +132,41 @@ def entry_point() -> None:
     os._exit(code)
 
 
+def is_user_error(exc: Exception) -> bool:
+    """An error whose message tells the user what to fix (printed without a traceback). The model's errors
+    are checked only if the model module was loaded (only then can they be raised): importing it pulls in
+    torch, which thin clients (``watch --attach``, ``--replay``) must not pay for."""
+    from .config import ConfigError
+    from .request import InvalidRequestError
+    kinds: tuple[type, ...] = (ConfigError, InvalidRequestError)
+    if "minipaged.model" in sys.modules:
+        from .model import ModelNotAvailableError, UnsupportedModelError
+        kinds += (ModelNotAvailableError, UnsupportedModelError)
+    return isinstance(exc, kinds)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .config import ConfigError
-    from .model import ModelNotAvailableError, UnsupportedModelError
-    from .request import InvalidRequestError
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "lessons":
             return cmd_lessons(args)
+        if args.command == "serve":
+            from .serve import run_serve
+            return run_serve(args)
+        if args.command == "classroom":
+            from minipaged.tui.classroom import run_classroom
+            return run_classroom(args)
         if args.command == "watch":
             from minipaged.tui import run_watch
             return run_watch(args)
-    except (ConfigError, ModelNotAvailableError, UnsupportedModelError, InvalidRequestError) as exc:
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
         print(f"minipaged: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

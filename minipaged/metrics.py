@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .events import LatencyFold, StepEvent
 
 PREFIX = "minipaged:"
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 
 
@@ -43,6 +44,12 @@ class EngineMetrics:
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.finished = Counter(p + "request_success", "Finished requests", ["finished_reason"], registry=r)
+        # Per finished request, as vLLM's request_prompt_tokens / request_generation_tokens: their _sum and
+        # _count are exact totals of what clients asked for and got (prompt_tokens above counts computation).
+        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens", "Prompt length of finished requests",
+                                               registry=r, buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(p + "request_generation_tokens", "Tokens generated per finished "
+                                                   "request", registry=r, buckets=TOKEN_BUCKETS)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", registry=r,
@@ -101,6 +108,8 @@ class EngineMetrics:
         for f in event.finished:
             self.finished.labels(finished_reason=f.finish_reason).inc()
             self.e2e.observe(f.e2e_s)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_output_tokens)
 
     def _delta(self, event: StepEvent, name: str) -> float:
         """Events carry cumulative engine counters; a Prometheus counter wants the increase."""

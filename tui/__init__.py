@@ -51,6 +51,12 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
                         "name=value, e.g. --compare policy=static policy=continuous; prints one summary line "
                         "each (needs --no-tui: the side-by-side view is not built yet)%(default).0s")
 
+    a = parser.add_argument_group("attach to a server")
+    a.add_argument("--attach", metavar="URL", default=None,
+                   help="draw a live `minipaged serve` (e.g. http://127.0.0.1:8000) from its event stream; no "
+                        "model is loaded here, and a prompt box (/) sends requests to it%(default).0s")
+    a.add_argument("--api-key", default=None, help="the server's --api-key, if it has one%(default).0s")
+
     v = parser.add_argument_group("watching")
     v.add_argument("--replay", metavar="FILE", default=None,
                    help="replay a recorded trace (no model needed); step back with b or the left arrow%(default).0s")
@@ -127,10 +133,17 @@ def _flag_problem(args: argparse.Namespace) -> Optional[str]:
     if (getattr(args, "speed", None) or 0) < 0:
         return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
                f"not {args.speed}."
-    if getattr(args, "replay", None):
+    if getattr(args, "replay", None) and getattr(args, "attach", None):
+        return "--replay shows a recorded run and --attach a live server: give one of them."
+    if getattr(args, "replay", None) or getattr(args, "attach", None):
         given = [as_flag(name) for name in engine_options(args)]
-        given += [as_flag(name) for name in WORKLOAD_ARG_NAMES if getattr(args, name, None)]
+        # attached, --max-tokens still sets what the prompt box asks for
+        given += [as_flag(name) for name in WORKLOAD_ARG_NAMES
+                  if getattr(args, name, None) and not (name == "max_tokens" and getattr(args, "attach", None))]
         if given:
+            if getattr(args, "attach", None):
+                return (f"--attach draws the server's engine as it runs, so {', '.join(given)} cannot change it; "
+                        f"give engine flags to `minipaged serve`.")
             return (f"--replay shows a recorded run as it was, so {', '.join(given)} cannot change it; record "
                     f"a new run with those flags and --record FILE.")
     record = getattr(args, "record", None)
@@ -153,6 +166,8 @@ def run_watch(args: argparse.Namespace) -> int:
     if problem:
         print(f"minipaged watch: {problem}", file=sys.stderr)
         return 2
+    if getattr(args, "attach", None):
+        return _run_attach(args)
     if getattr(args, "compare", None):
         return run_compare(args)
     replay = None
@@ -189,8 +204,12 @@ def run_watch(args: argparse.Namespace) -> int:
 
     from .app import WatchApp
     # A lesson starts paused: its text says when to press n.
-    app = WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused or lesson is not None,
-                   description=description, lesson=lesson)
+    return _run_app(WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused or lesson is not None,
+                             description=description, lesson=lesson))
+
+
+def _run_app(app: Any) -> int:
+    """Run the full-screen app, let the step in flight finish, and report an engine that failed."""
     with _log_lines_held_back():
         code = app.run()
         app.wait_for_engine(timeout=QUIT_WAIT_S)
@@ -198,6 +217,20 @@ def run_watch(args: argparse.Namespace) -> int:
         print(f"minipaged watch: {app.engine_error}", file=sys.stderr)
         return 1
     return code or 0
+
+
+def _run_attach(args: argparse.Namespace) -> int:
+    """``watch --attach URL``: the live server's events, in the app (with a prompt box) or as plain text."""
+    from .attach import DEFAULT_PROMPT_MAX_TOKENS, AttachApp, AttachRun
+
+    attach = AttachRun(args.attach, api_key=args.api_key)
+    if not args.tui:
+        try:
+            return _run_plain(None, attach, f"attached to {attach.url}")
+        except ConnectionError as exc:
+            print(f"minipaged watch: {exc}", file=sys.stderr)
+            return 2
+    return _run_app(AttachApp(attach, max_tokens=args.max_tokens or DEFAULT_PROMPT_MAX_TOKENS, paused=args.paused))
 
 
 @contextlib.contextmanager

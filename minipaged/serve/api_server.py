@@ -1,0 +1,240 @@
+"""``minipaged serve``: the OpenAI-compatible HTTP API over one engine (FastAPI + uvicorn, as vLLM does).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
+asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
+``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``).
+
+How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
+checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
+context length and queues the request; from then on the handler relays what each step produced. A
+streamed choice gets ``finish_reason`` only in its last chunk; with ``stream_options.include_usage`` a
+last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the stream, as OpenAI's and
+vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..metrics import EngineMetrics
+from ..request import InvalidRequestError
+from . import protocol as p
+from .async_engine import Accepted, AsyncEngine, Update
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: Optional[str] = None
+    max_waiting_requests: Optional[int] = None
+
+
+def sse(data: Union[dict[str, Any], str]) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """vLLM's (and OpenAI's) wording for a request that does not fit the context: the limit and what was asked."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                                 f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                                 f"messages or completion.", "max_tokens")
+
+
+def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
+    metrics = EngineMetrics(engine)      # subscribed first: a client that got its answer finds it counted
+    async_engine = AsyncEngine(engine, settings.max_waiting_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start(asyncio.get_running_loop())
+        yield
+        async_engine.stop()
+
+    app = FastAPI(title="minipaged", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    max_model_len = engine.config.max_model_len
+
+    # ---------------------------------------------------------------- errors and the API key
+    @app.exception_handler(p.ServerError)
+    async def server_error(_request: Request, exc: p.ServerError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(p.error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = loc[0] if loc else ""                     # the field, not pydantic's union branch names
+        message = f"invalid '{where}': {first.get('msg', 'invalid value')}" if where else str(first.get("msg", exc))
+        return JSONResponse(p.error_body(400, message, where or None), status_code=400)
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next: Any) -> Response:
+        """With --api-key, every /v1 route wants ``Authorization: Bearer KEY`` (health and metrics stay open,
+        as in vLLM)."""
+        if settings.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return JSONResponse(p.error_body(401, "missing or wrong API key: send the header "
+                                                      "'Authorization: Bearer <key>' with the server's --api-key."),
+                                    status_code=401)
+        return await call_next(request)
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != settings.served_model_name:
+            raise p.ServerError(404, f"The model `{name}` does not exist. This server serves "
+                                     f"`{settings.served_model_name}` (GET /v1/models lists it).", "model")
+
+    # ---------------------------------------------------------------- plain routes
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        s = async_engine.stats
+        return {"status": "ok", "num_requests_running": int(s.get("requests_running", 0)),
+                "num_requests_waiting": async_engine.num_waiting, "blocks_total": int(s.get("blocks_total", 0)),
+                "blocks_free": int(s.get("blocks_free", 0)), "steps": int(s.get("steps", 0))}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": p.now_s(),
+                                            "owned_by": "minipaged", "root": engine.config.model,
+                                            "max_model_len": max_model_len}]}
+
+    @app.get("/v1/events")
+    async def events() -> StreamingResponse:
+        async def lines() -> AsyncIterator[str]:
+            async for line in async_engine.watch():
+                yield sse(line)
+        return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # ---------------------------------------------------------------- generation
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        body.refuse_unsupported()
+        check_model(body.model)
+        prompt = body.single_prompt()
+        max_tokens = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        body.sampling_params(max_tokens)                  # bad values fail here, before queueing
+
+        def prepare(eng: Any) -> tuple[list[int], Any]:
+            token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+            check_context(len(token_ids), max_tokens, max_model_len)
+            return token_ids, body.sampling_params(max_tokens)
+        return await respond("completion", body, prepare, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        body.refuse_unsupported()
+        check_model(body.model)
+        messages = [m.as_template_dict() for m in body.messages]
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        body.sampling_params(asked or 1)
+
+        def prepare(eng: Any) -> tuple[list[int], Any]:
+            token_ids = eng.inputs.chat_prompt(messages)
+            if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
+                if len(token_ids) >= max_model_len:
+                    raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                                             f"However, your messages resulted in {len(token_ids)} tokens. Please "
+                                             f"reduce the length of the messages.", "messages")
+                room = min(max_model_len, eng.info.num_blocks * eng.info.block_size) - len(token_ids)
+                max_tokens = max(room, 1)
+            else:
+                max_tokens = asked
+                check_context(len(token_ids), max_tokens, max_model_len)
+            return token_ids, body.sampling_params(max_tokens)
+        return await respond("chat", body, prepare, request)
+
+    async def respond(kind: p.Kind, body: p.SamplingFields, prepare: Any, request: Request) -> Response:
+        request_id = p.new_id(p.ID_PREFIX[kind])
+        updates = async_engine.generate(request_id, prepare)
+        accepted = await updates.__anext__()              # raises the refusal (400/503) before any byte is sent
+        assert isinstance(accepted, Accepted)
+        if body.stream:
+            return StreamingResponse(stream(kind, request_id, body, accepted, updates), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        collect = asyncio.ensure_future(final_output(updates))
+        gone = asyncio.ensure_future(disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():                            # the client left: cancelling aborts the request
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)
+        gone.cancel()
+        output = collect.result()
+        make_choice = p.completion_choice if kind == "completion" else p.chat_choice
+        return JSONResponse({
+            "id": request_id, "object": p.OBJECT[kind], "created": p.now_s(), "model": settings.served_model_name,
+            "choices": [make_choice(c.index, c.text, c.finish_reason, c.stop_reason) for c in output.outputs],
+            "usage": output_usage(output)})
+
+    async def stream(kind: p.Kind, request_id: str, body: p.SamplingFields, accepted: Accepted,
+                     updates: AsyncIterator[Any]) -> AsyncIterator[str]:
+        created, include_usage = p.now_s(), body.include_usage
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            data = {"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
+                    "model": settings.served_model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = None
+            return sse(data)
+
+        if kind == "chat":                                # the role first, as OpenAI sends it
+            for i in range(accepted.params.n):
+                yield chunk([p.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
+        output = None
+        async for update in updates:
+            assert isinstance(update, Update)
+            for d in update.deltas:
+                if not d.text and d.finish_reason is None:
+                    continue                              # a token that is not text yet (held back, half a char)
+                if kind == "chat":
+                    yield chunk([p.chat_chunk_choice(d.index, {"content": d.text} if d.text else {}, d.finish_reason)])
+                else:
+                    yield chunk([p.completion_choice(d.index, d.text, d.finish_reason)])
+            output = update.output or output
+        if include_usage and output is not None:
+            yield sse({"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
+                       "model": settings.served_model_name, "choices": [], "usage": output_usage(output)})
+        yield sse("[DONE]")
+
+    return app
+
+
+async def final_output(updates: AsyncIterator[Any]) -> Any:
+    async for update in updates:
+        if isinstance(update, Update) and update.output is not None:
+            return update.output
+    raise p.ServerError(500, "the request ended without an output.")
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def output_usage(output: Any) -> dict[str, int]:
+    return p.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))

@@ -1,0 +1,295 @@
+"""One engine, many HTTP requests: the engine runs in one background thread; each request gets an asyncio queue.
+
+The engine is synchronous and has no locks (``step()`` at a time), so exactly one thread touches it. HTTP
+handlers run on the asyncio event loop and talk to that thread through a command queue:
+
+    handler --submit(request_id, prepare)--> command queue --> engine thread: prepare, add_request
+    handler <--Accepted / Update / error---- its asyncio.Queue <-- engine thread, after each step()
+
+``prepare`` runs in the engine thread (tokenising uses the engine's tokenizer, which the detokenizer uses
+there too; fast tokenizers must not be used from two threads at once). A handler whose client goes away
+sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
+The engine thread also fans every StepEvent out, as JSON, to ``/v1/events`` watchers.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from ..events import EngineView, KVChanges, RequestArrival, StepEvent
+from ..request import InvalidRequestError, SamplingParams
+from .protocol import ServerError
+
+logger = logging.getLogger("minipaged.serve")
+
+Prompt = Union[str, list[int]]
+Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
+IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
+EVENT_QUEUE_LIMIT = 20_000      # a watcher this far behind is dropped (skipping events would corrupt its map)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The engine took the request (it is queued): the first item of every successful stream."""
+
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one sample (choice) of a request got in one step."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: Optional[str] = None      # set only in the choice's last delta
+
+
+@dataclass(frozen=True)
+class Update:
+    deltas: tuple[ChoiceDelta, ...]
+    output: Any = None                       # the RequestOutput, in the update where the last sample finishes
+
+
+@dataclass
+class _Stream:
+    """The engine thread's record of one request it serves."""
+
+    queue: asyncio.Queue
+    samples: dict[str, int]                  # engine sub-request id -> choice index
+    finished: set[str] = field(default_factory=set)
+
+
+class AsyncEngine:
+    """Drives one ``Engine`` from a background thread for asyncio callers."""
+
+    def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}          # engine thread only
+        self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id
+        self._watchers: list[asyncio.Queue] = []        # engine thread only
+        self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._num_submitted_not_added = 0               # guarded by _lock
+        self._aborts_unpublished = False                # engine thread only
+        self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
+        engine.subscribe(self._on_event)
+
+    # ------------------------------------------------------------------ life cycle (event-loop side)
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission, counting those not yet handed to the engine."""
+        with self._lock:
+            pending = self._num_submitted_not_added
+        return pending + int(self.stats.get("requests_waiting", 0))
+
+    # ------------------------------------------------------------------ requests (event-loop side)
+    async def generate(self, request_id: str, prepare: Prepare) -> AsyncIterator[Union[Accepted, Update]]:
+        """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
+        last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
+        Leaving early (the client went away, the task was cancelled) aborts the request."""
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise ServerError(503, f"the server is busy: {self.num_waiting} requests are waiting, the limit "
+                                   f"(--max-waiting-requests) is {self.max_waiting_requests}; retry shortly.",
+                              headers={"Retry-After": "1"})
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._num_submitted_not_added += 1
+        self._commands.put(("add", request_id, prepare, q))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+                if isinstance(item, Update) and item.output is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    async def watch(self) -> AsyncIterator[str]:
+        """Every StepEvent as a JSON line, after the engine header and a snapshot of the current state."""
+        q: asyncio.Queue = asyncio.Queue(EVENT_QUEUE_LIMIT)
+        self._commands.put(("watch", q))
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            self._commands.put(("unwatch", q))
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._handle_commands(wait=not self.engine.has_unfinished_requests())
+            if not (self.engine.has_unfinished_requests() or self._aborts_unpublished):
+                continue
+            # An abort frees blocks at once, but only the next StepEvent tells metrics and watchers; when
+            # nothing else runs, an empty step publishes it.
+            self._aborts_unpublished = False
+            try:
+                self.engine.step()                # subscribers (metrics, _on_event) run inside
+            except Exception as exc:              # a bug: fail the requests in flight, keep serving
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(ServerError(500, f"the engine failed: {exc}"))
+        self._fail_all(ServerError(503, "the server is shutting down."))
+
+    def _handle_commands(self, wait: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_S) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            getattr(self, "_do_" + command[0])(*command[1:])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.stats = dict(self.engine.stats())
+
+    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue) -> None:
+        with self._lock:
+            self._num_submitted_not_added -= 1
+        try:
+            prompt, params = prepare(self.engine)
+            self.engine.add_request(prompt, params, request_id=request_id)
+        except (InvalidRequestError, ServerError) as exc:
+            self._send(q, exc if isinstance(exc, ServerError) else ServerError(400, str(exc)))
+            return
+        except Exception as exc:
+            logger.exception("preparing request %s failed", request_id)
+            self._send(q, ServerError(500, f"could not prepare the request: {exc}"))
+            return
+        samples = {request_id: 0} if params.n == 1 else {f"{request_id}.{i}": i for i in range(params.n)}
+        self._streams[request_id] = _Stream(q, samples)
+        self._sample_parent.update({sub: request_id for sub in samples})
+        self._send(q, Accepted(params))
+
+    def _do_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        for sub in stream.samples:
+            self._sample_parent.pop(sub, None)
+        self.engine.abort(request_id)                 # frees its blocks now; the next event records it
+        self._aborts_unpublished = True
+        self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
+
+    def _do_watch(self, q: asyncio.Queue) -> None:
+        self._send(q, json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")))
+        self._send(q, snapshot_event(self._view).to_json())
+        self._watchers.append(q)
+
+    def _do_unwatch(self, q: asyncio.Queue) -> None:
+        if q in self._watchers:
+            self._watchers.remove(q)
+
+    def _on_event(self, event: StepEvent) -> None:
+        """Called by the engine after every step, in the engine thread."""
+        self._view.apply(event)
+        for f in event.finished:                      # a long-running server must not remember every request
+            self._view.requests.pop(f.request_id, None)
+        if self._watchers:
+            line = event.to_json()
+            for q in list(self._watchers):
+                if q.qsize() >= EVENT_QUEUE_LIMIT - 1:
+                    self._watchers.remove(q)
+                    self._send(q, None)               # too far behind: end its stream; it may reconnect
+                else:
+                    self._send(q, line)
+        self._dispatch(event)
+        self.stats = dict(event.counters)
+
+    def _dispatch(self, event: StepEvent) -> None:
+        """Hand each request the text, token counts and finish reasons its samples got this step."""
+        finished = {f.request_id: f for f in event.finished}
+        deltas: dict[str, list[ChoiceDelta]] = {}
+        for sub in {*event.new_text, *event.new_token_ids, *finished}:
+            parent = self._sample_parent.get(sub)
+            if parent is None:
+                continue
+            stream = self._streams[parent]
+            finish = finished.get(sub)
+            if finish is not None:
+                stream.finished.add(sub)
+            deltas.setdefault(parent, []).append(ChoiceDelta(
+                stream.samples[sub], event.new_text.get(sub, ""), len(event.new_token_ids.get(sub, ())),
+                finish.finish_reason if finish is not None else None))
+        for parent, parent_deltas in deltas.items():
+            stream = self._streams[parent]
+            output = None
+            if len(stream.finished) == len(stream.samples):
+                output = self.engine.outputs.pop_finished(parent)[0]
+                del self._streams[parent]
+                for sub in stream.samples:
+                    self._sample_parent.pop(sub, None)
+            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output))
+
+    def _fail_all(self, error: ServerError) -> None:
+        for request_id in list(self._streams):
+            stream = self._streams[request_id]
+            self._do_abort(request_id)
+            self._send(stream.queue, error)
+        for q in self._watchers:
+            self._send(q, None)
+        self._watchers.clear()
+
+    def _send(self, q: asyncio.Queue, item: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:                          # the event loop is closed: the server is going down
+            pass
+
+
+def snapshot_event(view: EngineView) -> StepEvent:
+    """The engine's current state as one StepEvent, so that a watcher joining late, folding it into an empty
+    EngineView, draws the same block map and request table as one that watched from the start: every live
+    request "arrives" with its text so far, its blocks are allocated, cached blocks are marked cached."""
+    last = view.last_event
+    live = list(view.requests.values())
+    kv = KVChanges(allocated={r.request_id: list(r.blocks) for r in live if r.blocks},
+                   cached=[b for b, cached in enumerate(view.block_cached) if cached],
+                   swapped_out={r.request_id: [(-1, cpu) for cpu in r.cpu_blocks] for r in live if r.cpu_blocks})
+    by_state = {state: tuple(r.request_id for r in live if r.state == state) for state in ("waiting", "running",
+                                                                                             "swapped")}
+    return StepEvent(
+        step=view.step, time_s=last.time_s if last else 0.0, duration_s=0.0, schedule_s=0.0, model_s=0.0,
+        budget_limit=view.info.max_num_batched_tokens, budget_used=0, max_num_seqs=view.info.max_num_seqs,
+        arrivals=tuple(RequestArrival(r.request_id, r.prompt_len, r.max_tokens, r.prompt) for r in live),
+        new_text={r.request_id: r.text for r in live if r.text}, kv=kv,
+        num_free_blocks=view.num_free_blocks(), num_cached_free_blocks=sum(
+            1 for b, owners in enumerate(view.block_owners) if not owners and view.block_cached[b]),
+        num_total_blocks=view.info.num_blocks,
+        num_free_cpu_blocks=sum(1 for owner in view.cpu_block_owner if owner is None),
+        num_total_cpu_blocks=view.info.num_cpu_blocks, waiting=by_state["waiting"], running=by_state["running"],
+        swapped=by_state["swapped"], counters=dict(last.counters) if last else {})

@@ -1,0 +1,166 @@
+"""``minipaged watch --attach URL`` against a live ``minipaged serve``: a thin client (no torch), driven by Pilot."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_util import running_server, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("attach") / "server.log"
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "128", log_path=str(log)) as url:
+        yield url
+
+
+def test_the_attach_client_never_imports_torch_or_transformers(server):
+    """The whole client path, from the command's parser to reading a live event, in a fresh interpreter."""
+    code = f"""
+import sys
+from minipaged.cli import make_parser, is_user_error
+from minipaged.tui import run_watch, _flag_problem
+from minipaged.tui.attach import AttachApp, AttachRun
+args = make_parser().parse_args(["watch", "--attach", "{server}"])
+assert _flag_problem(args) is None
+run = AttachRun(args.attach)
+info = run.load()
+event = run.step()
+assert event is not None and info.num_blocks == 128
+AttachApp(run)
+is_user_error(ValueError())
+run.close()
+print(sorted(m for m in ("torch", "transformers", "numpy", "fastapi") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_attach_refuses_engine_flags_and_replay():
+    from minipaged.cli import make_parser
+    from minipaged.tui import _flag_problem
+
+    parse = make_parser().parse_args
+    assert "give engine flags to `minipaged serve`" in _flag_problem(
+        parse(["watch", "--attach", "http://x", "--num-blocks", "8"]))
+    assert "give one of them" in _flag_problem(parse(["watch", "--attach", "http://x", "--replay", "t.jsonl"]))
+    assert _flag_problem(parse(["watch", "--attach", "http://x", "--max-tokens", "8"])) is None
+
+
+def test_attach_to_nothing_says_what_to_start(capsys):
+    from minipaged.cli import main
+    from serve_util import free_port
+
+    assert main(["watch", "--attach", f"http://127.0.0.1:{free_port()}", "--no-tui"]) == 2
+    assert "start one with `minipaged serve`" in capsys.readouterr().err
+
+
+def test_pilot_draws_a_request_sent_by_another_client_and_sends_its_own(server, tiny_model):
+    from minipaged.tui.attach import AttachApp, AttachRun
+    from minipaged.tui.widgets.block_map import BlockMap
+
+    async def run() -> None:
+        app = AttachApp(AttachRun(server), max_tokens=12)
+        async with app.run_test(size=(160, 45)) as pilot:
+            async def wait_for(condition, timeout: float = 30.0) -> None:
+                start = time.monotonic()
+                while not condition():
+                    assert time.monotonic() - start < timeout, "timed out waiting for the app"
+                    await pilot.pause(0.05)
+
+            await wait_for(lambda: app.state is not None)
+            other = threading.Thread(target=httpx.post, args=(server + "/v1/completions",),
+                                     kwargs=dict(json={"model": tiny_model, "prompt": "another client asks",
+                                                       "max_tokens": 150, "ignore_eos": True}, timeout=60))
+            other.start()
+
+            def theirs():
+                return next((r for r in app.state.view.requests.values() if "another client" in r.prompt), None)
+
+            def drawn(request) -> bool:
+                block_map = app.query_one("#gpu-map", BlockMap)
+                colour = app.state.colour(request.request_id).lower()
+                return any(colour in str(seg.style).lower() for y in range(block_map.content_size.height)
+                           for seg in block_map.render_line(y))
+            await wait_for(lambda: theirs() is not None and theirs().blocks and drawn(theirs()))
+            other.join(60)
+
+            await pilot.press("slash")
+            await pilot.press(*"hello class")
+            await pilot.press("enter")
+            await wait_for(lambda: app.answers)
+            request_id, text = app.answers[0]
+            await wait_for(lambda: app.state.view.requests.get(request_id) is not None
+                           and app.state.view.requests[request_id].state == "finished")
+            mine = app.state.view.requests[request_id]
+            assert "hello class" in mine.prompt and 1 <= mine.num_output_tokens <= 12
+            assert mine.text == text and app.selected == request_id
+            await pilot.press("escape", "q")
+        assert app.return_code == 0
+
+    asyncio.run(run())
+    health = wait_until_idle(server)
+    assert health["blocks_free"] == health["blocks_total"]
+
+
+def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_model, tmp_path):
+    """No browser on CI machines: two websocket clients speak textual-serve's browser protocol instead, and
+    each must receive its own live attach TUI (the top bar says LIVE and names the server's model)."""
+    import aiohttp
+
+    from serve_util import free_port, stop_process
+
+    model = Path(tiny_model).name                 # the top bar names the model once the event stream is read
+    port = free_port()
+    public = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "classroom.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged", "classroom", "--attach", server, "--port", str(port),
+                             "--public-url", public], stdout=log, stderr=subprocess.STDOUT)
+
+    async def one_browser(session: aiohttp.ClientSession) -> str:
+        seen = ""
+        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?width=140&height=40") as ws:
+            await ws.send_json(["resize", {"width": 140, "height": 40}])
+            deadline = time.monotonic() + 60
+            while not ("LIVE" in seen and model in seen) and time.monotonic() < deadline:
+                try:
+                    message = await ws.receive(timeout=5)
+                except asyncio.TimeoutError:
+                    continue
+                if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    data = message.data
+                    seen += data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+                elif message.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                    break
+        return seen
+
+    async def two_browsers() -> tuple[str, list[str]]:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):                  # wait for the page server to listen
+                try:
+                    async with session.get(public + "/") as page:
+                        html = await page.text()
+                        break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("classroom did not start: " + open(tmp_path / "classroom.log").read())
+            return html, list(await asyncio.gather(one_browser(session), one_browser(session)))
+
+    try:
+        html, screens = asyncio.run(two_browsers())
+    finally:
+        stop_process(proc)
+        log.close()
+    assert f"ws://127.0.0.1:{port}/ws" in html            # the page connects back to the public URL
+    for screen in screens:
+        assert "minipaged watch" in screen and "LIVE" in screen and model in screen, (
+            screen[-2000:], open(tmp_path / "classroom.log").read())

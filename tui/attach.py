@@ -1,0 +1,183 @@
+"""``minipaged watch --attach URL``: the same TUI, drawing a live ``minipaged serve`` from its event stream.
+
+``AttachRun`` stands where ``LiveRun`` stands for a local engine (``load`` / ``step`` / ``close``), but its
+StepEvents come from the server's ``GET /v1/events``: an engine header, a snapshot of the current state
+(so a client that joins late draws the right block map), then every step. A background thread reads the
+stream as it comes, so a paused screen never makes the server wait. ``AttachApp`` adds a prompt box: what
+you type goes to the server's OpenAI endpoint like any client's request, and joins the batch beside
+everyone else's.
+
+Nothing here imports torch or transformers (a test keeps it so): a thin client starts in about a second.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+import httpx
+from textual.binding import Binding
+from textual.widgets import Input
+
+from minipaged.events import EngineInfo, StepEvent
+
+from .app import WatchApp
+
+Progress = Callable[[str], None]
+DEFAULT_PROMPT_MAX_TOKENS = 64
+_END = object()                  # the stream ended (the server went away)
+
+
+def parse_record(payload: str) -> Union[EngineInfo, StepEvent]:
+    """One record of the event stream (the same JSON as a trace line)."""
+    record = json.loads(payload)
+    body = {k: v for k, v in record.items() if k != "type"}
+    if record.get("type") == "engine":
+        return EngineInfo(**body)
+    if record.get("type") == "step":
+        return StepEvent.from_dict(record)
+    raise ValueError(f"unknown record type {record.get('type')!r}")
+
+
+class AttachRun:
+    """StepEvents from a live server's ``/v1/events``."""
+
+    def __init__(self, url: str, api_key: Optional[str] = None) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.info: Optional[EngineInfo] = None
+        self._events: "queue.Queue[Any]" = queue.Queue()
+        self._closed = threading.Event()
+        self._client: Optional[httpx.Client] = None
+
+    def load(self, progress: Progress = lambda message: None) -> EngineInfo:
+        """Connect and read the engine header; raises ConnectionError saying what to check."""
+        progress(f"connecting to {self.url}")
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=None), headers=self.headers)
+        try:
+            response = self._client.send(self._client.build_request("GET", self.url + "/v1/events"), stream=True)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"cannot reach a minipaged server at {self.url} ({exc}); start one with "
+                                  f"`minipaged serve` and pass its address, e.g. http://127.0.0.1:8000.") from None
+        if response.status_code != 200:
+            raise ConnectionError(f"{self.url}/v1/events answered {response.status_code}: {response.read()[:200]!r}"
+                                  + (" (pass the server's key with --api-key)" if response.status_code == 401 else ""))
+        lines = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        header = parse_record(next(lines))
+        if not isinstance(header, EngineInfo):
+            raise ConnectionError(f"{self.url}/v1/events did not start with the engine header")
+        self.info = header
+        threading.Thread(target=self._read, args=(lines, response), name="minipaged-attach", daemon=True).start()
+        return header
+
+    def _read(self, lines: Any, response: httpx.Response) -> None:
+        try:
+            for payload in lines:
+                self._events.put(parse_record(payload))
+        except (httpx.HTTPError, ValueError):
+            pass                         # the server went away or the client is closing
+        finally:
+            response.close()
+            self._events.put(_END)
+
+    def step(self) -> Optional[StepEvent]:
+        """The next event, waiting for the server to make one; None once the stream has ended."""
+        while not self._closed.is_set():
+            try:
+                item = self._events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            return None if item is _END else item
+        return None
+
+    def interrupt(self) -> None:
+        """Wake a ``step`` that waits for the server (the app is quitting)."""
+        self._closed.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._client is not None:
+            self._client.close()
+
+    # ------------------------------------------------------------------ sending prompts
+    def model_name(self) -> str:
+        response = httpx.get(self.url + "/v1/models", headers=self.headers, timeout=10)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+    def send_prompt(self, prompt: str, max_tokens: int, on_id: Callable[[str], None]) -> tuple[str, str]:
+        """Send a chat request through the OpenAI endpoint, streamed; ``on_id`` hears its id as soon as the
+        server has queued it. Returns (id, text)."""
+        body = {"model": self.model_name(), "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "stream": True}
+        request_id, text = "", []
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=self.headers,
+                          timeout=httpx.Timeout(10.0, read=None)) as response:
+            if response.status_code != 200:
+                raise ValueError(json.loads(response.read())["error"]["message"])
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if not request_id:
+                    request_id = chunk["id"]
+                    on_id(request_id)
+                text.extend(c["delta"].get("content") or "" for c in chunk["choices"])
+        return request_id, "".join(text)
+
+
+class AttachApp(WatchApp):
+    """The watch TUI on a live server, with a prompt box (``/`` focuses it, escape leaves it)."""
+
+    TITLE = "minipaged watch --attach"
+    BINDINGS = WatchApp.BINDINGS + [Binding("slash", "focus_prompt", "Prompt", key_display="/"),
+                                    Binding("escape", "leave_prompt", "Leave prompt", show=False)]
+    DEFAULT_CSS = "#prompt { dock: bottom; }"
+
+    def __init__(self, attach: AttachRun, *, max_tokens: int = DEFAULT_PROMPT_MAX_TOKENS, **kwargs: Any) -> None:
+        kwargs.setdefault("speed", 0.0)         # keep up with the server: it does not wait for the screen
+        super().__init__(live=attach, description=f"attached to {attach.url}", **kwargs)
+        self.attach = attach
+        self.max_tokens = max_tokens
+        self.answers: list[tuple[str, str]] = []      # (request id, text) of the prompts sent from the box
+
+    def compose(self):
+        yield from super().compose()
+        yield Input(placeholder="type a prompt and press enter: it joins the batch beside everyone else's (/)",
+                    id="prompt")
+
+    def action_focus_prompt(self) -> None:
+        self.query_one("#prompt", Input).focus()
+
+    def action_leave_prompt(self) -> None:
+        self.set_focus(None)
+
+    def on_input_submitted(self, message: Input.Submitted) -> None:
+        prompt = message.value.strip()
+        message.input.clear()
+        if prompt:
+            self.run_worker(lambda: self._send(prompt), thread=True, group="prompts")
+
+    def _send(self, prompt: str) -> None:
+        """In a worker thread: send, select the request once queued, tell the answer when it is done."""
+        try:
+            request_id, text = self.attach.send_prompt(
+                prompt, self.max_tokens, on_id=lambda rid: self._from_thread(self.select, rid))
+        except (httpx.HTTPError, ValueError) as exc:
+            self._from_thread(partial(self.notify, f"the server refused the prompt: {exc}", severity="error",
+                                      timeout=10))
+            return
+        self._from_thread(self._answered, request_id, text)
+
+    def _answered(self, request_id: str, text: str) -> None:
+        self.answers.append((request_id, text))
+        self.notify(text[:300] or "(no text)", title=f"{request_id} finished", timeout=15)
+
+    async def action_quit(self) -> None:
+        self.attach.interrupt()
+        await super().action_quit()
+
+
+__all__ = ["AttachRun", "AttachApp", "parse_record"]
