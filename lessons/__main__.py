@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any, Optional, Sequence
 
-from .core import MEASURED_FILE, get_lesson, list_lessons, run_scenario
+from .core import MEASURED_FILE, SMOLLM2_FILE, get_lesson, list_lessons, run_scenario
 
 
 def measure_all(model: Optional[str] = None) -> dict[str, dict[str, Any]]:
@@ -29,6 +29,29 @@ def measure_all(model: Optional[str] = None) -> dict[str, dict[str, Any]]:
             from minipaged.model.testing import build_tiny_llama
             model = str(build_tiny_llama(os.path.join(tmp, "tiny")))
         return {str(lesson.number): run_scenario(lesson, model).values for lesson in list_lessons()}
+
+
+def measure_smollm2(repeats: int = 3) -> dict[str, dict[str, Any]]:
+    """Each lesson's machine-dependent numbers on SmolLM2: the median of ``repeats`` headless runs."""
+    import platform
+    import statistics
+    logging.getLogger("minipaged").setLevel(logging.ERROR)
+    values: dict[str, dict[str, Any]] = {}
+    for lesson in list_lessons():
+        if lesson.measure_smollm2 is None:
+            continue
+        samples = [lesson.measure_smollm2(run_scenario(lesson, "smollm2").runs) for _ in range(repeats)]
+        values[str(lesson.number)] = {key: round(statistics.median(s[key] for s in samples), 1) for key in samples[0]}
+        values[str(lesson.number)]["_source"] = (f"python -m minipaged.lessons --measure-smollm2, median of {repeats}, "
+                                                 f"{platform.machine()} {os.cpu_count()} cores")
+    return values
+
+
+def write_smollm2(values: dict[str, dict[str, Any]]) -> None:
+    """Merge into measured_smollm2.json (other lessons' entries, e.g. lesson 6's from its benchmark, stay)."""
+    stored = json.loads(SMOLLM2_FILE.read_text(encoding="utf-8")) if SMOLLM2_FILE.exists() else {}
+    stored.update(values)
+    SMOLLM2_FILE.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def write_measured(values: dict[str, dict[str, Any]]) -> None:
@@ -42,7 +65,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--update", action="store_true", help="measure every scenario, rewrite measured.json")
     parser.add_argument("--check", action="store_true", help="measure every scenario, compare with measured.json")
     parser.add_argument("--model", default=None, help="model to measure on (default: a tiny random Llama)")
+    parser.add_argument("--measure-smollm2", action="store_true",
+                        help="run the lessons that quote milliseconds on SmolLM2 (3 runs, medians) and update "
+                             "measured_smollm2.json")
     args = parser.parse_args(argv)
+    if args.measure_smollm2:
+        write_smollm2(measure_smollm2())
+        print(f"wrote {SMOLLM2_FILE}")
+        return 0
     if args.update or args.check:
         values = measure_all(args.model)
         if args.update:

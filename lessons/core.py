@@ -369,6 +369,9 @@ class Lesson:
     quiz: tuple[QuizQuestion, ...]
     measure: Callable[[dict[str, Run]], dict[str, Any]]
     summary: str = ""
+    # Numbers that depend on the machine or the model (milliseconds, acceptance rates): measured on SmolLM2
+    # by ``python -m minipaged.lessons --measure-smollm2`` into measured_smollm2.json, never by the tests.
+    measure_smollm2: Optional[Callable[[dict[str, Run]], dict[str, Any]]] = None
     measured: dict[str, Any] = field(default_factory=dict)   # from measured.json (the last headless run)
     smollm2: dict[str, Any] = field(default_factory=dict)    # from measured_smollm2.json (a benchmark's run)
 
@@ -478,6 +481,7 @@ def _build(module_name: str, measured: dict[str, dict[str, Any]]) -> Lesson:
                   template=(HERE / f"{module_name}.md").read_text(encoding="utf-8"),
                   scenario=mod.SCENARIO, checkpoints=tuple(mod.CHECKPOINTS), quiz=tuple(mod.QUIZ),
                   measure=mod.measure, summary=getattr(mod, "SUMMARY", ""),
+                  measure_smollm2=getattr(mod, "measure_smollm2", None),
                   measured=measured.get(str(mod.NUMBER), {}), smollm2=load_smollm2().get(str(mod.NUMBER), {}))
 
 

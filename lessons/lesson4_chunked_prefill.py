@@ -54,6 +54,16 @@ def wall_clock(run: Run, request_id: str = LONG) -> dict[str, float]:
     return {"max_itl_ms": 1e3 * max(gaps), "ttft_ms": 1e3 * (ends[first] - starts[run.arrival_step(request_id)])}
 
 
+def measure_smollm2(runs: dict[str, Run]) -> dict[str, float]:
+    """The long prompt's TTFT and the decoders' worst gap in milliseconds, per variant (SmolLM2, this CPU)."""
+    out: dict[str, float] = {}
+    for name, run in runs.items():
+        wall = wall_clock(run)
+        key = name.replace("-", "_")
+        out[f"{key}_ttft_ms"], out[f"{key}_max_itl_ms"] = wall["ttft_ms"], wall["max_itl_ms"]
+    return out
+
+
 def measure(runs: dict[str, Run]) -> dict[str, Any]:
     out: dict[str, Any] = {"long_prompt": LONG_PROMPT.num_tokens, "decoders": len(DECODERS),
                            "big_budget": runs["budget-512"].info.max_num_batched_tokens}

@@ -320,6 +320,12 @@ class WatchApp(App[int]):
     def refresh_panels(self) -> None:
         self._refresh_pending = False
         self._last_refresh = time.monotonic()
+        try:
+            self._draw_panels()
+        except NoMatches:            # a timer or a finished step that fired while the app is closing
+            pass
+
+    def _draw_panels(self) -> None:
         state, selected = self.state, self.selected
         self.query_one("#topbar", Static).update(self._topbar())
         self.query_one("#gpu-map", BlockMap).show(state, selected)
