@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_util import running_server, wait_until_idle
+from browser_util import INSTALL_HINT, find_chromium
+from serve_util import running_classroom, running_server, wait_until_idle
 
 
 @pytest.fixture(scope="module")
@@ -112,20 +113,14 @@ def test_pilot_draws_a_request_sent_by_another_client_and_sends_its_own(server, 
 
 
 def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_model, tmp_path):
-    """No browser on CI machines: two websocket clients speak textual-serve's browser protocol instead, and
-    each must receive its own live attach TUI (the top bar says LIVE and names the server's model)."""
+    """Two websocket clients speak textual-serve's browser protocol, and each must receive its own live attach
+    TUI (the top bar says LIVE and names the server's model). Runs without a browser; the Chromium test below
+    checks what a real browser draws."""
     import aiohttp
 
-    from serve_util import free_port, stop_process
-
     model = Path(tiny_model).name                 # the top bar names the model once the event stream is read
-    port = free_port()
-    public = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "classroom.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "minipaged", "classroom", "--attach", server, "--port", str(port),
-                             "--public-url", public], stdout=log, stderr=subprocess.STDOUT)
 
-    async def one_browser(session: aiohttp.ClientSession) -> str:
+    async def one_browser(session: aiohttp.ClientSession, port: int) -> str:
         seen = ""
         async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?width=140&height=40") as ws:
             await ws.send_json(["resize", {"width": 140, "height": 40}])
@@ -142,25 +137,63 @@ def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_mo
                     break
         return seen
 
-    async def two_browsers() -> tuple[str, list[str]]:
+    async def two_browsers(public: str) -> tuple[str, list[str]]:
+        port = int(public.rsplit(":", 1)[1])
         async with aiohttp.ClientSession() as session:
-            for _ in range(100):                  # wait for the page server to listen
-                try:
-                    async with session.get(public + "/") as page:
-                        html = await page.text()
-                        break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.2)
-            else:
-                raise AssertionError("classroom did not start: " + open(tmp_path / "classroom.log").read())
-            return html, list(await asyncio.gather(one_browser(session), one_browser(session)))
+            async with session.get(public + "/") as page:
+                html = await page.text()
+            return html, list(await asyncio.gather(one_browser(session, port), one_browser(session, port)))
 
-    try:
-        html, screens = asyncio.run(two_browsers())
-    finally:
-        stop_process(proc)
-        log.close()
-    assert f"ws://127.0.0.1:{port}/ws" in html            # the page connects back to the public URL
+    log = tmp_path / "classroom.log"
+    with running_classroom(server, log_path=str(log)) as public:
+        html, screens = asyncio.run(two_browsers(public))
+    assert f"{public.replace('http', 'ws')}/ws" in html   # the page connects back to the public URL
     for screen in screens:
         assert "minipaged watch" in screen and "LIVE" in screen and model in screen, (
-            screen[-2000:], open(tmp_path / "classroom.log").read())
+            screen[-2000:], log.read_text())
+
+
+def block_map_pixels(png: bytes) -> dict[str, int]:
+    """Pixels of a screenshot in the block map's colours: requests' colours and the cached-prefix grey
+    (``map``, solid cells and shade glyphs), and the free-block grey (``free``, the dots)."""
+    from browser_util import count_colour, decode_png
+    from minipaged.tui.state import PALETTE
+    from minipaged.tui.widgets.block_map import CACHED, FREE
+
+    rgb = decode_png(png)
+    return {"map": sum(count_colour(rgb, colour) for colour in (*PALETTE, CACHED)), "free": count_colour(rgb, FREE)}
+
+
+# Measured at 1400x900: an empty map (a fresh server: only the legend's swatches and 128 dots) draws 1,301
+# "map" pixels and 2,212 "free" ones; one finished 30-token prompt's cached blocks take "map" to 13,469;
+# a blank page and textual-serve's intro card (the app not drawn yet) have 0 of each.
+MAP_PIXELS = 3000
+FREE_PIXELS = 200
+
+
+def shows_a_block_map(png: bytes) -> bool:
+    pixels = block_map_pixels(png)
+    return pixels["map"] >= MAP_PIXELS and pixels["free"] >= FREE_PIXELS
+
+
+@pytest.mark.skipif(find_chromium() is None, reason=f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
+def test_two_headless_chromiums_at_once_both_draw_the_block_map(server, tiny_model, tmp_path):
+    """issue 13: a real browser opens the classroom page, xterm.js draws the attach TUI, and a screenshot
+    shows the block map with the blocks of a request the test sent; two browsers at once both do."""
+    from browser_util import screenshot_when
+    answer = httpx.post(server + "/v1/completions", timeout=60,
+                        json={"model": tiny_model, "prompt": "the class watches these blocks fill up " * 3,
+                              "max_tokens": 40, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+
+    async def two_browsers(url: str) -> list[tuple[bytes, bool]]:
+        return list(await asyncio.gather(screenshot_when(url, shows_a_block_map, timeout_s=45),
+                                          screenshot_when(url, shows_a_block_map, timeout_s=45)))
+
+    log = tmp_path / "classroom.log"
+    with running_classroom(server, log_path=str(log)) as page:
+        shots = asyncio.run(two_browsers(page))
+    for number, (png, ready) in enumerate(shots, 1):
+        (tmp_path / f"browser{number}.png").write_bytes(png)        # kept for a look when this fails
+        assert ready, (f"browser {number} never drew the block map; pixels {block_map_pixels(png)}, "
+                       f"screenshot {tmp_path}/browser{number}.png", log.read_text()[-2000:])

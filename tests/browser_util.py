@@ -1,0 +1,116 @@
+"""A headless Chromium for tests: open a page, screenshot it until it shows what a test waits for.
+
+Why not ``chromium --screenshot --virtual-time-budget=N``: virtual time runs ahead of the real clock
+while the page is idle, so the shot is taken before textual-serve's page has started its app process and
+drawn the first frame (it shows the "minipaged classroom" intro card instead). So we drive the browser over
+the DevTools protocol (CDP) with aiohttp's websocket client, already a dependency of textual-serve, and take
+screenshots in real time until one passes the test's check or the deadline comes.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+INSTALL_HINT = "apt-get install chromium-headless-shell (or chromium)"
+
+
+def find_chromium() -> Optional[list[str]]:
+    """The command that starts a headless Chromium here, or None: Debian's light headless shell first."""
+    if shutil.which("chromium-headless-shell"):
+        return ["chromium-headless-shell"]
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return [name, "--headless"]
+    return None
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """RGB bytes (height x width x 3, uint8) of a PNG."""
+    from matplotlib.image import imread
+
+    image = imread(io.BytesIO(data), format="png")                   # floats in [0, 1], RGB or RGBA
+    return (image[..., :3] * 255 + 0.5).astype(np.uint8)
+
+
+def count_colour(rgb: np.ndarray, hex_colour: str, tolerance: int = 8) -> int:
+    """How many pixels are within ``tolerance`` (per channel) of ``hex_colour``."""
+    target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)], dtype=np.int16)
+    return int((np.abs(rgb.astype(np.int16) - target).max(axis=-1) <= tolerance).sum())
+
+
+class DevTools:
+    """One CDP websocket session: ``call(method, **params)`` returns the result of that command."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.ids = itertools.count(1)
+
+    async def call(self, method: str, **params) -> dict:
+        call_id = next(self.ids)
+        await self.ws.send_json({"id": call_id, "method": method, "params": params})
+        while True:                                                    # skip events until our answer
+            message = await self.ws.receive_json(timeout=30)
+            if message.get("id") == call_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"]
+
+
+async def screenshot_when(url: str, ready: Callable[[bytes], bool], timeout_s: float = 40.0,
+                          size: tuple[int, int] = (1400, 900), every_s: float = 1.0) -> tuple[bytes, bool]:
+    """Open ``url`` in a fresh headless Chromium; screenshot it every ``every_s`` until ``ready(png)``.
+
+    Returns the last PNG and whether it was ready. The browser's whole process group is always killed and
+    its profile removed.
+    """
+    import aiohttp
+
+    command = find_chromium()
+    assert command is not None, f"no Chromium here: {INSTALL_HINT}"
+    profile = Path(tempfile.mkdtemp(prefix="minipaged-chromium-"))
+    browser = subprocess.Popen([*command, "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                "--remote-debugging-port=0", f"--user-data-dir={profile}",
+                                f"--window-size={size[0]},{size[1]}", "about:blank"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)   # Debian's launcher is a shell script that does not
+                                                         # exec: killing it alone leaves the browser running
+    deadline = time.monotonic() + timeout_s
+    try:
+        port_file = profile / "DevToolsActivePort"          # Chromium writes its port here once it listens
+        while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
+            assert browser.poll() is None, f"Chromium exited with {browser.returncode}"
+            assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
+            await asyncio.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/json/list") as answer:
+                page = next(t for t in await answer.json() if t["type"] == "page")
+            async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                tools = DevTools(ws)
+                await tools.call("Page.navigate", url=url)
+                while True:
+                    await asyncio.sleep(every_s)
+                    shot = await tools.call("Page.captureScreenshot", format="png")
+                    png = base64.b64decode(shot["data"])
+                    if ready(png):
+                        return png, True
+                    if time.monotonic() > deadline:
+                        return png, False
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(browser.pid, signal.SIGKILL)              # the launcher, the browser and its helpers
+        browser.wait(10)
+        shutil.rmtree(profile, ignore_errors=True)
