@@ -130,3 +130,23 @@ def test_presenter_snapshot(snap_compare):
 
     app = WatchApp(replay=read_trace(str(DATA / "watch_trace.jsonl")), paused=True, presenter=True)
     assert snap_compare(app, terminal_size=(120, 35), run_before=go)
+
+
+@run_async
+async def test_lesson_compare_opens_the_lessons_runs_side_by_side(tiny_model):
+    from minipaged.cli import make_parser
+    from minipaged.tui.help import HelpScreen
+    from minipaged.tui.lesson_panel import build_lesson_compare
+
+    _lesson, runs, description = build_lesson_compare(make_parser().parse_args(
+        ["watch", "--model", tiny_model, "--lesson", "2", "--compare"]))
+    app = CompareApp(compare=CompareRun.from_runs(runs), paused=True, description=description)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await wait_for(pilot, lambda: app.state is not None)
+        assert [c.info.policy for c in app.columns] == ["continuous", "static"]
+        await pilot.press("n")
+        await wait_for(pilot, lambda: app.position == 1 and not app.engine_busy)
+        assert steps_on_screen(app) == [1, 1]
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape", "q")

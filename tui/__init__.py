@@ -197,7 +197,8 @@ def run_watch(args: argparse.Namespace) -> int:
         print("minipaged watch: --record writes a new trace from a live run; it cannot be combined with --replay.",
               file=sys.stderr)
         return 2
-    replay_files = list(args.replay or [])
+    # --replay may be given up to three times (with --compare); a caller's Namespace may hold one path
+    replay_files = [args.replay] if isinstance(args.replay, str) else list(args.replay or [])
     if len(replay_files) > 1 and getattr(args, "compare", None) is None:
         print("minipaged watch: --replay is given once, or two or three times with --compare (side by side).",
               file=sys.stderr)
