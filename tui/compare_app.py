@@ -22,7 +22,7 @@ from textual.widgets import Footer, Static
 from minipaged.events import EngineInfo, StepEvent
 
 from .app import WatchApp, speed_label
-from .compare import CompareRun, summarize
+from .compare import CompareRun, RunSummary, summarize
 from .state import WatchState
 from .widgets.batch import BatchPanel
 from .widgets.block_map import BlockMap, legend
@@ -197,7 +197,7 @@ class CompareApp(WatchApp):
         rounds = self.events[:position] if position is not None else self.events
         return [r[index] for r in rounds if r[index] is not None]     # type: ignore[index]
 
-    def summaries(self) -> list:
+    def summaries(self) -> list[RunSummary]:
         """One RunSummary per run, of the steps on screen."""
         return [summarize(label, self.run_events(i, self.position)) for i, label in enumerate(self.labels)]
 
