@@ -2,12 +2,10 @@
 ``minipaged watch --lesson N`` on a tiny random model. A checkpoint ticks exactly when the run shows it."""
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-import time
 
 import pytest
+from pilot_util import run_async, wait_for
 from textual.app import App, ComposeResult
 
 from minipaged.cli import make_parser
@@ -15,20 +13,6 @@ from minipaged.events import read_trace
 from minipaged.lessons import get_lesson, run_variant
 from minipaged.tui.app import WatchApp
 from minipaged.tui.lesson_panel import LessonPanel, build_lesson_run
-
-
-def run_async(test):
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return wrapper
-
-
-async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "timed out waiting for the app"
-        await pilot.pause(0.02)
 
 
 async def leave(pilot, app) -> None:

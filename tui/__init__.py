@@ -46,10 +46,11 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
                    help="open guided lesson N (list them: minipaged lessons): its scenario, with the lesson "
                         "text, checkpoints and quiz beside it; engine flags you give pick the run it compares "
                         "with, e.g. --lesson 2 --policy static%(default).0s")
-    g.add_argument("--compare", nargs="+", metavar="VARIANT", default=None,
+    g.add_argument("--compare", nargs="*", metavar="VARIANT", default=None,
                    help="run the workload through two or three engines that differ in the options given as "
-                        "name=value, e.g. --compare policy=static policy=continuous; prints one summary line "
-                        "each (needs --no-tui: the side-by-side view is not built yet)%(default).0s")
+                        "name=value, side by side and stepped together, e.g. --compare policy=static "
+                        "policy=continuous; with --lesson N and no variants: the lesson's runs; with two or "
+                        "three --replay traces: those runs; --no-tui prints one summary line each%(default).0s")
 
     a = parser.add_argument_group("attach to a server")
     a.add_argument("--attach", metavar="URL", default=None,
@@ -58,14 +59,18 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--api-key", default=None, help="the server's --api-key, if it has one%(default).0s")
 
     v = parser.add_argument_group("watching")
-    v.add_argument("--replay", metavar="FILE", default=None,
-                   help="replay a recorded trace (no model needed); step back with b or the left arrow%(default).0s")
+    v.add_argument("--replay", metavar="FILE", default=None, action="append",
+                   help="replay a recorded trace (no model needed); step back with b or the left arrow; give it "
+                        "two or three times with --compare to replay runs side by side%(default).0s")
     v.add_argument("--record", metavar="FILE", default=None, help="write the run's events to a JSON-lines trace%(default).0s")
     v.add_argument("--no-tui", dest="tui", action="store_false",
                    help="print one compact block per step instead of the full-screen app%(default).0s")
     v.add_argument("--speed", type=float, default=DEFAULT_SPEED,
                    help="steps per second shown (0 = as fast as the engine goes); + and - change it")
     v.add_argument("--paused", action="store_true", help="start paused (space runs, n steps once)%(default).0s")
+    v.add_argument("--presenter", action="store_true",
+                   help="for a projector (120x35 is enough): bigger block cells, and only the block map, batch "
+                        "and metrics panels%(default).0s")
 
     add_engine_arguments(parser)
     parser.epilog = ("The workload suggests engine options (a small pool that visibly fills, a token budget that "
@@ -102,28 +107,58 @@ def build_live_run(args: argparse.Namespace):
     return LiveRun(lambda progress: build_engine(args.model, options, progress), workload, record=args.record)
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    """``--compare A B [C]``: the same workload through each variant, stepped together; a summary each."""
-    from .compare import CompareRun, parse_variant
+def run_compare(args: argparse.Namespace, replay_files: list[str]) -> int:
+    """``--compare``: two or three runs side by side (or, with --no-tui, one summary line each). The runs
+    are the variants given (``--compare A B [C]``), a lesson's own variants (``--lesson N --compare``) or
+    recorded traces (``--compare --replay A --replay B``)."""
+    from minipaged.events import read_trace
 
-    if args.tui or args.replay or args.lesson or args.record:
-        print("minipaged watch: --compare prints a summary for now: use it with --no-tui, and without --replay, "
-              "--lesson or --record.", file=sys.stderr)
+    from .compare import CompareRun, parse_variant, summarize
+
+    problem = None
+    if args.record:
+        problem = "--compare cannot --record: record each run on its own, then --compare --replay them."
+    elif (replay_files or args.lesson) and args.compare:
+        problem = (f"--compare takes no variants with {'--replay' if replay_files else '--lesson'}: "
+                   f"{'each trace is one run' if replay_files else 'the lesson brings its own runs'}.")
+    elif replay_files and not 2 <= len(replay_files) <= 3:
+        problem = f"--compare --replay takes two or three traces, got {len(replay_files)}."
+    if problem:
+        print(f"minipaged watch: {problem}", file=sys.stderr)
         return 2
+    compare = replays = None
     try:
-        workload = workload_of(args)
-        base = engine_options_for(args, workload.engine_options)
-        variants = [(text, {**base, **parse_variant(text)}) for text in args.compare]
-        compare = CompareRun([(text, lambda progress, o=options: build_engine(args.model, o, progress))
-                              for text, options in variants], workload)
+        if replay_files:
+            replays = [(os.path.basename(path), *read_trace(path)) for path in replay_files]
+            description = "recorded runs side by side"
+        elif args.lesson:
+            from .lesson_panel import build_lesson_compare
+            _lesson, runs, description = build_lesson_compare(args)
+            compare = CompareRun.from_runs(runs)
+        else:
+            workload = workload_of(args)
+            base = engine_options_for(args, workload.engine_options)
+            variants = [(text, {**base, **parse_variant(text)}) for text in args.compare]
+            compare = CompareRun([(text, lambda progress, o=options: build_engine(args.model, o, progress))
+                                  for text, options in variants], workload)
+            description = f"workload {workload.name}, {len(workload.arrivals)} requests, the same for each run"
     except (OSError, ValueError) as exc:
         print(f"minipaged watch: {exc}", file=sys.stderr)
         return 2
-    compare.load()
-    while not compare.done:
-        compare.step()
-    print(f"workload {workload.name}, {len(workload.arrivals)} requests, the same for each run:")
-    for summary in compare.summaries():
+    if args.tui:
+        from .compare_app import CompareApp
+        return _run_app(CompareApp(compare=compare, replays=replays, speed=args.speed,
+                                   paused=args.paused or bool(args.lesson), description=description,
+                                   presenter=getattr(args, "presenter", False)))
+    if replays is not None:
+        summaries = [summarize(label, events) for label, _info, events in replays]
+    else:
+        compare.load()
+        while not compare.done:
+            compare.step()
+        summaries = compare.summaries()
+    print(f"{description}:")
+    for summary in summaries:
         print("  " + summary.line())
     return 0
 
@@ -162,14 +197,21 @@ def run_watch(args: argparse.Namespace) -> int:
         print("minipaged watch: --record writes a new trace from a live run; it cannot be combined with --replay.",
               file=sys.stderr)
         return 2
+    # --replay may be given up to three times (with --compare); a caller's Namespace may hold one path
+    replay_files = [args.replay] if isinstance(args.replay, str) else list(args.replay or [])
+    if len(replay_files) > 1 and getattr(args, "compare", None) is None:
+        print("minipaged watch: --replay is given once, or two or three times with --compare (side by side).",
+              file=sys.stderr)
+        return 2
     problem = _flag_problem(args)
     if problem:
         print(f"minipaged watch: {problem}", file=sys.stderr)
         return 2
     if getattr(args, "attach", None):
         return _run_attach(args)
-    if getattr(args, "compare", None):
-        return run_compare(args)
+    if getattr(args, "compare", None) is not None:
+        return run_compare(args, replay_files)
+    args.replay = replay_files[0] if replay_files else None
     replay = None
     live = None
     lesson = None
@@ -205,7 +247,7 @@ def run_watch(args: argparse.Namespace) -> int:
     from .app import WatchApp
     # A lesson starts paused: its text says when to press n.
     return _run_app(WatchApp(live=live, replay=replay, speed=args.speed, paused=args.paused or lesson is not None,
-                             description=description, lesson=lesson))
+                             description=description, lesson=lesson, presenter=getattr(args, "presenter", False)))
 
 
 def _run_app(app: Any) -> int:

@@ -71,7 +71,8 @@ class WatchApp(App[int]):
 
     def __init__(self, *, live: Optional[LiveRun] = None,
                  replay: Optional[tuple[EngineInfo, list[StepEvent]]] = None, speed: float = 4.0,
-                 paused: bool = False, description: str = "", lesson: Any = None) -> None:
+                 paused: bool = False, description: str = "", lesson: Any = None,
+                 presenter: bool = False) -> None:
         super().__init__()
         if (live is None) == (replay is None):
             raise ValueError("give exactly one of live= or replay=")
@@ -86,6 +87,7 @@ class WatchApp(App[int]):
         self.speed = speed if speed in SPEEDS else min(SPEEDS[:-1], key=lambda s: abs(s - speed))
         self.description = description
         self.lesson = lesson                 # watch --lesson N: its text, checkpoints and quiz in the side panel
+        self.presenter = presenter           # watch --presenter: map, batch and gauges only, bigger cells
         # Called as listener(event, state) after each event is shown (lessons check their checkpoints here).
         self.step_listeners: list[Callable[[StepEvent, WatchState], None]] = []
         self.rewind_listeners: list[Callable[[WatchState], None]] = []     # called after go_to (stepping back)
@@ -109,8 +111,8 @@ class WatchApp(App[int]):
             with Vertical(id="main"):
                 with Horizontal(id="upper"):
                     with Vertical(id="maps"):
-                        yield BlockMap("gpu", id="gpu-map")
-                        yield BlockMap("cpu", id="cpu-map")
+                        yield BlockMap("gpu", id="gpu-map", presenter=self.presenter)
+                        yield BlockMap("cpu", id="cpu-map", presenter=self.presenter)
                         yield Static(legend(), id="legend")
                     with Vertical(id="stats"):
                         yield BatchPanel(id="batch")
@@ -128,6 +130,7 @@ class WatchApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.set_class(self.presenter, "presenter")       # watch.tcss hides the lower panels
         self.query_one("#side").display = self.lesson is not None
         width, height = self.size
         if self.lesson is not None and (width < LESSON_SIZE[0] or height < LESSON_SIZE[1]):

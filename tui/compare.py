@@ -1,6 +1,6 @@
 """Compare runs: the same workload through two or three engines that differ in a few options, stepped
-together, with one summary line each. The headless core of ``minipaged watch --compare`` (issue 16): the
-side-by-side TUI is still to be built on top of ``CompareRun`` (see the issue's closing note).
+together, with one summary line each. The headless core of ``minipaged watch --compare`` (issue 16); the
+side-by-side screen on top of it is ``compare_app.CompareApp``.
 
 Variants are written as ``name=value`` pairs (``"policy=static"``, ``"num_blocks=32 preemption_mode=swap"``,
 ``"enable_prefix_caching=false"``), checked against the engine's own flags, so anything an engine flag can
@@ -77,11 +77,21 @@ class CompareRun:
     """Two or three LiveRuns of one workload; ``step`` advances every unfinished one by one engine step."""
 
     def __init__(self, factories: Sequence[tuple[str, EngineFactory]], workload: Workload) -> None:
-        if not 2 <= len(factories) <= 3:
-            raise ValueError(f"--compare takes two or three variants, got {len(factories)}.")
-        self.labels = [label for label, _ in factories]
-        self.runs = [LiveRun(factory, workload) for _, factory in factories]
-        self.events: list[list[StepEvent]] = [[] for _ in factories]
+        self._take([(label, LiveRun(factory, workload)) for label, factory in factories])
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[tuple[str, LiveRun]]) -> "CompareRun":
+        """Runs built elsewhere (a lesson's variants are LessonRuns, fed by the lesson's own scenario)."""
+        compare = cls.__new__(cls)
+        compare._take(runs)
+        return compare
+
+    def _take(self, runs: Sequence[tuple[str, LiveRun]]) -> None:
+        if not 2 <= len(runs) <= 3:
+            raise ValueError(f"--compare takes two or three variants, got {len(runs)}.")
+        self.labels = [label for label, _ in runs]
+        self.runs = [run for _, run in runs]
+        self.events: list[list[StepEvent]] = [[] for _ in runs]
 
     def load(self) -> None:
         for run in self.runs:

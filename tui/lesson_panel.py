@@ -275,6 +275,12 @@ class LessonRun(LiveRun):
         assert self.feed is not None
         self.feed.add_due(self.engine, self.steps)
 
+    @property
+    def done(self) -> bool:
+        """The scenario's requests, not the (empty) workload's, decide when the run is over."""
+        waiting = self.feed is None or bool(self.feed.pending)
+        return not waiting and not self.engine.has_unfinished_requests()
+
 
 def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """``minipaged watch --lesson N``: the lesson, its live run and a one-line description.
@@ -292,3 +298,22 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
                     record=getattr(args, "record", None))
     which = f"the {variant} run" if variant else "your own options (the lesson's numbers may differ)"
     return lesson, run, f"lesson {lesson.number}: {lesson.title}, {which}"
+
+
+def build_lesson_compare(args: argparse.Namespace) -> tuple[Lesson, list[tuple[str, LessonRun]], str]:
+    """``minipaged watch --lesson N --compare``: the lesson's variants (its first three) side by side, each a
+    LessonRun of the same scenario; engine flags the user gave apply to every one of them."""
+    lesson = get_lesson(args.lesson)
+    names = list(lesson.scenario.variants)[:3]
+    if len(names) < 2:
+        raise ValueError(f"lesson {lesson.number} has a single run, so there is nothing to compare; open it "
+                         f"without --compare.")
+    user = engine_options(args)
+    runs = []
+    for name in names:
+        options = {**lesson.scenario.engine_options(name), **user}
+        overrides = " ".join(f"{key}={value}" for key, value in lesson.scenario.variants[name].items())
+        label = f"{name} ({overrides})" if overrides else f"{name} (the lesson's options)"
+        runs.append((label,
+                     LessonRun(lambda progress, o=options: build_engine(args.model, o, progress), lesson)))
+    return lesson, runs, f"lesson {lesson.number}: {lesson.title}, its runs side by side"

@@ -53,6 +53,8 @@ class Cell:
 # are wherever the pool had room: its block table lists them.
 LOOKS = ((10, 2, 1), (8, 2, 1), (7, 2, 1), (6, 1, 1), (5, 1, 1), (4, 1, 1), (4, 1, 0), (3, 1, 1), (3, 1, 0),
          (2, 1, 0))
+# --presenter (a projector at the back of a room): larger cells still, three lines high, tried first.
+PRESENTER_LOOKS = ((16, 3, 1), (13, 3, 1), (11, 3, 1)) + LOOKS
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,12 @@ class GridLayout:
         return None if col >= self.cols else y // self.pitch * self.cols + col
 
 
-def choose_layout(num_blocks: int, width: int, height: int) -> GridLayout:
-    """The roomiest cells that fit the whole pool in the area; when even 2-column cells do not fit,
-    put several blocks in a cell (a power of two, so "1 cell = 8 blocks" is easy to read)."""
+def choose_layout(num_blocks: int, width: int, height: int,
+                  looks: tuple[tuple[int, int, int], ...] = LOOKS) -> GridLayout:
+    """The roomiest cells of ``looks`` that fit the whole pool in the area; when even 2-column cells do not
+    fit, put several blocks in a cell (a power of two, so "1 cell = 8 blocks" is easy to read)."""
     width, height = max(width, 2), max(height, 1)
-    for cell_width, cell_height, gap in LOOKS:
+    for cell_width, cell_height, gap in looks:
         cols = width // cell_width
         if not cols:
             continue
@@ -146,7 +149,7 @@ def cell_look(cell: Cell, width: int, colour: str, dimmed: bool, line: int = 0) 
     """Text and style of one line of a cell, ``width`` columns (the gap after the cell is not included).
 
     Line 0 carries the state (colour, "x3" for a shared block, a mark on the selected request's blocks);
-    line 1, in tall cells, the block id.
+    line 1, in tall cells, the block id; any further line (presenter cells) only the colour.
     """
     if cell.kind == "free":
         return ("·" if line == 0 else "").center(width), Style(color=FREE)
@@ -158,6 +161,8 @@ def cell_look(cell: Cell, width: int, colour: str, dimmed: bool, line: int = 0) 
     if cell.used < cell.size:                         # a group cell partly in use
         level = max(1, min(len(PARTIAL) - 1, round(cell.used / cell.size * (len(PARTIAL) - 1))))
         return PARTIAL[level] * width, Style(color=colour, bold=cell.selected)
+    if line >= 2:
+        return " " * width, Style(bgcolor=colour)
     if line == 1:
         label = f"#{cell.first}" if cell.size == 1 else ""
         return label[-width:].center(width), Style(color=text_colour, bgcolor=colour, dim=True)
@@ -204,9 +209,11 @@ class BlockMap(Widget):
             self.request_id = request_id
             super().__init__()
 
-    def __init__(self, pool: str = "gpu", *, id: Optional[str] = None) -> None:
-        super().__init__(id=id)
+    def __init__(self, pool: str = "gpu", *, id: Optional[str] = None, classes: Optional[str] = None,
+                 presenter: bool = False) -> None:
+        super().__init__(id=id, classes=classes)
         self.pool = pool
+        self.presenter = presenter            # bigger cells, for a projector (watch --presenter)
         self.state: Optional[WatchState] = None
         self.selected: Optional[str] = None
         self.placeholder = "waiting for the engine ..."
@@ -233,7 +240,8 @@ class BlockMap(Widget):
             self.cells = []
             return
         size = self.content_size
-        self.grid = choose_layout(self.num_blocks, size.width, size.height)
+        self.grid = choose_layout(self.num_blocks, size.width, size.height,
+                                  PRESENTER_LOOKS if self.presenter else LOOKS)
         build = gpu_cells if self.pool == "gpu" else cpu_cells
         self.cells = build(self.state, self.grid.group, self.selected)
         what = pool_name(self.state.info.device) if self.pool == "gpu" else HOST_POOL_NAME
