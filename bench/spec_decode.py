@@ -138,15 +138,16 @@ def lesson_values(results: list[dict], draft_layers: int, agreement: float) -> d
 
 
 def write_lesson_values(record: dict, model: str) -> None:
-    """lessons/measured_smollm2.json, lesson 6's model-dependent numbers (see lessons/core.py)."""
+    """Lesson 6's model-dependent numbers into lessons/measured_smollm2.json (other lessons' entries stay)."""
     engine = Engine(model, num_blocks=256)
     prompts = workloads(engine)["open-ended"][:4]
     layers = record["args"]["draft_layers"]
     agreement = early_exit_agreement(engine, prompts, layers, 64)
     path = Path(__file__).resolve().parent.parent / "lessons" / "measured_smollm2.json"
-    values = {"6": {**lesson_values(record["results"], layers, agreement),
+    values = {"6": {**lesson_values(record["results"], layers, agreement), "max_tokens": record["args"]["max_tokens"],
                     "_source": f"bench/spec_decode.py, {record['when']}, {record['machine']}"}}
-    path.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    stored = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    path.write_text(json.dumps({**stored, **values}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     print(f"wrote {path}")
 
 
