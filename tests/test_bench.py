@@ -120,3 +120,32 @@ def test_missing_matplotlib_is_a_clear_error(monkeypatch):
     with pytest.raises(BenchError, match="pip install matplotlib"):
         check_plot_possible("run.png")
     check_plot_possible(None)                                 # no picture asked for: nothing to check
+
+
+def test_compare_sets_two_tuning_runs_side_by_side(tiny_model, tmp_path, capsys):
+    """The tuning loop: a baseline, a change of one flag, and the comparison (table with ratios, and a PNG)."""
+    runs = []
+    for max_num_seqs in (1, 8):
+        runs.append(tmp_path / f"seqs{max_num_seqs}.json")
+        assert main(["bench", "throughput", "--model", tiny_model, "--num-prompts", "8", "--input-len", "8",
+                     "--output-len", "4", "--max-num-seqs", str(max_num_seqs), "--output-json", str(runs[-1]),
+                     *TINY]) == 0
+    capsys.readouterr()
+    picture = tmp_path / "compare.png"
+    assert main(["bench", "compare", *map(str, runs), "--plot", str(picture)]) == 0
+    table = capsys.readouterr().out
+    records = [json.loads(r.read_text())["minipaged"] for r in runs]
+    ratio = records[1]["output_tokens_per_s"] / records[0]["output_tokens_per_s"]
+    assert "seqs1" in table and "seqs8" in table and f"({ratio:.2f}x)" in table
+    assert png_size(picture) == (1500, 400)                   # one panel per headline number, three of them
+
+
+def test_compare_refuses_mixed_or_missing_results(tmp_path, capsys):
+    throughput = tmp_path / "t.json"
+    throughput.write_text(json.dumps({"bench": "throughput", "minipaged": {}}))
+    latency = tmp_path / "l.json"
+    latency.write_text(json.dumps({"bench": "latency", "sweep": []}))
+    assert main(["bench", "compare", str(throughput), str(latency)]) == 2
+    assert "different benches" in capsys.readouterr().err
+    assert main(["bench", "compare", str(throughput), str(tmp_path / "gone.json")]) == 2
+    assert "gone.json: no such file" in capsys.readouterr().err
