@@ -92,3 +92,20 @@ def test_an_unreachable_server_fails_every_request_and_says_why(capsys):
     assert main(["bench", "serve", "--base-url", url, "--model", "m", "--num-prompts", "2", "--timeout", "5"]) == 1
     printed = capsys.readouterr().out
     assert "completed 0 requests (2 failed)" in printed and "ConnectError" in printed
+
+
+def test_a_prompts_file_is_sent_as_text_and_counted_by_the_servers_tokenizer(server, tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "why is the sky blue?"}\n{"prompt": "hello"}\n')
+    out = tmp_path / "s.json"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--dataset", str(prompts),
+                 "--num-prompts", "3", "--output-len", "4", "--output-json", str(out)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    server_counted = sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello", "why is the sky blue?"))
+    assert record["input_tokens"] == delta["minipaged:request_prompt_tokens_sum"] == server_counted
+    assert record["output_tokens"] == delta["minipaged:generation_tokens_total"] == 12

@@ -8,7 +8,8 @@ Three sources, as ``vllm bench`` has them:
 * ``shared-prefix``: every prompt starts with the same random prefix (half of the shortest prompt), so the
   prefix cache has something to find; the rest is random per prompt.
 * a JSON-lines file of prompts: one ``{"prompt": "..."}`` object (or a JSON string) per line, tokenized with
-  the model's tokenizer and cycled until ``--num-prompts`` are taken.
+  the model's tokenizer and cycled until ``--num-prompts`` are taken (``bench serve`` sends the text and
+  lets the server tokenize it).
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def positive_int(text: str) -> int:
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    text: Optional[str] = None        # a prompts file's text, sent as text when no tokenizer is at hand
 
 
 def read_jsonl_prompts(path: str) -> list[str]:
@@ -108,10 +110,11 @@ def make_requests(dataset: str, num_prompts: int, input_len: LengthRange, output
         prefix = random_ids(max(1, input_len.lo // 2))
         prompts = [prefix + random_ids(input_len.draw(rng) - len(prefix)) for _ in range(num_prompts)]
     else:
-        if tokenize is None:
-            raise BenchError("a prompts file needs the model's tokenizer")
         texts = read_jsonl_prompts(dataset)
-        prompts = [tokenize(texts[i % len(texts)]) for i in range(num_prompts)]
+        chosen = [texts[i % len(texts)] for i in range(num_prompts)]
+        if tokenize is None:                  # bench serve: the server tokenizes, and reports the count
+            return [BenchRequest([], output_len.draw(rng), text) for text in chosen]
+        prompts = [tokenize(text) for text in chosen]
     return [BenchRequest(p, output_len.draw(rng)) for p in prompts]
 
 

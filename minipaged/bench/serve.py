@@ -2,7 +2,8 @@
 
 Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once), at most
 ``--max-concurrency`` in flight, each a streaming ``/v1/completions`` call with token-id prompts, a fixed
-``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these).
+``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these);
+a prompts file (``--dataset FILE.jsonl``) is sent as text. Token counts come from the stream's ``usage``.
 From each stream's chunk arrival times:
 
 * TTFT: send until the first chunk with text; ITL: the gaps between text chunks;
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from . import report
-from .requests import BenchError, BenchRequest, describe, make_requests, parse_length, positive_int
+from .requests import BenchRequest, describe, make_requests, parse_length, positive_int
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def send(client: Any, url: str, model: str, request: BenchRequest) -> RequestResult:
     """One streaming completion; times every chunk that carries text."""
     result = RequestResult(len(request.prompt_token_ids))
-    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+    body = {"model": model, "prompt": request.text if request.text is not None else request.prompt_token_ids, "max_tokens": request.output_len,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     chunks = 0
@@ -99,6 +100,7 @@ async def send(client: Any, url: str, model: str, request: BenchRequest) -> Requ
                 now = time.perf_counter()
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
+                    result.input_tokens = data["usage"]["prompt_tokens"]
                 if any(choice.get("text") for choice in data.get("choices", [])):
                     if chunks == 0:
                         result.ttft_s = now - start
@@ -173,9 +175,6 @@ def summarize(seconds: float, results: list[RequestResult], slos: dict[str, floa
 
 def run(args: argparse.Namespace) -> int:
     report.check_plot_possible(args.plot)
-    if args.dataset not in ("random", "shared-prefix"):
-        raise BenchError("bench serve sends token ids: --dataset random or shared-prefix (a prompts file needs "
-                         "the model's tokenizer; use bench throughput for that)")
     requests = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
                              vocab_size=args.vocab_size, seed=args.dataset_seed)
     with report.progress_bar("requests", len(requests)) as advance:
