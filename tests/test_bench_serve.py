@@ -109,3 +109,23 @@ def test_a_prompts_file_is_sent_as_text_and_counted_by_the_servers_tokenizer(ser
     server_counted = sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello", "why is the sky blue?"))
     assert record["input_tokens"] == delta["minipaged:request_prompt_tokens_sum"] == server_counted
     assert record["output_tokens"] == delta["minipaged:generation_tokens_total"] == 12
+
+
+def test_chat_endpoint_streams_deltas_and_counts_exactly(server, tmp_path):
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "tell me a story"}\n')
+    out = tmp_path / "c.json"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--endpoint", "chat",
+                 "--dataset", str(prompts), "--num-prompts", "2", "--output-len", "6", "--output-json", str(out)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    assert (record["completed"], record["output_tokens"]) == (2, 12)
+    assert record["input_tokens"] == delta["minipaged:request_prompt_tokens_sum"]
+    assert all(r["ttft_s"] > 0 for r in record["requests"])     # text arrived in delta.content and was timed
+
+
+def test_chat_endpoint_needs_text_prompts(capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--endpoint", "chat"]) == 2
+    assert "--endpoint chat sends text" in capsys.readouterr().err

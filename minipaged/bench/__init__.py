@@ -31,7 +31,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from . import compare, latency, serve, throughput
-    command = {"throughput": throughput.run, "latency": latency.run, "serve": serve.run, "compare": compare.run}[args.bench_command]
+    commands = {"throughput": throughput.run, "latency": latency.run, "serve": serve.run, "compare": compare.run}
+    command = commands[args.bench_command]
     try:
         return command(args)
     except BenchError as exc:

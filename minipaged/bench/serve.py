@@ -2,8 +2,9 @@
 
 Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once), at most
 ``--max-concurrency`` in flight, each a streaming ``/v1/completions`` call with token-id prompts, a fixed
-``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these);
-a prompts file (``--dataset FILE.jsonl``) is sent as text. Token counts come from the stream's ``usage``.
+``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these).
+A prompts file (``--dataset FILE.jsonl``) is sent as text, and ``--endpoint chat`` sends each prompt as one
+user message to ``/v1/chat/completions``. Token counts come from the stream's ``usage``.
 From each stream's chunk arrival times:
 
 * TTFT: send until the first chunk with text; ITL: the gaps between text chunks;
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from . import report
-from .requests import BenchRequest, describe, make_requests, parse_length, positive_int
+from .requests import DATASETS, BenchError, BenchRequest, describe, make_requests, parse_length, positive_int
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -76,20 +77,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     parser.add_argument("--goodput", type=parse_slo, nargs="+", default=[], metavar="METRIC:MS",
                         help="SLOs a request must meet to count toward goodput: ttft, tpot, e2el in ms")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions, or /v1/chat/completions (one user message; needs a prompts file)")
     parser.add_argument("--vocab-size", type=positive_int, default=1000,
                         help="random prompts draw token ids below this (the model's vocabulary must be as large)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
 
 
-async def send(client: Any, url: str, model: str, request: BenchRequest) -> RequestResult:
-    """One streaming completion; times every chunk that carries text."""
+def request_body(endpoint: str, model: str, request: BenchRequest) -> dict[str, Any]:
+    """The JSON of one streaming request: a completion (token ids or text) or a one-message chat."""
+    body: dict[str, Any] = {"model": model, "max_tokens": request.output_len, "temperature": 0, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        return {**body, "messages": [{"role": "user", "content": request.text}],
+                "max_completion_tokens": request.output_len}
+    return {**body, "prompt": request.text if request.text is not None else request.prompt_token_ids}
+
+
+def chunk_text(choice: dict[str, Any]) -> str:
+    """The text a streamed choice carries: ``text`` in a completion, ``delta.content`` in a chat."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def send(client: Any, url: str, endpoint: str, model: str, request: BenchRequest) -> RequestResult:
+    """One streaming request; times every chunk that carries text."""
     result = RequestResult(len(request.prompt_token_ids))
-    body = {"model": model, "prompt": request.text if request.text is not None else request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = request_body(endpoint, model, request)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        async with client.stream("POST", url + path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
@@ -101,7 +119,7 @@ async def send(client: Any, url: str, model: str, request: BenchRequest) -> Requ
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
                     result.input_tokens = data["usage"]["prompt_tokens"]
-                if any(choice.get("text") for choice in data.get("choices", [])):
+                if any(chunk_text(choice) for choice in data.get("choices", [])):
                     if chunks == 0:
                         result.ttft_s = now - start
                     else:
@@ -123,7 +141,7 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest], advan
 
     async def one(request: BenchRequest) -> RequestResult:
         async with limit:
-            result = await send(client, url, args.model, request)
+            result = await send(client, url, args.endpoint, args.model, request)
         advance(1)
         return result
 
@@ -175,6 +193,9 @@ def summarize(seconds: float, results: list[RequestResult], slos: dict[str, floa
 
 def run(args: argparse.Namespace) -> int:
     report.check_plot_possible(args.plot)
+    if args.endpoint == "chat" and args.dataset in DATASETS:
+        raise BenchError("--endpoint chat sends text: give --dataset FILE.jsonl (one {\"prompt\": ...} per line); "
+                         "random token ids can only go to completions")
     requests = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
                              vocab_size=args.vocab_size, seed=args.dataset_seed)
     with report.progress_bar("requests", len(requests)) as advance:
