@@ -149,3 +149,22 @@ def test_compare_refuses_mixed_or_missing_results(tmp_path, capsys):
     assert "different benches" in capsys.readouterr().err
     assert main(["bench", "compare", str(throughput), str(tmp_path / "gone.json")]) == 2
     assert "gone.json: no such file" in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_for_the_model_is_a_clear_error(tiny_model, capsys):
+    assert main(["bench", "throughput", "--model", tiny_model, "--input-len", "100", "--num-prompts", "2",
+                 "--max-model-len", "64", *TINY]) == 2
+    assert "minipaged: error:" in capsys.readouterr().err
+
+
+def test_a_refused_request_leaves_no_blocks_behind(tiny_engine_factory):
+    from minipaged.bench.requests import BenchRequest
+    from minipaged.bench.run import run_requests
+    from minipaged.request import InvalidRequestError
+    engine = tiny_engine_factory(max_model_len=64)
+    free = engine.kv.num_free_blocks
+    with pytest.raises(InvalidRequestError):
+        run_requests(engine, [BenchRequest([5] * 10, 4), BenchRequest([5] * 100, 4)])
+    assert not engine.has_unfinished_requests()          # the first, already queued, was aborted
+    assert run_requests(engine, [BenchRequest([5] * 10, 4)]).num_output_tokens == 4     # still usable
+    assert engine.kv.num_free_blocks == free

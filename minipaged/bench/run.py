@@ -40,12 +40,14 @@ def run_requests(engine: "Engine", requests: list[BenchRequest],
     ``on_finish`` hears how many requests finished after each step.
     """
     from ..request import SamplingParams
-    ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
-                                                                 ignore_eos=True)) for r in requests]
+    ids: list[str] = []
     finished: dict[str, "RequestOutput"] = {}
     events = []
     start = time.perf_counter()
     try:
+        for r in requests:      # a prompt the engine refuses (too long) stops the run with the ones before it
+            ids.append(engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
+                                                                             ignore_eos=True)))
         while engine.has_unfinished_requests():
             events.append(engine.step())
             done = engine.pop_finished()
