@@ -19,6 +19,8 @@ import torch
 OUT = Path(__file__).resolve().parent / "out"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from minipaged.bench.baseline import hf_padded_generate  # noqa: E402,F401  (one copy, shared with `minipaged bench`)
+
 
 def machine_line() -> str:
     return (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -31,26 +33,6 @@ def random_token_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 49152
     """Token-id prompts of random lengths (text content does not matter for speed; ids avoid specials)."""
     rng = random.Random(seed)
     return [[rng.randrange(len(avoid), vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def hf_padded_generate(hf_model, prompts: list[list[int]], max_tokens: list[int], batch_size: int,
-                       pad_id: int = 0) -> tuple[float, int]:
-    """transformers' generate, left-padded batches in arrival order. Returns (seconds, useful output tokens).
-
-    A padded batch runs until its longest request is done, so only the tokens each request asked for count.
-    """
-    start = time.perf_counter()
-    useful = 0
-    for i in range(0, len(prompts), batch_size):
-        batch, wants = prompts[i:i + batch_size], max_tokens[i:i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=max(wants), min_new_tokens=max(wants),
-                              do_sample=False, pad_token_id=pad_id)
-        useful += sum(wants)
-    return time.perf_counter() - start, useful
 
 
 def save(name: str, record: dict, markdown: str) -> None:

@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, serve, classroom, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, classroom, lessons.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -106,6 +106,11 @@ def make_parser() -> argparse.ArgumentParser:
     from minipaged.tui.classroom import add_classroom_arguments
     add_classroom_arguments(classroom)
 
+    bench = sub.add_parser("bench", help="benchmarks: throughput of an offline batch, latency over batch sizes",
+                           formatter_class=fmt)
+    from .bench import add_bench_arguments
+    add_bench_arguments(bench)
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -153,6 +158,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            from .bench import run_bench
+            return run_bench(args)
         if args.command == "lessons":
             return cmd_lessons(args)
         if args.command == "serve":

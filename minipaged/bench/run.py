@@ -1,0 +1,68 @@
+"""Drive an engine through a list of benchmark requests, keeping every step's event.
+
+The benchmarks step the engine themselves (rather than calling ``generate``) so that they can show a progress
+bar and keep the ``StepEvent`` of each step: the latency bench splits time into prefill and decode from them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+from .requests import BenchRequest
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..events import StepEvent
+    from ..outputs import RequestOutput
+
+
+@dataclass
+class EngineRun:
+    seconds: float
+    outputs: list["RequestOutput"]
+    events: list["StepEvent"] = field(default_factory=list)
+
+    @property
+    def num_input_tokens(self) -> int:
+        return sum(len(o.prompt_token_ids) for o in self.outputs)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+def run_requests(engine: "Engine", requests: list[BenchRequest],
+                 on_finish: Optional[Callable[[int], None]] = None) -> EngineRun:
+    """Queue every request at once (an offline batch) and step until all are done.
+
+    ``ignore_eos`` makes each request produce exactly its ``output_len`` tokens, so token counts are exact.
+    ``on_finish`` hears how many requests finished after each step.
+    """
+    from ..request import SamplingParams
+    ids: list[str] = []
+    finished: dict[str, "RequestOutput"] = {}
+    events = []
+    start = time.perf_counter()
+    try:
+        for r in requests:      # a prompt the engine refuses (too long) stops the run with the ones before it
+            ids.append(engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
+                                                                             ignore_eos=True)))
+        while engine.has_unfinished_requests():
+            events.append(engine.step())
+            done = engine.pop_finished()
+            finished.update((o.request_id, o) for o in done)
+            if on_finish is not None and done:
+                on_finish(len(done))
+    except BaseException:
+        for rid in set(ids) - finished.keys():          # leave the engine clean: no leaked KV blocks
+            engine.abort(rid)
+        engine.pop_finished()
+        raise
+    return EngineRun(time.perf_counter() - start, [finished[rid] for rid in ids], events)
+
+
+def warm_up(engine: "Engine") -> None:
+    """One short request first, so one-time costs (allocations, lazy imports) stay out of the measurement."""
+    run_requests(engine, [BenchRequest([5, 6, 7, 8], 2)])
+    engine.reset_prefix_cache()

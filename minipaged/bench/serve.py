@@ -1,0 +1,244 @@
+"""``minipaged bench serve``: latency and throughput of an OpenAI-compatible server under load, as ``vllm bench serve``.
+
+Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once), at most
+``--max-concurrency`` in flight, each a streaming ``/v1/completions`` call with token-id prompts, a fixed
+``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these).
+A prompts file (``--dataset FILE.jsonl``) is sent as text, and ``--endpoint chat`` sends each prompt as one
+user message to ``/v1/chat/completions``. Token counts come from the stream's ``usage``.
+From each stream's chunk arrival times:
+
+* TTFT: send until the first chunk with text; ITL: the gaps between text chunks;
+* TPOT: (end-to-end - TTFT) / (output tokens - 1), the mean time per token after the first;
+* end-to-end latency (E2EL): send until the stream ends.
+
+Goodput counts only requests that meet every SLO given with ``--goodput ttft:MS tpot:MS e2el:MS``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from . import report
+from .requests import DATASETS, BenchError, BenchRequest, describe, make_requests, parse_length, positive_int
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestResult:
+    input_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give requests per second, or inf for all at once") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the request rate must be above 0 (or inf)")
+    return rate
+
+
+def parse_slo(text: str) -> tuple[str, float]:
+    """argparse type for one ``--goodput`` item: ``ttft:500`` (milliseconds)."""
+    name, _, ms = text.partition(":")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if name not in SLO_METRICS or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give METRIC:MILLISECONDS with METRIC one of "
+                                         f"{', '.join(SLO_METRICS)}, e.g. ttft:500 tpot:50")
+    return name, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .throughput import add_workload_arguments
+    add_workload_arguments(parser, input_len="40:400", output_len="16:128")
+    parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="the model name the server serves")
+    parser.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send")
+    parser.add_argument("--request-rate", type=parse_rate, default=float("inf"),
+                        help="requests per second, Poisson arrivals; inf sends all at once")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
+    parser.add_argument("--goodput", type=parse_slo, nargs="+", default=[], metavar="METRIC:MS",
+                        help="SLOs a request must meet to count toward goodput: ttft, tpot, e2el in ms")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions, or /v1/chat/completions (one user message; needs a prompts file)")
+    parser.add_argument("--vocab-size", type=positive_int, default=1000,
+                        help="random prompts draw token ids below this (the model's vocabulary must be as large)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+
+
+def request_body(endpoint: str, model: str, request: BenchRequest) -> dict[str, Any]:
+    """The JSON of one streaming request: a completion (token ids or text) or a one-message chat."""
+    body: dict[str, Any] = {"model": model, "max_tokens": request.output_len, "temperature": 0, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        return {**body, "messages": [{"role": "user", "content": request.text}],
+                "max_completion_tokens": request.output_len}
+    return {**body, "prompt": request.text if request.text is not None else request.prompt_token_ids}
+
+
+def chunk_text(choice: dict[str, Any]) -> str:
+    """The text a streamed choice carries: ``text`` in a completion, ``delta.content`` in a chat."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def send(client: Any, url: str, endpoint: str, model: str, request: BenchRequest) -> RequestResult:
+    """One streaming request; times every chunk that carries text."""
+    result = RequestResult(len(request.prompt_token_ids))
+    body = request_body(endpoint, model, request)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url + path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[len("data:"):])
+                now = time.perf_counter()
+                if data.get("usage"):
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                    result.input_tokens = data["usage"]["prompt_tokens"]
+                if any(chunk_text(choice) for choice in data.get("choices", [])):
+                    if chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    chunks, last = chunks + 1, now
+    except Exception as exc:                   # a failed request is reported, not fatal to the run
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2el_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks       # servers without usage: one token per chunk
+    return result
+
+
+async def run_load(args: argparse.Namespace, requests: list[BenchRequest], advance: Any) -> tuple[float, list]:
+    import httpx
+    rng = random.Random(args.dataset_seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    url = args.base_url.rstrip("/")
+
+    async def one(request: BenchRequest) -> RequestResult:
+        async with limit:
+            result = await send(client, url, args.endpoint, args.model, request)
+        advance(1)
+        return result
+
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=None)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(one(request)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return time.perf_counter() - start, results
+
+
+def distribution(values_s: list[float]) -> dict[str, float]:
+    """mean, median, p90, p99 in milliseconds."""
+    import numpy as np
+    if not values_s:
+        return {"mean_ms": 0.0, "median_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
+    ms = np.array(values_s) * 1000
+    return {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)), "p90_ms": float(np.percentile(ms, 90)),
+            "p99_ms": float(np.percentile(ms, 99))}
+
+
+def meets(result: RequestResult, slos: dict[str, float]) -> bool:
+    values_ms = {"ttft": result.ttft_s * 1000, "tpot": result.tpot_s * 1000, "e2el": result.e2el_s * 1000}
+    return result.error is None and all(values_ms[name] <= limit for name, limit in slos.items())
+
+
+def summarize(seconds: float, results: list[RequestResult], slos: dict[str, float]) -> dict[str, Any]:
+    done = [r for r in results if r.error is None]
+    output_tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.input_tokens for r in done)
+    summary: dict[str, Any] = {
+        "duration_s": seconds, "completed": len(done), "failed": len(results) - len(done),
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "request_throughput": len(done) / seconds, "output_throughput": output_tokens / seconds,
+        "total_token_throughput": (input_tokens + output_tokens) / seconds,
+        "ttft": distribution([r.ttft_s for r in done]),
+        "tpot": distribution([r.tpot_s for r in done if r.output_tokens > 1]),
+        "itl": distribution([gap for r in done for gap in r.itl_s]),
+        "e2el": distribution([r.e2el_s for r in done]),
+    }
+    if slos:
+        good = sum(meets(r, slos) for r in results)
+        summary.update(slos_ms=slos, good_requests=good, request_goodput=good / seconds)
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    report.check_plot_possible(args.plot)
+    if args.endpoint == "chat" and args.dataset in DATASETS:
+        raise BenchError("--endpoint chat sends text: give --dataset FILE.jsonl (one {\"prompt\": ...} per line); "
+                         "random token ids can only go to completions")
+    requests = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
+                             vocab_size=args.vocab_size, seed=args.dataset_seed)
+    with report.progress_bar("requests", len(requests)) as advance:
+        seconds, results = asyncio.run(run_load(args, requests, advance))
+    summary = summarize(seconds, results, dict(args.goodput))
+    failures = [r.error for r in results if r.error]
+    print_summary(summary, failures)
+    record = {"bench": "serve", "base_url": args.base_url, "model": args.model,
+              "workload": {**describe(args), "num_prompts": args.num_prompts,
+                           "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency},
+              **summary, "requests": [asdict(r) for r in results]}
+    report.write_json(args.output_json, record)
+    if args.plot:
+        plot(record, args.plot)
+    return 0 if summary["completed"] else 1
+
+
+def print_summary(s: dict[str, Any], failures: list[str]) -> None:
+    print(f"completed {s['completed']} requests ({s['failed']} failed) in {s['duration_s']:.2f} s: "
+          f"{s['request_throughput']:.2f} requests/s, {s['output_throughput']:.1f} output tokens/s, "
+          f"{s['total_token_throughput']:.1f} total tokens/s ({s['input_tokens']} in, {s['output_tokens']} out)")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        d = s[name]
+        print(f"{name.upper():>5} ms: mean {d['mean_ms']:.1f}, median {d['median_ms']:.1f}, p90 {d['p90_ms']:.1f}, "
+              f"p99 {d['p99_ms']:.1f}")
+    if "request_goodput" in s:
+        print(f"goodput: {s['good_requests']} requests met the SLOs {s['slos_ms']}: "
+              f"{s['request_goodput']:.2f} requests/s")
+    if failures:
+        print(f"first failure: {failures[0]}")
+
+
+def plot(record: dict[str, Any], path: str) -> None:
+    """Latency CDFs: what share of requests (or token gaps) finished within x ms."""
+    import numpy as np
+    done = [r for r in record["requests"] if r["error"] is None]
+    series = {"TTFT": [r["ttft_s"] for r in done], "ITL": [g for r in done for g in r["itl_s"]],
+              "E2EL": [r["e2el_s"] for r in done]}
+    fig, axes = report.new_figure(3, f"bench serve: {record['model']}, rate {record['workload']['request_rate']}/s")
+    for ax, (name, values) in zip(axes, series.items()):
+        ms = np.sort(np.array(values) * 1000)
+        ax.plot(ms, np.arange(1, len(ms) + 1) / max(len(ms), 1), drawstyle="steps-post")
+        ax.set_xlabel(f"{name} ms")
+        ax.set_ylabel("share of requests" if name != "ITL" else "share of token gaps")
+        ax.set_ylim(0, 1.02)
+    report.save_figure(fig, path)

@@ -1,0 +1,131 @@
+"""`minipaged bench serve` against a real `minipaged serve` (tiny model, 127.0.0.1, a free port)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from minipaged.bench.requests import LengthRange, make_requests
+from minipaged.bench.serve import RequestResult, summarize
+from minipaged.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_util import free_port, running_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bench-serve") / "server.log"
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "512", "--max-num-seqs", "4",
+                        log_path=str(log)) as url:
+        yield url
+
+
+def counters(url: str) -> dict[str, float]:
+    """Totals of /metrics samples by name (labels summed)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_bench_serve_agrees_with_the_servers_metrics(server, tiny_model, tmp_path):
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    out, picture = tmp_path / "s.json", tmp_path / "s.png"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--num-prompts", "8",
+                 "--input-len", "6:20", "--output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
+                 "--vocab-size", str(vocab), "--dataset-seed", "2", "--goodput", "e2el:60000",
+                 "--output-json", str(out), "--plot", str(picture)]) == 0
+    after = counters(server)
+    record = json.loads(out.read_text())
+    sent_in = sum(len(r.prompt_token_ids) for r in make_requests("random", 8, LengthRange(6, 20), LengthRange(5, 5),
+                                                                 vocab_size=vocab, seed=2))
+    assert (record["completed"], record["failed"]) == (8, 0)
+    assert (record["input_tokens"], record["output_tokens"]) == (sent_in, 40)
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    assert delta["minipaged:request_success_total"] == 8
+    assert delta["minipaged:generation_tokens_total"] == 40
+    assert delta["minipaged:request_prompt_tokens_sum"] == sent_in
+    for r in record["requests"]:
+        assert 0 < r["ttft_s"] <= r["e2el_s"]
+        assert len(r["itl_s"]) <= r["output_tokens"] - 1
+    assert record["good_requests"] == 8                  # a minute per request: everyone meets it
+    assert record["ttft"]["median_ms"] <= record["ttft"]["p99_ms"]
+    data = picture.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_goodput_counts_only_requests_meeting_every_slo():
+    fast = RequestResult(10, output_tokens=5, ttft_s=0.1, e2el_s=0.5)        # tpot 100 ms
+    slow_start = RequestResult(10, output_tokens=5, ttft_s=0.9, e2el_s=1.3)  # tpot 100 ms
+    slow_tokens = RequestResult(10, output_tokens=5, ttft_s=0.1, e2el_s=2.1)  # tpot 500 ms
+    failed = RequestResult(10, error="HTTP 500")
+    results = [fast, slow_start, slow_tokens, failed]
+    summary = summarize(2.0, results, {"ttft": 200, "tpot": 150})
+    assert summary["good_requests"] == 1 and summary["request_goodput"] == 0.5
+    assert summarize(2.0, results, {"ttft": 1000})["good_requests"] == 3
+    assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (3, 1, 15)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--goodput", "latency:5"], "METRIC:MILLISECONDS"),
+    (["--goodput", "ttft:-1"], "METRIC:MILLISECONDS"),
+    (["--request-rate", "0"], "above 0"),
+    (["--max-concurrency", "0"], "at least 1"),
+])
+def test_bad_serve_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_server_fails_every_request_and_says_why(capsys):
+    url = f"http://127.0.0.1:{free_port()}"                  # nothing listens there
+    assert main(["bench", "serve", "--base-url", url, "--model", "m", "--num-prompts", "2", "--timeout", "5"]) == 1
+    printed = capsys.readouterr().out
+    assert "completed 0 requests (2 failed)" in printed and "ConnectError" in printed
+
+
+def test_a_prompts_file_is_sent_as_text_and_counted_by_the_servers_tokenizer(server, tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "why is the sky blue?"}\n{"prompt": "hello"}\n')
+    out = tmp_path / "s.json"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--dataset", str(prompts),
+                 "--num-prompts", "3", "--output-len", "4", "--output-json", str(out)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    server_counted = sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello", "why is the sky blue?"))
+    assert record["input_tokens"] == delta["minipaged:request_prompt_tokens_sum"] == server_counted
+    assert record["output_tokens"] == delta["minipaged:generation_tokens_total"] == 12
+
+
+def test_chat_endpoint_streams_deltas_and_counts_exactly(server, tmp_path):
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "tell me a story"}\n')
+    out = tmp_path / "c.json"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--endpoint", "chat",
+                 "--dataset", str(prompts), "--num-prompts", "2", "--output-len", "6", "--output-json", str(out)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    assert (record["completed"], record["output_tokens"]) == (2, 12)
+    assert record["input_tokens"] == delta["minipaged:request_prompt_tokens_sum"]
+    assert all(r["ttft_s"] > 0 for r in record["requests"])     # text arrived in delta.content and was timed
+
+
+def test_chat_endpoint_needs_text_prompts(capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--endpoint", "chat"]) == 2
+    assert "--endpoint chat sends text" in capsys.readouterr().err
