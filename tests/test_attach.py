@@ -104,6 +104,9 @@ def test_pilot_draws_a_request_sent_by_another_client_and_sends_its_own(server, 
             mine = app.state.view.requests[request_id]
             assert "hello class" in mine.prompt and 1 <= mine.num_output_tokens <= 12
             assert mine.text == text and app.selected == request_id
+            await pilot.pause(2.5)            # the server is idle now: its silence is not a step in flight
+            header = app._topbar().plain
+            assert "running" not in header and "waiting for the server's next step" in header
             await pilot.press("escape", "q")
         assert app.return_code == 0
 

@@ -363,9 +363,7 @@ class WatchApp(App[int]):
                 if not self.paused and achieved is not None and (self.speed == 0 or achieved < 0.8 * self.speed):
                     text.append(f" (achieved {achieved:.2g}/s)", style="bold #e15759")
             if self.engine_busy:
-                queued = f", {self.queued_steps} queued" if self.queued_steps else ""
-                text.append(f"  ⏳ step {len(self.events) + 1} running {time.monotonic() - self._busy_since:.1f} s"
-                            f"{queued}", style="bold #f28e2b")
+                text.append(self.busy_text(time.monotonic() - self._busy_since), style="bold #f28e2b")
             text.append(f"  │ {info.num_blocks} blocks x {info.block_size} tok, budget "
                         f"{info.max_num_batched_tokens} tok, {info.max_num_seqs} seqs, chunked prefill "
                         f"{'on' if info.enable_chunked_prefill else 'off'}, prefix cache "
@@ -374,6 +372,11 @@ class WatchApp(App[int]):
         text.append("\n")
         text.append(f" {self.status}", style="red" if self.engine_error else "italic")
         return text
+
+    def busy_text(self, waited_s: float) -> str:
+        """What the header says while the next step is being computed."""
+        queued = f", {self.queued_steps} queued" if self.queued_steps else ""
+        return f"  ⏳ step {len(self.events) + 1} running {waited_s:.1f} s{queued}"
 
     # ------------------------------------------------------------------ actions (keys)
     def action_toggle_pause(self) -> None:

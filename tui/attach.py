@@ -148,6 +148,11 @@ class AttachApp(WatchApp):
         yield Input(placeholder="type a prompt and press enter: it joins the batch beside everyone else's (/)",
                     id="prompt")
 
+    def busy_text(self, waited_s: float) -> str:
+        """The server steps on its own schedule: waiting for its next event is usually an idle server, not a
+        step in flight, so say only what is known (and nothing for the first moments)."""
+        return "" if waited_s < 2 else f"  waiting for the server's next step ({waited_s:.0f} s)"
+
     def action_focus_prompt(self) -> None:
         self.query_one("#prompt", Input).focus()
 
