@@ -84,6 +84,12 @@ def prefill_span(s: ScheduledRequest, ev: StepEvent) -> str:
     return f"{s.start}→{s.end} of {s.prompt_len}{extra}"
 
 
+def verification_totals(ev: StepEvent) -> tuple[int, int, int]:
+    """Speculative decoding in one step: (requests that verified drafts, drafts, drafts accepted)."""
+    verified = [s for s in ev.scheduled if s.draft_token_ids]
+    return len(verified), sum(len(s.draft_token_ids) for s in verified), sum(s.num_accepted for s in verified)
+
+
 def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
     """What happened in one step, in words, in the order it happened. ``before`` is the view before ``ev``."""
     lines: list[LogLine] = []
@@ -125,13 +131,11 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
             else:
                 last = " (last chunk)" if s.end >= target else ""
                 add("chunk", f"{s.request_id} prefill chunk {s.start}→{s.end} of {target}{last}", s.request_id)
-    verified = [s for s in ev.scheduled if s.draft_token_ids]
-    if verified:
-        drafted = sum(len(s.draft_token_ids) for s in verified)
-        accepted = sum(s.num_accepted for s in verified)
-        produced = accepted + len(verified)
-        add("spec", f"verified {drafted} draft{'s' if drafted > 1 else ''} of {len(verified)} request"
-                    f"{'s' if len(verified) > 1 else ''}: {accepted} accepted ({accepted / drafted:.0%}), "
+    num_verified, drafted, accepted = verification_totals(ev)
+    if num_verified:
+        produced = accepted + num_verified
+        add("spec", f"verified {drafted} draft{'s' if drafted > 1 else ''} of {num_verified} request"
+                    f"{'s' if num_verified > 1 else ''}: {accepted} accepted ({accepted / drafted:.0%}), "
                     f"{produced} token{'s' if produced > 1 else ''} in one forward pass")
     for f in ev.finished:
         ttft = "" if f.ttft_s is None else f", TTFT {f.ttft_s * 1e3:.0f} ms"
@@ -196,11 +200,10 @@ class WatchState:
         busy = sum(d for _n, d in self._recent)
         self.tokens_per_s.add(sum(n for n, _d in self._recent) / busy if busy > 0 else 0.0)
         self._track_latencies(ev)
-        verified = [s for s in ev.scheduled if s.draft_token_ids]
-        if verified:
-            accepted = sum(s.num_accepted for s in verified)
-            self.acceptance_rate.add(accepted / sum(len(s.draft_token_ids) for s in verified))
-            self.acceptance_length.add(1 + accepted / len(verified))
+        num_verified, drafted, accepted = verification_totals(ev)
+        if num_verified:
+            self.acceptance_rate.add(accepted / drafted)
+            self.acceptance_length.add(1 + accepted / num_verified)
 
     def _track_latencies(self, ev: StepEvent) -> None:
         arrived = self.engine_s                            # the step's requests arrived just before it
