@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .reference import paged_attention_reference, paged_attention_torch, write_kv_cache
+from .reference import paged_attention_reference, paged_attention_torch, plan_torch_attention, write_kv_cache
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
-           "write_kv", "triton_available", "choose_backend", "BACKENDS"]
+           "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
@@ -22,7 +22,7 @@ BACKENDS = ("triton", "torch", "reference")
 # Optional hints each backend understands. Callers (the model runner) may pass the hints of either backend;
 # the dispatcher translates or drops the ones the chosen backend has no use for, so switching backends never
 # needs a different call site.
-_TORCH_HINTS = {"host_seq_lens", "host_query_start_loc"}
+_TORCH_HINTS = {"host_seq_lens", "host_query_start_loc", "plan"}
 _TRITON_HINTS = {"max_query_len", "max_seq_len", "num_splits", "tile_n"}
 
 
@@ -77,15 +77,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
+def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
+                   host_query_start_loc: list[int], backend: str | None = None) -> dict[str, Any]:
+    """The hints for ``paged_attention`` that depend only on the step, not on the layer: worked out once per
+    step and passed to every layer's call (the torch path's index tensors and masks, Triton's maxima)."""
+    backend = choose_backend(block_tables, backend)
+    if backend == "triton":
+        return {"max_seq_len": max(host_seq_lens, default=0),
+                "max_query_len": max((b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])),
+                                     default=0)}
+    if backend == "torch":
+        return {"plan": plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc)}
+    return {}
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: str | None = None) -> None:
-    """Write new tokens' K/V into their cache slots (slot -1: skip) with the chosen backend."""
+             slot_mapping: torch.Tensor, backend: str | None = None, *, all_slots_new: bool = False) -> None:
+    """Write new tokens' K/V into their cache slots (slot -1: skip) with the chosen backend.
+
+    ``all_slots_new``: the caller knows no slot is -1 (the runner does, from its Python lists), which saves
+    the torch path a check of the whole slot mapping on every layer."""
     backend = choose_backend(key, backend)
     if backend == "triton":
         from .triton_paged_attention import write_kv_cache_triton
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, all_slots_new=all_slots_new)
 
 
 def __getattr__(name: str) -> Any:

@@ -74,7 +74,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slots), block_tables=tensor(block_tables, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
-            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend)
+            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend,
+            all_slots_new=min(slots, default=0) >= 0)
         return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled, num_rows)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from minipaged.kernels import paged_attention, write_kv
+from minipaged.kernels import paged_attention, plan_attention, write_kv
 
 
 @dataclass
@@ -29,6 +29,7 @@ class AttentionMetadata:
     host_seq_lens: list[int]
     host_query_start_loc: list[int]
     backend: str = "torch"
+    all_slots_new: bool = False       # no slot is -1: nothing to skip when writing K/V
 
 
 @dataclass
@@ -136,20 +137,23 @@ class CompactLlama:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         reduce = all_reduce or (lambda partial: partial)
+        # What attention needs to know about the step (which rows are decodes, their blocks, masks) is the
+        # same for every layer: work it out once here, not 30 times.
+        attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
+                                         meta.host_query_start_loc, backend=meta.backend)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
-            q, k, v = F.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qkv = F.linear(x, w.qkv)
+            # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = (qk * cos + rotate_half(qk) * sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             # Write first, then read: a request may attend to blocks another request fills in this step.
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend,
+                     all_slots_new=meta.all_slots_new)
             attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   self.scale, backend=meta.backend, host_seq_lens=meta.host_seq_lens,
-                                   host_query_start_loc=meta.host_query_start_loc)
+                                   self.scale, backend=meta.backend, **attention_hints)
             h = h + reduce(F.linear(attn.reshape(num_tokens, q_size), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
