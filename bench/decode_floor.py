@@ -7,7 +7,10 @@ scheduling and Python. Efficiency = floor / engine step.
 
     python bench/decode_floor.py [--model smollm2] [--batches 1 16 64] [--context 128] [--steps 20]
 
-It also prints the engine step's time by operator (torch.profiler), for the largest batch.
+It also splits each batch's profiled step into matmuls, attention (block gathers, K/V writes, the attention
+kernel), elementwise and small ops, and time outside any operator (Python), counts the operators per layer
+that compute or copy (the batch-1 cost is mostly their number), and prints the top operators of the
+largest batch.
 """
 from __future__ import annotations
 
@@ -71,21 +74,54 @@ def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> fl
     return statistics.median(times) * 1000
 
 
-def profile_step(engine: Engine, batch: int, context: int) -> str:
-    """The top operators of a few decode steps, by CPU time."""
+# How the profiler's operators group into what a reader of the model code sees. Anything else that
+# computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops".
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                 "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
+                 "aten::_index_put_impl_"}
+# Operators that only make a new view of existing memory or allocate it: no arithmetic, no copy.
+METADATA_OPS = {"aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::transpose", "aten::t",
+                "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::expand",
+                "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::narrow", "aten::detach",
+                "aten::alias", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh",
+                "aten::_unsafe_view", "aten::linear", "aten::matmul", "aten::scaled_dot_product_attention",
+                "aten::to", "aten::resolve_conj", "aten::resolve_neg", "aten::item", "aten::_local_scalar_dense",
+                "aten::permute", "aten::contiguous", "aten::result_type", "aten::is_nonzero"}
+
+
+def profile_step(engine: Engine, batch: int, context: int, steps: int = 5) -> dict:
+    """Where a decode step's time goes, by the profiler: matmuls, attention (gathers, writes, the attention
+    kernel), elementwise and small ops, and what no operator accounts for (Python, scheduling, sampling's
+    bookkeeping). Also the operators per layer that do work (views and allocations not counted)."""
     from torch.profiler import ProfilerActivity, profile
 
     prompts = random_token_prompts(batch, context, context, seed=99, vocab=engine.model.embed.shape[0])
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+           for p in prompts]
     while any(s.kind != "decode" for s in engine.step().scheduled):
         pass
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            engine.step()
+        events = [engine.step() for _ in range(steps)]
     for rid in ids:
         engine.abort(rid)
     engine.pop_finished()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    step_ms = sum(e.duration_s for e in events) / steps * 1000
+    ms = {"matmul": 0.0, "attention": 0.0, "elementwise and small ops": 0.0}
+    working_ops = 0
+    for op in prof.key_averages():
+        self_ms = op.self_cpu_time_total / 1000 / steps
+        if op.key in MATMUL_OPS:
+            ms["matmul"] += self_ms
+        elif op.key in ATTENTION_OPS:
+            ms["attention"] += self_ms
+        elif op.key.startswith("aten::"):
+            ms["elementwise and small ops"] += self_ms
+        if op.key.startswith("aten::") and op.key not in METADATA_OPS:
+            working_ops += op.count / steps
+    ms["outside any operator (Python)"] = max(0.0, step_ms - sum(ms.values()))
+    return {"step_ms": step_ms, "ms": ms, "ops_per_layer": working_ops / engine.model.num_layers,
+            "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)}
 
 
 def main() -> None:
@@ -109,10 +145,18 @@ def main() -> None:
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
           + table(["batch", "floor ms", "engine ms", "efficiency", "engine tok/s"], rows))
     if args.profile:
-        ops = profile_step(engine, max(args.batches), args.context)
-        md += f"\n\nEngine step by operator (batch {max(args.batches)}, 5 steps):\n\n```\n{ops}\n```"
+        parts, breakdown_rows = {}, []
+        for batch in args.batches:
+            parts[batch] = profile_step(engine, batch, args.context)
+            record["batches"][batch]["profile"] = {k: v for k, v in parts[batch].items() if k != "table"}
+            shares = parts[batch]["ms"]
+            breakdown_rows.append([batch, parts[batch]["step_ms"], *shares.values(), parts[batch]["ops_per_layer"]])
+        md += ("\n\nWhere a profiled decode step's time goes (ms per step; the profiler itself adds a little; "
+               "ops/layer counts the operators that compute or copy, not views):\n\n"
+               + table(["batch", "step ms", *next(iter(parts.values()))["ms"].keys(), "ops/layer"], breakdown_rows))
+        largest = max(args.batches)
+        md += f"\n\nEngine step by operator (batch {largest}, 5 steps):\n\n```\n{parts[largest]['table']}\n```"
     save("decode_floor", record, md)
-    print(md)
 
 
 if __name__ == "__main__":

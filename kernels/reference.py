@@ -129,7 +129,8 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
         # A shorter context's table ends in padding, which may be any id (-1, say): read block 0 there
         # instead; the mask hides it.
         owned = torch.tensor([(n + block_size - 1) // block_size for n in lens], device=device)
-        tables = picked[:, :max_blocks].masked_fill(torch.arange(max_blocks, device=device) >= owned[:, None], 0)
+        padding = torch.arange(max_blocks, device=device) >= owned[:, None]
+        tables = picked[:, :max_blocks].long().masked_fill(padding, 0)     # int64: index_select's own type
         if min(lens) < decode_len:                      # shorter contexts must not see the padding
             valid = torch.arange(decode_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
             mask = valid[:, None, None, :]
@@ -144,7 +145,7 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
             chunk_mask = torch.arange(seq_len, device=device)[None, :] <= query_pos
         num_blocks = (seq_len + block_size - 1) // block_size
-        prefills.append(PrefillChunkPlan(qs, qe, seq_len, block_tables[i, :num_blocks], chunk_mask))
+        prefills.append(PrefillChunkPlan(qs, qe, seq_len, block_tables[i, :num_blocks].long(), chunk_mask))
     return TorchAttentionPlan(len(decodes), rows, tables, decode_len, mask, prefills)
 
 
