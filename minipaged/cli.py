@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, classroom, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, plot, classroom, lessons.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -111,6 +111,11 @@ def make_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments
     add_bench_arguments(bench)
 
+    plot = sub.add_parser("plot", help="draw a recorded run (watch --record): requests over steps, KV blocks, "
+                                       "tokens vs the budget", formatter_class=fmt)
+    from .plot import add_plot_arguments
+    add_plot_arguments(plot)
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -163,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_bench(args)
         if args.command == "lessons":
             return cmd_lessons(args)
+        if args.command == "plot":
+            from .plot import run_plot
+            return run_plot(args)
         if args.command == "serve":
             from .serve import run_serve
             return run_serve(args)

@@ -65,6 +65,8 @@ class WatchApp(App[int]):
         Binding("up", "select(-1)", "Select previous request", show=False),
         Binding("down", "select(1)", "Select next request", show=False),
         Binding("s", "screenshot", "Save a picture of the screen (SVG and PNG)", show=False),
+        Binding("p", "plot", "Save a plot of the run so far: requests over steps, KV blocks, tokens (PNG)",
+                show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
@@ -453,6 +455,26 @@ class WatchApp(App[int]):
             self.notify(f"could not save a picture here: {exc}", severity="error", timeout=6)
             return
         self.notify(", ".join(path.name for path in paths) + f" in {paths[0].parent}", title="Saved", timeout=6)
+
+    def action_plot(self) -> None:
+        """Draw the steps shown so far (as ``minipaged plot`` draws a trace) in a thread: the UI keeps going."""
+        events = list(self.events[:self.position])
+        if not events:
+            self.notify("no steps yet: nothing to plot", severity="warning", timeout=4)
+            return
+        path = Path.cwd() / f"minipaged-run-{time.strftime('%Y%m%d-%H%M%S')}.png"
+        self.run_worker(lambda: self._save_plot(events, path), thread=True, group="plot")
+
+    def _save_plot(self, events: list[StepEvent], path: Path) -> None:
+        from minipaged.plot import PlotError, draw_run
+
+        try:
+            draw_run(self.info, events, path)
+        except PlotError as exc:
+            self.call_from_thread(self.notify, str(exc), severity="error", timeout=8)
+            return
+        self.call_from_thread(self.notify, f"{path.name} in {path.parent} (steps 1-{len(events)})",
+                              title="Plot saved", timeout=6)
 
     async def action_quit(self) -> None:
         self._commands.put("stop")

@@ -100,8 +100,9 @@ class CompareApp(WatchApp):
 
     TITLE = "minipaged watch --compare"
     CSS_PATH = ["watch.tcss", "compare.tcss"]
-    # No request is selected here: with two or three runs a selection would mean a different request in each.
-    BINDINGS = [b for b in WatchApp.BINDINGS if b.action not in ("select(-1)", "select(1)")]
+    # No request is selected here: with two or three runs a selection would mean a different request in each;
+    # and `p` (plot the run) has no single run to draw: record each setting with `watch --record`, then plot it.
+    BINDINGS = [b for b in WatchApp.BINDINGS if b.action not in ("select(-1)", "select(1)", "plot")]
 
     def __init__(self, *, compare: Optional[CompareRun] = None,
                  replays: Optional[Sequence[tuple[str, EngineInfo, list[StepEvent]]]] = None,
