@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged.bench.requests import LengthRange, make_requests
-from minipaged.bench.serve import RequestResult, summarize
+from minipaged.bench.requests import BenchRequest
+from minipaged.bench.serve import RequestResult, request_body, summarize
 from minipaged.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -79,6 +81,9 @@ def test_goodput_counts_only_requests_meeting_every_slo():
     (["--goodput", "ttft:-1"], "METRIC:MILLISECONDS"),
     (["--request-rate", "0"], "above 0"),
     (["--max-concurrency", "0"], "at least 1"),
+    (["--request-rate", "1", "nope"], "requests per second"),
+    (["--extra-body", "[1, 2]"], "JSON object"),
+    (["--extra-body", "{oops"], "not JSON"),
 ])
 def test_bad_serve_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -129,3 +134,49 @@ def test_chat_endpoint_streams_deltas_and_counts_exactly(server, tmp_path):
 def test_chat_endpoint_needs_text_prompts(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--endpoint", "chat"]) == 2
     assert "--endpoint chat sends text" in capsys.readouterr().err
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's header chunk."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_a_rate_sweep_gives_each_rate_its_own_requests_and_agrees_with_the_servers_metrics(server, tiny_model,
+                                                                                          tmp_path, capsys):
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    out, picture = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--num-prompts", "4",
+                 "--input-len", "6:20", "--output-len", "3", "--request-rate", "20", "inf", "--vocab-size", str(vocab),
+                 "--dataset-seed", "5", "--output-json", str(out), "--plot", str(picture)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    expected = make_requests("random", 8, LengthRange(6, 20), LengthRange(3, 3), vocab_size=vocab, seed=5)
+    assert record["bench"] == "serve-sweep"
+    assert [r["request_rate"] for r in record["sweep"]] == record["workload"]["request_rates"] == ["20.0", "inf"]
+    for i, run in enumerate(record["sweep"]):          # rate i sent requests 4i..4i+3 of one dataset, in order
+        assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 12)
+        assert [r["input_tokens"] for r in run["requests"]] == [len(e.prompt_token_ids) for e in expected[4 * i:4 * i + 4]]
+        assert run["ttft"]["median_ms"] > 0 and run["tpot"]["median_ms"] > 0
+    assert delta["minipaged:request_success_total"] == 8
+    assert delta["minipaged:generation_tokens_total"] == 24
+    assert delta["minipaged:request_prompt_tokens_sum"] == sum(len(e.prompt_token_ids) for e in expected)
+    assert "--- request rate 20/s" in capsys.readouterr().out
+    assert png_size(picture.read_bytes()) == (1500, 400)          # three panels of 5 x 4 inches at 100 dpi
+
+    compared = tmp_path / "compare.png"                 # bench compare draws sweeps as lines against the rate
+    assert main(["bench", "compare", str(out), str(out), "--plot", str(compared)]) == 0
+    assert "rate inf: median TTFT ms" in capsys.readouterr().out
+    assert png_size(compared.read_bytes()) == (1500, 400)
+
+
+def test_no_ignore_eos_and_extra_body_shape_the_request_for_servers_with_their_own_fields():
+    request = BenchRequest([5, 6, 7], 4)
+    assert request_body("completions", "m", request)["ignore_eos"] is True
+    body = request_body("completions", "m", request, ignore_eos=False,
+                        extra={"generation_config": '{"eos_token_id": -1}', "temperature": 0.5})
+    assert "ignore_eos" not in body
+    assert body["generation_config"] == '{"eos_token_id": -1}' and body["temperature"] == 0.5   # extra wins
+    assert (body["prompt"], body["max_tokens"], body["stream"]) == ([5, 6, 7], 4, True)
