@@ -8,11 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged.bench.requests import LengthRange, make_requests
 from minipaged.bench.requests import BenchRequest
 from minipaged.bench.serve import RequestResult, request_body, summarize
+from minipaged.bench.servers import metric_totals as counters
 from minipaged.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,15 +25,6 @@ def server(tiny_model, tmp_path_factory):
     with running_server(tiny_model, "--block-size", "4", "--num-blocks", "512", "--max-num-seqs", "4",
                         log_path=str(log)) as url:
         yield url
-
-
-def counters(url: str) -> dict[str, float]:
-    """Totals of /metrics samples by name (labels summed)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def test_bench_serve_agrees_with_the_servers_metrics(server, tiny_model, tmp_path):
