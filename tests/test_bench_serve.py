@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -171,3 +172,30 @@ def test_no_ignore_eos_and_extra_body_shape_the_request_for_servers_with_their_o
     assert "ignore_eos" not in body
     assert body["generation_config"] == '{"eos_token_id": -1}' and body["temperature"] == 0.5   # extra wins
     assert (body["prompt"], body["max_tokens"], body["stream"]) == ([5, 6, 7], 4, True)
+
+
+def test_bench_serve_measures_transformers_serve_with_its_own_way_of_ignoring_eos(tiny_model, tmp_path):
+    """The peer comparison's path: transformers serve refuses ignore_eos (422), and with --no-ignore-eos and a
+    per-request generation_config that disables EOS it makes exactly the tokens asked for."""
+    from transformers.utils.import_utils import is_serve_available
+    if not is_serve_available():
+        pytest.skip("transformers serve needs fastapi, uvicorn and openai (the [test] extra has them)")
+    from minipaged.bench.servers import running, transformers_serve_command
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "why is the sky blue?"}\n{"prompt": "hello"}\n')
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    common = ["--model", tiny_model, "--dataset", str(prompts), "--num-prompts", "2", "--output-len", "5",
+              "--timeout", "120"]
+    with running(transformers_serve_command(tiny_model, port, ["--continuous-batching"]), port, env=env,
+                 what="transformers serve", log_path=str(tmp_path / "transformers.log")) as url:
+        refused, out = tmp_path / "refused.json", tmp_path / "peer.json"
+        assert main(["bench", "serve", "--base-url", url, *common, "--output-json", str(refused)]) == 1
+        assert all("HTTP 422" in r["error"] for r in json.loads(refused.read_text())["requests"])
+        assert main(["bench", "serve", "--base-url", url, *common, "--no-ignore-eos", "--extra-body",
+                     '{"generation_config": "{\\"eos_token_id\\": -1}"}', "--output-json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert (record["completed"], record["output_tokens"]) == (2, 10)
+    assert record["input_tokens"] == sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello"))
