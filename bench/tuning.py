@@ -131,7 +131,7 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def change(new: float, old: float) -> str:
-    """'2.1x lower' / '1.3x higher' / 'the same': how ``new`` compares with ``old``, in words."""
+    """'2.10x lower' / '1.30x higher' / 'about the same' (within 3%): how ``new`` compares with ``old``, in words."""
     if old == 0 or new == 0:
         return "not comparable (a zero)"
     ratio = new / old
