@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: watch test setup bench clean
+.PHONY: watch test setup bench tuning clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(VENV)/.installed
 	$(PY) bench/prefix_cache.py
 	$(PY) bench/chunked_prefill.py
 	$(PY) bench/preemption.py
+
+# The seed guide's tuning walkthrough and the peer comparison: docs/tuning.md, docs/tuning.json, the README's
+# peer section (~10 minutes on a quiet 2-core machine).
+tuning: $(VENV)/.installed
+	$(PY) bench/tuning.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,29 +11,9 @@ from typing import Iterator
 
 import httpx
 
-START_TIMEOUT_S = 90.0          # importing torch and transformers is slow on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_answer(proc: subprocess.Popen, url: str, what: str, log_path: str) -> None:
-    """Poll ``url`` until it answers 200; fail with ``what``'s log if the process exits or is too slow."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{open(log_path).read()}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not answer within {START_TIMEOUT_S} s:\n{open(log_path).read()}")
-        time.sleep(0.2)
+# free_port, stop_process and wait_for_answer are imported from here by the tests that start other processes
+from minipaged.bench.servers import (START_TIMEOUT_S, free_port, minipaged_serve_command, running,  # noqa: F401
+                                     stop_process, wait_for_answer)
 
 
 @contextmanager
@@ -42,25 +21,9 @@ def running_server(model: str, *flags: str, log_path: str) -> Iterator[str]:
     """Start ``minipaged serve --model MODEL FLAGS``; yields its base URL once /health answers."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "minipaged", "serve", "--model", model, "--port", str(port),
-                                 "--threads", "1", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_answer(proc, url + "/health", "the server", log_path)
+    command = minipaged_serve_command(model, port, ["--threads", "1", *flags])
+    with running(command, port, what="the server", log_path=log_path, env=env) as url:
         yield url
-    finally:
-        stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after ``grace_s``."""
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def wait_until_idle(url: str, timeout: float = 10.0) -> dict:

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged.bench.requests import LengthRange, make_requests
-from minipaged.bench.serve import RequestResult, summarize
+from minipaged.bench.requests import BenchRequest
+from minipaged.bench.serve import RequestResult, request_body, summarize
+from minipaged.bench.servers import metric_totals as counters
 from minipaged.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,15 +26,6 @@ def server(tiny_model, tmp_path_factory):
     with running_server(tiny_model, "--block-size", "4", "--num-blocks", "512", "--max-num-seqs", "4",
                         log_path=str(log)) as url:
         yield url
-
-
-def counters(url: str) -> dict[str, float]:
-    """Totals of /metrics samples by name (labels summed)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
 
 
 def test_bench_serve_agrees_with_the_servers_metrics(server, tiny_model, tmp_path):
@@ -79,6 +73,9 @@ def test_goodput_counts_only_requests_meeting_every_slo():
     (["--goodput", "ttft:-1"], "METRIC:MILLISECONDS"),
     (["--request-rate", "0"], "above 0"),
     (["--max-concurrency", "0"], "at least 1"),
+    (["--request-rate", "1", "nope"], "requests per second"),
+    (["--extra-body", "[1, 2]"], "JSON object"),
+    (["--extra-body", "{oops"], "not JSON"),
 ])
 def test_bad_serve_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -129,3 +126,76 @@ def test_chat_endpoint_streams_deltas_and_counts_exactly(server, tmp_path):
 def test_chat_endpoint_needs_text_prompts(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--endpoint", "chat"]) == 2
     assert "--endpoint chat sends text" in capsys.readouterr().err
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's header chunk."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_a_rate_sweep_gives_each_rate_its_own_requests_and_agrees_with_the_servers_metrics(server, tiny_model,
+                                                                                          tmp_path, capsys):
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    vocab = json.loads((Path(tiny_model) / "config.json").read_text())["vocab_size"]
+    out, picture = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    before = counters(server)
+    assert main(["bench", "serve", "--base-url", server, "--model", model, "--num-prompts", "4",
+                 "--input-len", "6:20", "--output-len", "3", "--request-rate", "20", "inf", "--vocab-size", str(vocab),
+                 "--dataset-seed", "5", "--output-json", str(out), "--plot", str(picture)]) == 0
+    delta = {name: value - before.get(name, 0.0) for name, value in counters(server).items()}
+    record = json.loads(out.read_text())
+    expected = make_requests("random", 8, LengthRange(6, 20), LengthRange(3, 3), vocab_size=vocab, seed=5)
+    assert record["bench"] == "serve-sweep"
+    assert [r["request_rate"] for r in record["sweep"]] == record["workload"]["request_rates"] == ["20.0", "inf"]
+    for i, run in enumerate(record["sweep"]):          # rate i sent requests 4i..4i+3 of one dataset, in order
+        assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 12)
+        assert [r["input_tokens"] for r in run["requests"]] == [len(e.prompt_token_ids) for e in expected[4 * i:4 * i + 4]]
+        assert run["ttft"]["median_ms"] > 0 and run["tpot"]["median_ms"] > 0
+    assert delta["minipaged:request_success_total"] == 8
+    assert delta["minipaged:generation_tokens_total"] == 24
+    assert delta["minipaged:request_prompt_tokens_sum"] == sum(len(e.prompt_token_ids) for e in expected)
+    assert "--- request rate 20/s" in capsys.readouterr().out
+    assert png_size(picture.read_bytes()) == (1500, 400)          # three panels of 5 x 4 inches at 100 dpi
+
+    compared = tmp_path / "compare.png"                 # bench compare draws sweeps as lines against the rate
+    assert main(["bench", "compare", str(out), str(out), "--plot", str(compared)]) == 0
+    assert "rate inf: median TTFT ms" in capsys.readouterr().out
+    assert png_size(compared.read_bytes()) == (1500, 400)
+
+
+def test_no_ignore_eos_and_extra_body_shape_the_request_for_servers_with_their_own_fields():
+    request = BenchRequest([5, 6, 7], 4)
+    assert request_body("completions", "m", request)["ignore_eos"] is True
+    body = request_body("completions", "m", request, ignore_eos=False,
+                        extra={"generation_config": '{"eos_token_id": -1}', "temperature": 0.5})
+    assert "ignore_eos" not in body
+    assert body["generation_config"] == '{"eos_token_id": -1}' and body["temperature"] == 0.5   # extra wins
+    assert (body["prompt"], body["max_tokens"], body["stream"]) == ([5, 6, 7], 4, True)
+
+
+def test_bench_serve_measures_transformers_serve_with_its_own_way_of_ignoring_eos(tiny_model, tmp_path):
+    """The peer comparison's path: transformers serve refuses ignore_eos (422), and with --no-ignore-eos and a
+    per-request generation_config that disables EOS it makes exactly the tokens asked for."""
+    from transformers.utils.import_utils import is_serve_available
+    if not is_serve_available():
+        pytest.skip("transformers serve needs fastapi, uvicorn and openai (the [test] extra has them)")
+    from minipaged.bench.servers import running, transformers_serve_command
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "why is the sky blue?"}\n{"prompt": "hello"}\n')
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    common = ["--model", tiny_model, "--dataset", str(prompts), "--num-prompts", "2", "--output-len", "5",
+              "--timeout", "120"]
+    with running(transformers_serve_command(tiny_model, port, ["--continuous-batching"]), port, env=env,
+                 what="transformers serve", log_path=str(tmp_path / "transformers.log")) as url:
+        refused, out = tmp_path / "refused.json", tmp_path / "peer.json"
+        assert main(["bench", "serve", "--base-url", url, *common, "--output-json", str(refused)]) == 1
+        assert all("HTTP 422" in r["error"] for r in json.loads(refused.read_text())["requests"])
+        assert main(["bench", "serve", "--base-url", url, *common, "--no-ignore-eos", "--extra-body",
+                     '{"generation_config": "{\\"eos_token_id\\": -1}"}', "--output-json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert (record["completed"], record["output_tokens"]) == (2, 10)
+    assert record["input_tokens"] == sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello"))

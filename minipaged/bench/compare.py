@@ -40,6 +40,14 @@ def headline(record: dict[str, Any]) -> dict[str, float]:
         if "request_goodput" in record:
             numbers["goodput requests/s"] = record["request_goodput"]
         return numbers
+    if kind == "serve-sweep":
+        numbers = {}
+        for r in record["sweep"]:
+            rate = f"rate {r['request_rate']}"
+            numbers[f"{rate}: output tokens/s"] = r["output_throughput"]
+            numbers[f"{rate}: median TTFT ms"] = r["ttft"]["median_ms"]
+            numbers[f"{rate}: median TPOT ms"] = r["tpot"]["median_ms"]
+        return numbers
     raise BenchError(f"not a bench result (bench={kind!r}): give files written by --output-json")
 
 
@@ -64,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
     if not names:
         raise BenchError("the results share no number to compare (different batch sizes?)")
     print_table(args.results, names, columns)
-    if args.plot:
+    if args.plot and kinds == {"serve-sweep"}:            # sweeps read best as lines against the rate
+        from .serve import plot_sweeps
+        plot_sweeps({Path(path).stem: record for path, record in zip(args.results, records)}, args.plot,
+                    "bench compare: request-rate sweeps")
+    elif args.plot:
         plot(args.results, names, columns, args.plot)
     return 0
 

@@ -3,6 +3,11 @@
 Requests arrive as a Poisson process (``--request-rate`` per second; ``inf`` sends them all at once), at most
 ``--max-concurrency`` in flight, each a streaming ``/v1/completions`` call with token-id prompts, a fixed
 ``max_tokens`` and ``ignore_eos`` (so token counts are exact; vLLM and ``minipaged serve`` both accept these).
+Several rates (``--request-rate 1 2 4``) make a sweep, as vLLM's benchmark scripts run one: each rate gets
+its own ``--num-prompts`` requests (the next slice of one dataset, so no rate finds another rate's prompts in
+the prefix cache), one after another, and the result has one entry per rate.
+A server that refuses fields it does not know (``transformers serve`` answers 422 to ``ignore_eos``) gets
+``--no-ignore-eos`` and, through ``--extra-body``, its own way of ignoring EOS.
 A prompts file (``--dataset FILE.jsonl``) is sent as text, and ``--endpoint chat`` sends each prompt as one
 user message to ``/v1/chat/completions``. Token counts come from the stream's ``usage``.
 From each stream's chunk arrival times:
@@ -53,6 +58,18 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    """argparse type for ``--extra-body``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}); give an object, e.g. "
+                                         f"'{{\"top_k\": 1}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object ({{...}}), merged into every request")
+    return value
+
+
 def parse_slo(text: str) -> tuple[str, float]:
     """argparse type for one ``--goodput`` item: ``ttft:500`` (milliseconds)."""
     name, _, ms = text.partition(":")
@@ -72,26 +89,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the model name the server serves")
     parser.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send")
-    parser.add_argument("--request-rate", type=parse_rate, default=float("inf"),
-                        help="requests per second, Poisson arrivals; inf sends all at once")
+    parser.add_argument("--request-rate", type=parse_rate, nargs="+", default=[float("inf")], metavar="RATE",
+                        help="requests per second, Poisson arrivals; inf sends all at once; several rates run "
+                             "one after another (a sweep), each with its own --num-prompts requests")
     parser.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
     parser.add_argument("--goodput", type=parse_slo, nargs="+", default=[], metavar="METRIC:MS",
                         help="SLOs a request must meet to count toward goodput: ttft, tpot, e2el in ms")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                         help="/v1/completions, or /v1/chat/completions (one user message; needs a prompts file)")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="send ignore_eos so every request makes exactly its output length (vLLM's and "
+                             "minipaged's extension; --no-ignore-eos for servers that refuse it)")
+    parser.add_argument("--extra-body", type=parse_json_object, default={}, metavar="JSON",
+                        help="a JSON object merged into every request body (a server's own fields)")
     parser.add_argument("--vocab-size", type=positive_int, default=1000,
                         help="random prompts draw token ids below this (the model's vocabulary must be as large)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
 
 
-def request_body(endpoint: str, model: str, request: BenchRequest) -> dict[str, Any]:
+def request_body(endpoint: str, model: str, request: BenchRequest, *, ignore_eos: bool = True,
+                 extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The JSON of one streaming request: a completion (token ids or text) or a one-message chat."""
-    body: dict[str, Any] = {"model": model, "max_tokens": request.output_len, "temperature": 0, "ignore_eos": True,
+    body: dict[str, Any] = {"model": model, "max_tokens": request.output_len, "temperature": 0,
                             "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if endpoint == "chat":
-        return {**body, "messages": [{"role": "user", "content": request.text}],
-                "max_completion_tokens": request.output_len}
-    return {**body, "prompt": request.text if request.text is not None else request.prompt_token_ids}
+        body.update(messages=[{"role": "user", "content": request.text}], max_completion_tokens=request.output_len)
+    else:
+        body["prompt"] = request.text if request.text is not None else request.prompt_token_ids
+    return {**body, **(extra or {})}
 
 
 def chunk_text(choice: dict[str, Any]) -> str:
@@ -99,10 +126,9 @@ def chunk_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def send(client: Any, url: str, endpoint: str, model: str, request: BenchRequest) -> RequestResult:
+async def send(client: Any, url: str, endpoint: str, body: dict[str, Any], input_tokens: int) -> RequestResult:
     """One streaming request; times every chunk that carries text."""
-    result = RequestResult(len(request.prompt_token_ids))
-    body = request_body(endpoint, model, request)
+    result = RequestResult(input_tokens)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     start = last = time.perf_counter()
     chunks = 0
@@ -133,15 +159,17 @@ async def send(client: Any, url: str, endpoint: str, model: str, request: BenchR
     return result
 
 
-async def run_load(args: argparse.Namespace, requests: list[BenchRequest], advance: Any) -> tuple[float, list]:
+async def run_load(args: argparse.Namespace, rate: float, requests: list[BenchRequest],
+                   advance: Any) -> tuple[float, list]:
     import httpx
     rng = random.Random(args.dataset_seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     url = args.base_url.rstrip("/")
 
     async def one(request: BenchRequest) -> RequestResult:
+        body = request_body(args.endpoint, args.model, request, ignore_eos=args.ignore_eos, extra=args.extra_body)
         async with limit:
-            result = await send(client, url, args.endpoint, args.model, request)
+            result = await send(client, url, args.endpoint, body, len(request.prompt_token_ids))
         advance(1)
         return result
 
@@ -150,8 +178,8 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest], advan
         tasks = []
         for request in requests:
             tasks.append(asyncio.create_task(one(request)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return time.perf_counter() - start, results
 
@@ -196,21 +224,32 @@ def run(args: argparse.Namespace) -> int:
     if args.endpoint == "chat" and args.dataset in DATASETS:
         raise BenchError("--endpoint chat sends text: give --dataset FILE.jsonl (one {\"prompt\": ...} per line); "
                          "random token ids can only go to completions")
-    requests = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
+    rates, n = args.request_rate, args.num_prompts
+    requests = make_requests(args.dataset, n * len(rates), args.input_len, args.output_len,
                              vocab_size=args.vocab_size, seed=args.dataset_seed)
-    with report.progress_bar("requests", len(requests)) as advance:
-        seconds, results = asyncio.run(run_load(args, requests, advance))
-    summary = summarize(seconds, results, dict(args.goodput))
-    failures = [r.error for r in results if r.error]
-    print_summary(summary, failures)
-    record = {"bench": "serve", "base_url": args.base_url, "model": args.model,
-              "workload": {**describe(args), "num_prompts": args.num_prompts,
-                           "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency},
-              **summary, "requests": [asdict(r) for r in results]}
+    runs = []
+    for i, rate in enumerate(rates):
+        if len(rates) > 1:
+            print(f"--- request rate {rate:g}/s")
+        with report.progress_bar(f"rate {rate:g}/s", n) as advance:
+            seconds, results = asyncio.run(run_load(args, rate, requests[i * n:(i + 1) * n], advance))
+        summary = summarize(seconds, results, dict(args.goodput))
+        print_summary(summary, [r.error for r in results if r.error])
+        runs.append({"request_rate": str(rate), **summary, "requests": [asdict(r) for r in results]})
+    workload = {**describe(args), "num_prompts": n, "max_concurrency": args.max_concurrency,
+                "ignore_eos": args.ignore_eos, "extra_body": args.extra_body}
+    if len(runs) == 1:
+        record = {"bench": "serve", "base_url": args.base_url, "model": args.model,
+                  "workload": {**workload, "request_rate": runs[0]["request_rate"]}, **runs[0]}
+    else:
+        record = {"bench": "serve-sweep", "base_url": args.base_url, "model": args.model,
+                  "workload": {**workload, "request_rates": [r["request_rate"] for r in runs]}, "sweep": runs}
     report.write_json(args.output_json, record)
-    if args.plot:
+    if args.plot and len(runs) == 1:
         plot(record, args.plot)
-    return 0 if summary["completed"] else 1
+    elif args.plot:
+        plot_sweeps({record["model"]: record}, args.plot)
+    return 0 if all(r["completed"] for r in runs) else 1
 
 
 def print_summary(s: dict[str, Any], failures: list[str]) -> None:
@@ -241,4 +280,34 @@ def plot(record: dict[str, Any], path: str) -> None:
         ax.set_xlabel(f"{name} ms")
         ax.set_ylabel("share of requests" if name != "ITL" else "share of token gaps")
         ax.set_ylim(0, 1.02)
+    report.save_figure(fig, path)
+
+
+def rate_label(rate: str) -> str:
+    return "inf" if rate == "inf" else f"{float(rate):g}"
+
+
+def plot_sweeps(records: dict[str, dict[str, Any]], path: str, title: str = "bench serve: request-rate sweep") -> None:
+    """Throughput, TTFT and TPOT against the request rate, one line per sweep (a server, or a configuration).
+
+    Rates are placed evenly and labelled, so ``inf`` (all at once) can sit at the right end.
+    """
+    rates = list(dict.fromkeys(r["request_rate"] for rec in records.values() for r in rec["sweep"]))
+    rates.sort(key=float)
+    x = {rate: i for i, rate in enumerate(rates)}
+    fig, (ax_tput, ax_ttft, ax_tpot) = report.new_figure(3, title)
+    for (label, record), color in zip(records.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red",
+                                                           "tab:purple", "tab:brown")):
+        sweep = record["sweep"]
+        xs = [x[r["request_rate"]] for r in sweep]
+        ax_tput.plot(xs, [r["output_throughput"] for r in sweep], "o-", color=color, label=label)
+        for ax, metric in ((ax_ttft, "ttft"), (ax_tpot, "tpot")):
+            ax.plot(xs, [r[metric]["median_ms"] for r in sweep], "o-", color=color, label=f"{label} median")
+            ax.plot(xs, [r[metric]["p99_ms"] for r in sweep], "^:", color=color, label=f"{label} p99")
+    for ax, ylabel in ((ax_tput, "output tokens/s"), (ax_ttft, "TTFT ms"), (ax_tpot, "TPOT ms")):
+        ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates])
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     report.save_figure(fig, path)
