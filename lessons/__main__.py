@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any, Optional, Sequence
 
-from .core import MEASURED_FILE, SMOLLM2_FILE, get_lesson, list_lessons, run_scenario
+from .core import MEASURED_FILE, SMOLLM2_FILE, build_lesson_model, get_lesson, list_lessons, run_scenario
 
 
 def measure_all(model: Optional[str] = None) -> dict[str, dict[str, Any]]:
@@ -26,19 +26,19 @@ def measure_all(model: Optional[str] = None) -> dict[str, dict[str, Any]]:
     logging.getLogger("minipaged").setLevel(logging.ERROR)      # preemption warnings are expected here
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
-            from minipaged.model.testing import build_tiny_llama
-            model = str(build_tiny_llama(os.path.join(tmp, "tiny")))
+            model = build_lesson_model(os.path.join(tmp, "tiny"))
         return {str(lesson.number): run_scenario(lesson, model).values for lesson in list_lessons()}
 
 
-def measure_smollm2(repeats: int = 3) -> dict[str, dict[str, Any]]:
-    """Each lesson's machine-dependent numbers on SmolLM2: the median of ``repeats`` headless runs."""
+def measure_smollm2(repeats: int = 3, only: Optional[str] = None) -> dict[str, dict[str, Any]]:
+    """Each lesson's machine-dependent numbers on SmolLM2 (or lesson ``only``'s): the median of ``repeats``
+    headless runs."""
     import platform
     import statistics
     logging.getLogger("minipaged").setLevel(logging.ERROR)
     values: dict[str, dict[str, Any]] = {}
     for lesson in list_lessons():
-        if lesson.measure_smollm2 is None:
+        if lesson.measure_smollm2 is None or (only is not None and str(lesson.number) != str(only).strip()):
             continue
         samples = [lesson.measure_smollm2(run_scenario(lesson, "smollm2").runs) for _ in range(repeats)]
         values[str(lesson.number)] = {key: round(statistics.median(s[key] for s in samples), 1) for key in samples[0]}
@@ -66,11 +66,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--check", action="store_true", help="measure every scenario, compare with measured.json")
     parser.add_argument("--model", default=None, help="model to measure on (default: a tiny random Llama)")
     parser.add_argument("--measure-smollm2", action="store_true",
-                        help="run the lessons that quote milliseconds on SmolLM2 (3 runs, medians) and update "
-                             "measured_smollm2.json")
+                        help="run the lessons that quote milliseconds on SmolLM2 (3 runs, medians; only lesson N "
+                             "when one is given) and update measured_smollm2.json")
     args = parser.parse_args(argv)
     if args.measure_smollm2:
-        write_smollm2(measure_smollm2())
+        write_smollm2(measure_smollm2(only=args.lesson))
         print(f"wrote {SMOLLM2_FILE}")
         return 0
     if args.update or args.check:

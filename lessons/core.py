@@ -216,16 +216,26 @@ def run_variant(scenario: Scenario, model: str, variant: Optional[str] = None, *
 
     variant = variant or scenario.main_variant
     engine = Engine(model, **{**scenario.engine_options(variant), **extra_options})
-    feed = ScenarioFeed(scenario, engine.tokenizer)
-    events: list[StepEvent] = []
-    while True:
-        feed.add_due(engine, len(events))
-        if not engine.has_unfinished_requests():
-            break
-        events.append(engine.step())
-        if len(events) > max_steps:
-            raise RuntimeError(f"the scenario did not finish in {max_steps} steps")
+    with engine:                       # a parallel variant's worker processes stop when the run ends
+        feed = ScenarioFeed(scenario, engine.tokenizer)
+        events: list[StepEvent] = []
+        while True:
+            feed.add_due(engine, len(events))
+            if not engine.has_unfinished_requests():
+                break
+            events.append(engine.step())
+            if len(events) > max_steps:
+                raise RuntimeError(f"the scenario did not finish in {max_steps} steps")
     return Run(variant, engine.info, events)
+
+
+def build_lesson_model(folder: str) -> str:
+    """The tiny random Llama the lessons are measured on (and tested with): SmolLM2's head layout, 9 query
+    heads over 3 KV heads, so every parallel layout SmolLM2 allows (tensor parallel 1 or 3) runs on it too.
+    Scheduling numbers do not depend on the model's size, so it gives SmolLM2's numbers in seconds."""
+    from minipaged.model.testing import build_tiny_llama
+
+    return str(build_tiny_llama(folder, hidden_size=72, num_heads=9, num_kv_heads=3, intermediate_size=144))
 
 
 # --------------------------------------------------------------------------------------------- checkpoints

@@ -17,23 +17,37 @@ from pathlib import Path
 import pytest
 
 from minipaged.lessons import get_lesson, list_lessons, run_scenario
-from minipaged.lessons.core import MEASURED_FILE, PLACEHOLDER, fill
+from minipaged.lessons.core import MEASURED_FILE, PLACEHOLDER, build_lesson_model, fill
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model):
-    """Every variant of every lesson's scenario, run once (a few seconds in all)."""
+def lesson_model(tmp_path_factory) -> str:
+    return build_lesson_model(str(tmp_path_factory.mktemp("lesson-model")))
+
+
+def splits_the_model(lesson) -> bool:
+    return any(lesson.scenario.engine_options(v).get("tensor_parallel_size", 1) > 1 for v in lesson.scenario.variants)
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model, lesson_model):
+    """Every variant of every lesson's scenario, run once (a few seconds in all; lesson 7 starts workers).
+
+    The parallel lesson needs SmolLM2's head layout (tensor parallel 3); the others run on the shared tiny
+    model, whose greedy text repeats itself, which lesson 6's n-gram checkpoints need to tick. The numbers
+    are the same on either (test_measured_json_is_what_the_scenarios_give_now)."""
     logging.getLogger("minipaged").setLevel(logging.ERROR)     # preemption warnings are the point of lesson 5
-    return {lesson.number: run_scenario(lesson, tiny_model) for lesson in list_lessons()}
+    return {lesson.number: run_scenario(lesson, lesson_model if splits_the_model(lesson) else tiny_model)
+            for lesson in list_lessons()}
 
 
 # ----------------------------------------------------------------------------------------------- API
 
 def test_lessons_are_listed_in_order_with_titles():
     lessons = list_lessons()
-    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6]
+    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7]
     assert all(l.title and l.markdown.startswith(f"# Lesson {l.number}: ") for l in lessons)
     assert get_lesson(3).title == "Prefix caching" and get_lesson("4").number == 4
     with pytest.raises(ValueError, match="no lesson 9"):
@@ -59,7 +73,7 @@ def _texts(lesson):
     return [lesson.template, *quiz, *checkpoints]
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
 def test_every_placeholder_is_filled_from_the_measured_run(number):
     lesson = get_lesson(number)
     measured = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))[str(number)]
@@ -73,12 +87,12 @@ def test_every_placeholder_is_filled_from_the_measured_run(number):
 
 
 # Numbers that may stand in the text without being measured: list markers, request ids, share labels (x3),
-# the lesson's own number, and anything quoted, in code, or in a diagram.
-ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"SmolLM2", r"\bv1\b",
+# the lesson's own number and other lessons' numbers, and anything quoted, in code, or in a diagram.
+ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson \d+\b", r"SmolLM2", r"\bv1\b",
            r"et al\.,? (?:[A-Z]+ )?\d{4}"]                         # a citation's year: Kwon et al., SOSP 2023
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
 def test_no_number_in_the_text_is_written_by_hand(number):
     text = get_lesson(number).template
     text = re.sub(r"```.*?```", "", text, flags=re.S)           # diagrams (their numbers are illustrative)
@@ -92,7 +106,7 @@ def test_no_number_in_the_text_is_written_by_hand(number):
     assert not leftovers, f"lesson {number} states numbers that are not measured: {leftovers}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
 def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
     """Lessons quote vLLM's documents to test their claims: a quoted number never stands alone."""
     text = re.sub(r"```.*?```", "", get_lesson(number).template, flags=re.S)
@@ -102,7 +116,7 @@ def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
                 f"lesson {number}: a quoted number without ours: {paragraph[:80]}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
 def test_links_point_at_files_that_exist(number):
     lesson = get_lesson(number)
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
@@ -125,7 +139,7 @@ def test_links_resolve_in_an_installed_wheel_too(monkeypatch, tmp_path):
     assert Lesson.source_path("../kernels/reference.py") == root / "kernels" / "reference.py"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
 def test_lesson_text_is_short_paragraphs_with_a_diagram(number):
     text = get_lesson(number).template
     assert "```" in text, "a diagram where it helps"
@@ -210,6 +224,36 @@ def test_lesson5_preemption_in_both_modes_and_outputs_unchanged(results):
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
+
+def test_lesson7_split_model_holds_more_blocks_per_rank_and_stops_preempting(results):
+    v, runs = results[7].values, results[7].runs
+    one, tp3, pp2 = runs["tp1"], runs["tp3"], runs["pp2"]
+    assert tp3.info.parallel == "tp=3: 3 heads, 1 KV head per rank" and pp2.info.parallel.startswith("pp=2")
+    # The engine's own bytes per token per rank: a third (tensor parallel), a half (pipeline parallel).
+    assert tp3.info.kv_bytes_per_token * 3 == one.info.kv_bytes_per_token
+    assert pp2.info.kv_bytes_per_token * 2 == one.info.kv_bytes_per_token
+    assert tp3.info.num_blocks == 3 * one.info.num_blocks and pp2.info.num_blocks == 2 * one.info.num_blocks
+    assert v["demand_blocks"] > one.info.num_blocks                # one rank is oversubscribed ...
+    assert one.num_preemptions > 0 and v["tp1_extra_prefill"] > 0
+    assert tp3.num_preemptions == 0 and pp2.num_preemptions == 0   # ... the split ones are not
+    assert v["tp3_peak_blocks"] <= v["demand_blocks"] and v["tp3_steps"] < v["tp1_steps"]
+    for run in (tp3, pp2):                                         # and nobody's tokens changed
+        assert run.outputs == one.outputs
+    assert all(len(toks) == spec.max_tokens for spec in get_lesson(7).scenario.requests
+               for toks in [one.outputs[spec.request_id]])
+
+
+def test_lesson7_pool_from_a_memory_budget_grows_with_the_ranks(lesson_model):
+    """What the lesson's "Try it" says: without --num-blocks, each rank's pool comes from --kv-cache-memory
+    per rank, so three tensor-parallel ranks get three times the blocks."""
+    from minipaged import Engine
+
+    budget = dict(num_blocks=None, kv_cache_memory=0.0005, block_size=16, num_threads=1)
+    with Engine(lesson_model, **budget) as one, Engine(lesson_model, tensor_parallel_size=3, **budget) as three:
+        assert one.info.num_blocks > 0
+        assert 3 * one.info.num_blocks <= three.info.num_blocks < 3 * (one.info.num_blocks + 1)   # whole blocks
+        assert three.info.kv_bytes_per_token * 3 == one.info.kv_bytes_per_token
+
 
 def test_every_checkpoint_ticks_in_its_own_run(results):
     """Fed a headless run event by event, each checkpoint ticks in the variant(s) it belongs to."""
