@@ -37,7 +37,7 @@ from .kernels import triton_available
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
-from .parallel import ParallelLayout, rank0_model
+from .parallel import ParallelLayout, rank0_shard
 from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
@@ -71,10 +71,15 @@ class Engine:
         self.device = choose_device(config)
         num_threads = apply_num_threads(config)
         dtype_name = choose_dtype(config, self.device)
-        self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device), progress=load_progress)
-        self.tokenizer = self.loaded.tokenizer
         self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
-        self.model = rank0_model(CompactLlama(self.loaded.hf_model), self.layout)   # a shard when tp x pp > 1
+        if self.layout.world_size == 1:
+            self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device),
+                                     progress=load_progress)
+            self.model = CompactLlama(self.loaded.hf_model)
+        else:                                  # rank 0's shard only: the whole model never stays in memory
+            self.model, self.loaded = rank0_shard(model, self.layout, DTYPES[dtype_name], self.device,
+                                                  load_progress)
+        self.tokenizer = self.loaded.tokenizer
         config.finalize(self.loaded.config.max_position_embeddings)
         self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" and triton_available()
                                                     else "torch")

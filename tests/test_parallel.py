@@ -122,6 +122,38 @@ def test_kv_pool_per_rank_grows_with_tp_and_the_header_says_how(tiny_model):
             parallel_engine(tiny_model, pipeline_parallel_size=2)
 
 
+def test_rank0_keeps_only_its_own_shard_not_the_whole_model(tiny_model):
+    """The point of splitting a model: no rank, rank 0 included, holds the whole of it. Rank 0 loads and cuts
+    on the CPU, keeps its half of every matrix in tensors of its own (not views that would keep the full
+    weights alive), and drops transformers' model."""
+    one = Engine(tiny_model, block_size=4, num_threads=1)
+    matrices = ("qkv", "o", "gate_up", "down")
+
+    def matrix_bytes(model) -> int:
+        return sum(getattr(w, m).numel() * getattr(w, m).element_size() for w in model.layers for m in matrices)
+
+    with parallel_engine(tiny_model, tensor_parallel_size=2) as two:
+        assert one.loaded.hf_model is not None and two.loaded.hf_model is None
+        assert matrix_bytes(two.model) * 2 == matrix_bytes(one.model)
+        for w in two.model.layers:
+            for m in matrices:
+                t = getattr(w, m)
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), m   # its own storage
+        assert two.tokenizer is not None and two.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_bench_refuses_the_transformers_baseline_for_a_split_model(tiny_model, capsys):
+    from minipaged.cli import main
+    from minipaged.parallel import distributed_runner
+
+    try:
+        assert main(["bench", "throughput", "--model", tiny_model, "-tp", "2", "--num-prompts", "2",
+                     "--baseline", "transformers", "--block-size", "4", "--num-threads", "1"]) == 2
+    finally:
+        distributed_runner.close_all()                 # what the CLI's entry point does on the way out
+    assert "drop --tensor-parallel-size" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout, mode", [({"tensor_parallel_size": 2}, "swap"), ({"pipeline_parallel_size": 2}, "swap"),
                                           ({"tensor_parallel_size": 2}, "recompute")],
                          ids=["tp2-swap", "pp2-swap", "tp2-recompute"])

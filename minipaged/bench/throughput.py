@@ -13,7 +13,7 @@ from typing import Any
 from ..options import add_engine_arguments, build_engine, engine_options
 from . import report
 from .baseline import hf_padded_generate
-from .requests import DATASETS, describe, make_requests, parse_length, positive_int
+from .requests import DATASETS, BenchError, describe, make_requests, parse_length, positive_int
 from .run import run_requests, warm_up
 
 
@@ -52,6 +52,9 @@ def rates(seconds: float, num_requests: int, input_tokens: int, output_tokens: i
 def run(args: argparse.Namespace) -> int:
     report.check_plot_possible(args.plot)
     engine = build_engine(args.model, engine_options(args), progress=lambda m: report.err.print(f"[dim]{m}[/]"))
+    if args.baseline == "transformers" and engine.loaded.hf_model is None:
+        raise BenchError("--baseline transformers runs the whole model in this process, which a parallel engine "
+                         "does not keep (only its own shard): drop --tensor-parallel-size / --pipeline-parallel-size")
     requests = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len,
                              vocab_size=engine.loaded.config.vocab_size, seed=args.dataset_seed,
                              tokenize=lambda text: engine.tokenizer.encode(text))

@@ -6,22 +6,24 @@ engine calls instead of the single-process ``ModelRunner``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .layout import ParallelLayout
 
 if TYPE_CHECKING:
-    from ..model import CompactLlama
+    import torch
+
+    from ..model import CompactLlama, LoadedModel
 
 
-def rank0_model(model: "CompactLlama", layout: ParallelLayout) -> "CompactLlama":
-    """What the engine's own process holds: the whole model on one rank, else rank 0's shard (after checking
-    that the model can be cut this way: a clear ConfigError naming the sizes that work)."""
-    layout.check(model.num_heads, model.num_kv_heads, model.layers[0].gate_up.shape[0] // 2, model.num_layers)
-    if layout.world_size == 1:
-        return model
-    from .sharding import ShardedLlama
-    return ShardedLlama(model, layout, rank=0)
+def rank0_shard(model: str, layout: ParallelLayout, dtype: "torch.dtype", device: "torch.device",
+                progress: Optional[Callable[[str], None]] = None) -> tuple["CompactLlama", "LoadedModel"]:
+    """What the engine's own process holds under parallelism: rank 0's shard, loaded and cut on the CPU so
+    that only the shard reaches ``device``, after checking that the model can be cut this way (a clear
+    ConfigError naming the sizes that work, before any worker starts). Also returns the loaded model's
+    tokenizer and config, its weights dropped."""
+    from .sharding import load_shard
+    return load_shard(model, layout, 0, dtype, device, progress)
 
 
-__all__ = ["ParallelLayout", "rank0_model"]
+__all__ = ["ParallelLayout", "rank0_shard"]

@@ -17,11 +17,14 @@ applies the final norm and the LM head, and hidden states travel stage to stage.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from ..model.llama import AttentionMetadata, CompactLlama, LlamaLayerWeights
+
+if TYPE_CHECKING:
+    from ..model import LoadedModel
 from .layout import ParallelLayout
 
 
@@ -82,6 +85,21 @@ class ShardedLlama(CompactLlama):
         self._cos: Optional[torch.Tensor] = None
         self._sin: Optional[torch.Tensor] = None
 
+    def to_device(self, device: torch.device) -> "ShardedLlama":
+        """Move this rank's weights, and only these, to ``device``. The whole model is loaded and cut on the
+        CPU (``load_shard``), so a GPU never holds more than its rank's shard, even for a moment: that is what
+        lets a model bigger than one device run split over several."""
+        def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.to(device)
+
+        self.layers = [LlamaLayerWeights(**{name: move(getattr(w, name)) for name in w.__dataclass_fields__})
+                       for w in self.layers]
+        self.embed, self.final_norm = move(self.embed), move(self.final_norm)
+        self.lm_head_rows, self.inv_freq = move(self.lm_head_rows), move(self.inv_freq)
+        self.device = torch.device(device)
+        self._cos = self._sin = None
+        return self
+
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: torch.Tensor, logits_indices: torch.Tensor, hidden_in: Optional[torch.Tensor],
                       all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
@@ -93,3 +111,20 @@ class ShardedLlama(CompactLlama):
             if not self.is_last_stage:
                 return h
             return self.final_logits(h[logits_indices], self.lm_head_rows)
+
+
+def load_shard(model: str, layout: ParallelLayout, rank: int, dtype: torch.dtype, device: torch.device,
+               progress: Optional[Callable[[str], None]] = None) -> tuple[ShardedLlama, "LoadedModel"]:
+    """Load the checkpoint on the CPU, cut out ``rank``'s shard, move only the shard to ``device``.
+
+    Returns the shard and the loaded model's description with its weights dropped (``hf_model`` None), so
+    nothing keeps the whole model alive once this returns."""
+    from dataclasses import replace
+
+    from ..model import CompactLlama, load_model
+
+    loaded = load_model(model, dtype=dtype, device="cpu", progress=progress)
+    full = CompactLlama(loaded.hf_model)
+    layout.check(full.num_heads, full.num_kv_heads, full.layers[0].gate_up.shape[0] // 2, full.num_layers)
+    shard = ShardedLlama(full, layout, rank).to_device(device)
+    return shard, replace(loaded, hf_model=None)

@@ -84,12 +84,12 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int
 def build_shard(spec: WorkerSpec, rank: int, device: torch.device) -> ShardedLlama:
     from ..config import EngineConfig
     from ..memory import DTYPES, apply_num_threads, choose_dtype
-    from ..model import CompactLlama, load_model
+    from .sharding import load_shard
 
     config = EngineConfig(model=spec.model, **spec.options)
     apply_num_threads(config)
-    loaded = load_model(spec.model, dtype=DTYPES[choose_dtype(config, device)], device=str(device))
-    return ShardedLlama(CompactLlama(loaded.hf_model), spec.layout, rank)
+    shard, _ = load_shard(spec.model, spec.layout, rank, DTYPES[choose_dtype(config, device)], device)
+    return shard
 
 
 def serve(rank: int, device: torch.device) -> None:
