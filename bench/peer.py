@@ -46,10 +46,10 @@ def distinct_prompts(n: int, seed: int = 0) -> list[str]:
 def model_dir_for_transformers(ctx: "tuning.Context") -> str:
     """The model folder as transformers serve can load it.
 
-    transformers serve picks the model class from ``architectures`` in config.json; minipaged's conversion of
-    the embedded GGUF writes ``null`` there (the GGUF-loaded config has none), and transformers serve then
-    fails with "'NoneType' object is not subscriptable". So it gets a folder of links to the same files with
-    ``architectures`` filled in: the same weights, tokenizer and chat template.
+    transformers serve picks the model class from ``architectures`` in config.json and fails with "'NoneType'
+    object is not subscriptable" without it. minipaged's conversion of the embedded GGUF wrote ``null`` there
+    until the loader learned to fill it in; for a folder that still lacks it, transformers serve gets a
+    folder of links to the same files with ``architectures`` filled in (same weights, tokenizer, template).
     """
     source = Path(ctx.model_dir)
     config = json.loads((source / "config.json").read_text())

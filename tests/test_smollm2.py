@@ -49,3 +49,18 @@ def test_chat_applies_the_template_and_shares_the_system_prompt(engine):
     outs = engine.chat(convs, SamplingParams(temperature=0.0, max_tokens=8))
     assert "Paris" in outs[0].text
     assert outs[1].num_cached_tokens > 0 or outs[2].num_cached_tokens > 0   # the shared system prompt was reused
+
+
+def test_converted_config_names_its_architecture(engine, tmp_path):
+    """transformers' own tools (transformers serve) read the model class from config.json's architectures,
+    which the GGUF conversion leaves empty; the loader fills it in, in old caches too."""
+    import json
+
+    from minipaged.model.loader import name_architecture
+
+    config = json.loads((engine.loaded.path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({**config, "architectures": None}))
+    name_architecture(old)
+    assert json.loads(old.read_text())["architectures"] == ["LlamaForCausalLM"]

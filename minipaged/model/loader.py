@@ -81,10 +81,20 @@ def _say(progress: Optional[ProgressCallback], message: str) -> None:
         progress(message)
 
 
+def name_architecture(config_file: Path) -> None:
+    """Fill in ``architectures`` (["LlamaForCausalLM"]) when a converted config left it empty: transformers'
+    own tools (``transformers serve``) read the model class from it and fail without it."""
+    config = json.loads(config_file.read_text())
+    if not config.get("architectures"):
+        config["architectures"] = ["LlamaForCausalLM"]
+        config_file.write_text(json.dumps(config, indent=2))
+
+
 def convert_embedded_model(progress: Optional[ProgressCallback] = None) -> tuple[Path, bool]:
     """Return the folder with SmolLM2 as safetensors, converting the GGUF file on first use."""
     target = cache_root() / "models" / "SmolLM2-135M-Instruct-Q4_1"
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        name_architecture(target / "config.json")          # caches converted before the field was written
         return target, False
     gguf = embedded_gguf_path()
     _say(progress, f"Converting the embedded SmolLM2 GGUF to safetensors (first run only, ~20 s) into {target}")
@@ -101,6 +111,7 @@ def convert_embedded_model(progress: Optional[ProgressCallback] = None) -> tuple
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = model.config.to_dict()
         config.pop("quantization_config", None)     # the weights we save are plain fp32, not GGUF
+        config["architectures"] = [type(model).__name__]   # GGUF configs leave it empty; other tools need it
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
