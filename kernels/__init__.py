@@ -1,7 +1,16 @@
-"""Paged attention: a pure-torch reference (the spec, and the CPU path) and a Triton kernel (the GPU path).
+"""Paged attention: a pure-torch reference (the spec), a torch path, a compiled CPU kernel and a Triton kernel.
+
+Backends:
+    triton     the GPU path (triton_paged_attention.py): every request's queries in one kernel launch.
+    cpu        the CPU path the engine picks when it can: decodes by the compiled C kernel
+               (cpu_paged_attention.c), reading keys and values in place; prefill chunks as in ``torch``.
+    torch      plain torch ops (reference.py): decodes gathered into a padded batch for
+               ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
+    reference  the readable specification, one request at a time: tests compare the others with it.
 
 ``paged_attention`` and ``write_kv`` pick the implementation: Triton for CUDA tensors when Triton is
-installed, torch otherwise. Triton is imported lazily so machines without it (Macs) never need it.
+installed, torch otherwise (the engine asks for ``cpu`` itself when the kernel builds). Triton is imported
+lazily so machines without it (Macs) never need it.
 """
 from __future__ import annotations
 
@@ -10,14 +19,19 @@ from typing import Any
 
 import torch
 
-from .reference import paged_attention_reference, paged_attention_torch, plan_torch_attention, write_kv_cache
+from .cpu_paged_attention import (can_use_cpu_kernel, check_decode_inputs, cpu_kernel_available, cpu_kernel_problem,
+                                  paged_decode_attention_cpu)
+from .reference import (TorchAttentionPlan, paged_attention_reference, paged_attention_torch, plan_torch_attention,
+                        write_kv_cache)
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
-           "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS"]
+           "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
+           "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
+           "describe_backend"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
-BACKENDS = ("triton", "torch", "reference")
+BACKENDS = ("triton", "cpu", "torch", "reference")
 
 # Optional hints each backend understands. Callers (the model runner) may pass the hints of either backend;
 # the dispatcher translates or drops the ones the chosen backend has no use for, so switching backends never
@@ -45,7 +59,42 @@ def choose_backend(t: torch.Tensor, backend: str | None = None) -> str:
     if backend == "triton" and not triton_available():
         raise ValueError("the triton attention backend needs Triton: pip install 'minipaged[gpu]' (Linux with a "
                          "CUDA GPU), or use the torch backend.")
+    if backend == "cpu" and not cpu_kernel_available():
+        raise ValueError(f"the cpu attention backend needs its compiled kernel, which is unavailable here "
+                         f"({cpu_kernel_problem()}); use the torch backend.")
     return backend
+
+
+def engine_backend(device: torch.device, dtype: torch.dtype, head_dim: int, asked: str | None = None) -> str:
+    """The backend an engine on ``device`` with ``dtype`` weights uses: ``asked`` when given (checked, with a
+    message that says what to do instead), else Triton on CUDA when installed, the compiled kernel on a CPU
+    in float32 when it builds here, torch otherwise."""
+    if asked == "cpu":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"the cpu attention backend runs on the CPU in float32; this engine is on {device} in "
+                             f"{str(dtype).removeprefix('torch.')}: use attention_backend='torch'")
+        problem = cpu_kernel_problem(head_dim)
+        if problem:
+            raise ValueError(f"the cpu attention backend is unavailable here: {problem}; "
+                             "use attention_backend='torch'")
+    if asked is not None:
+        return asked
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernel_available(head_dim):
+        return "cpu"
+    return "torch"
+
+
+def describe_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                     asked: str | None = None) -> str:
+    """One line for the start-up messages: which attention code runs, and why not the compiled CPU kernel
+    where it would have been the choice."""
+    text = {"triton": "Triton kernel", "cpu": "compiled C kernel for decodes (kernels/cpu_paged_attention.c)",
+            "torch": "torch ops", "reference": "the one-request-at-a-time reference"}[backend]
+    if backend == "torch" and asked is None and device.type == "cpu" and dtype == torch.float32:
+        text += f" (the compiled CPU kernel is unavailable: {cpu_kernel_problem(head_dim)})"
+    return f"{backend}, {text}"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -71,10 +120,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             hints["max_query_len"] = max((b - a for a, b in zip(host_starts, host_starts[1:])), default=0)
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                       **hints)
-    if backend == "torch":
+    if backend in ("cpu", "torch"):
         hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
+        if backend == "cpu" and can_use_cpu_kernel(q, k_cache):
+            hints["decode_attention"] = _checked_cpu_decode(hints, block_tables, seq_lens, query_start_loc, k_cache)
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _checked_cpu_decode(hints: dict[str, Any], block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, k_cache: torch.Tensor) -> Any:
+    """The compiled decode kernel, its indices checked first: once per step when a plan is shared by the
+    layers (the first layer checks and marks the plan), else on every call."""
+    plan = hints.get("plan")
+    if plan is None:
+        plan = hints["plan"] = plan_torch_attention(
+            block_tables, k_cache.shape[1], hints.get("host_seq_lens") or seq_lens.tolist(),
+            hints.get("host_query_start_loc") or query_start_loc.tolist())
+    if plan.num_decodes and not plan.decode_indices_checked:
+        check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, k_cache.shape[0], k_cache.shape[1])
+        plan.decode_indices_checked = True
+    return functools.partial(paged_decode_attention_cpu, checked=True)
 
 
 def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
@@ -86,7 +152,7 @@ def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: l
         return {"max_seq_len": max(host_seq_lens, default=0),
                 "max_query_len": max((b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])),
                                      default=0)}
-    if backend == "torch":
+    if backend in ("cpu", "torch"):
         return {"plan": plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc)}
     return {}
 

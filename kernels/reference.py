@@ -16,7 +16,7 @@ Token t of a request lives in block ``block_tables[i, t // block_size]`` at offs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+# (queries [num_decodes, heads, dim], k_cache, v_cache, block_tables, seq_lens, scale) -> [num_decodes, heads, dim]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                           torch.Tensor]
+
+
 @dataclass
 class PrefillChunkPlan:
     """One request's multi-token chunk: its query rows, its context length, its blocks and its causal mask."""
@@ -107,6 +112,8 @@ class TorchAttentionPlan:
     decode_len: int                         # the longest decode context: keys are padded to it
     decode_mask: Optional[torch.Tensor]     # [num_decodes, 1, 1, decode_len]; None: every context that long
     prefills: list[PrefillChunkPlan]
+    decode_seq_lens: Optional[torch.Tensor] = None   # [num_decodes] int64: each decode's own context length
+    decode_indices_checked: bool = False    # a kernel that trusts its indices has checked them (first layer)
 
 
 def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
@@ -117,7 +124,7 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
     device = block_tables.device
     seq_list, starts = host_seq_lens, host_query_start_loc
     decodes = [i for i in range(len(seq_list)) if starts[i + 1] - starts[i] == 1]
-    rows = tables = mask = None
+    rows = tables = mask = decode_seq_lens = None
     decode_len = max((seq_list[i] for i in decodes), default=0)
     if decodes:
         every_row = len(decodes) == len(seq_list)      # nothing but decodes: row i is request i's query
@@ -131,8 +138,9 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
         owned = torch.tensor([(n + block_size - 1) // block_size for n in lens], device=device)
         padding = torch.arange(max_blocks, device=device) >= owned[:, None]
         tables = picked[:, :max_blocks].long().masked_fill(padding, 0)     # int64: index_select's own type
+        decode_seq_lens = torch.tensor(lens, device=device)
         if min(lens) < decode_len:                      # shorter contexts must not see the padding
-            valid = torch.arange(decode_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+            valid = torch.arange(decode_len, device=device)[None, :] < decode_seq_lens[:, None]
             mask = valid[:, None, None, :]
     prefills = []
     for i, seq_len in enumerate(seq_list):
@@ -146,7 +154,7 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
             chunk_mask = torch.arange(seq_len, device=device)[None, :] <= query_pos
         num_blocks = (seq_len + block_size - 1) // block_size
         prefills.append(PrefillChunkPlan(qs, qe, seq_len, block_tables[i, :num_blocks].long(), chunk_mask))
-    return TorchAttentionPlan(len(decodes), rows, tables, decode_len, mask, prefills)
+    return TorchAttentionPlan(len(decodes), rows, tables, decode_len, mask, prefills, decode_seq_lens)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,13 +162,16 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           scale: float, *,
                           host_seq_lens: list[int] | None = None,
                           host_query_start_loc: list[int] | None = None,
-                          plan: TorchAttentionPlan | None = None) -> torch.Tensor:
+                          plan: TorchAttentionPlan | None = None,
+                          decode_attention: Optional[DecodeAttention] = None) -> torch.Tensor:
     """The same math, fast enough to serve on a CPU.
 
     Decodes (one query each) are batched: their blocks are gathered into one padded [batch, max_len] tensor
     and attended in a single ``scaled_dot_product_attention`` call. Each prefill chunk is attended on its own.
     ``host_*`` are the same numbers as Python lists, passed by the runner to avoid device->host syncs;
     ``plan`` is what ``plan_torch_attention`` makes of them (the model makes it once per step).
+    ``decode_attention``: a kernel that attends the decodes straight from their blocks (the compiled CPU
+    kernel) instead of the gather and ``scaled_dot_product_attention``.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     gqa = num_heads != num_kv_heads
@@ -169,7 +180,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         starts = host_query_start_loc if host_query_start_loc is not None else query_start_loc.tolist()
         plan = plan_torch_attention(block_tables, k_cache.shape[1], seq_list, starts)
     out = torch.empty_like(q)
-    if plan.num_decodes:
+    if plan.num_decodes and decode_attention is not None:
+        queries = q if plan.decode_rows is None else q[plan.decode_rows]
+        attn = decode_attention(queries, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens, scale)
+        if plan.decode_rows is None:
+            out = attn
+        else:
+            out[plan.decode_rows] = attn
+    elif plan.num_decodes:
         keys = gather_blocks(k_cache, plan.decode_tables)[:, :plan.decode_len]      # [B, L, kvh, d]
         values = gather_blocks(v_cache, plan.decode_tables)[:, :plan.decode_len]
         queries = q if plan.decode_rows is None else q[plan.decode_rows]

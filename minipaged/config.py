@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+AttentionBackend = Literal["triton", "cpu", "torch"]
 
 
 # Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
@@ -91,9 +92,11 @@ class EngineConfig:
     speculative_config: Optional[dict] = field(default=None, metadata={
         "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
         "cli_type": str, "shown_default": "off"})
-    # Not a flag: the engine picks the attention code from the device (None: triton on CUDA, torch elsewhere);
-    # Engine(..., attention_backend="torch") from Python forces one, e.g. to compare them on a GPU.
-    attention_backend: Optional[str] = field(default=None, metadata={"flag": False})
+    # None: the engine picks the attention code from the device (triton on CUDA; on a CPU in float32 the
+    # compiled kernel when a C compiler builds it, torch otherwise); naming one forces it, e.g. to compare.
+    attention_backend: Optional[AttentionBackend] = field(default=None, metadata={
+        "help": "attention code: triton (CUDA), cpu (compiled C decode kernel), torch (plain torch ops)",
+        "shown_default": "triton on CUDA, cpu where it builds, else torch"})
     # Parallelism (minipaged.parallel): world size = tp x pp processes, rank 0 being the engine's own.
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "processes that each hold a slice of every layer (heads, MLP columns, KV heads)",
@@ -133,8 +136,8 @@ class EngineConfig:
             raise ConfigError(f"policy must be 'continuous' or 'static', got {self.policy!r}.")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ConfigError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.attention_backend not in (None, "triton", "cpu", "torch"):
+            raise ConfigError(f"attention_backend must be 'triton', 'cpu' or 'torch', got {self.attention_backend!r}.")
         if self.device is not None and str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

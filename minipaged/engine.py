@@ -33,7 +33,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .kernels import triton_available
+from .kernels import describe_backend, engine_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -81,8 +81,11 @@ class Engine:
                                                   load_progress)
         self.tokenizer = self.loaded.tokenizer
         config.finalize(self.loaded.config.max_position_embeddings)
-        self.backend = config.attention_backend or ("triton" if self.device.type == "cuda" and triton_available()
-                                                    else "torch")
+        try:
+            self.backend = engine_backend(self.device, DTYPES[dtype_name], self.model.head_dim,
+                                          config.attention_backend)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         spec = config.speculative
         self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
                                             load_progress) if spec and spec.uses_draft_model else None
@@ -136,6 +139,8 @@ class Engine:
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
+            load_progress("Attention: " + describe_backend(self.backend, self.device, DTYPES[dtype_name],
+                                                           self.model.head_dim, config.attention_backend))
 
         self._pending_arrivals: list[RequestArrival] = []   # what happened between steps goes in the next event
         self._pending_finishes: list[RequestFinish] = []

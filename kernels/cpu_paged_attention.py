@@ -1,0 +1,171 @@
+"""The compiled CPU decode kernel (cpu_paged_attention.c): built on first use, cached, called with ctypes.
+
+Why C and ctypes, not a torch C++ extension: the kernel needs no torch headers, so the machine's C compiler
+builds it in well under a second (a torch extension takes a minute), and the shared library lands in
+minipaged's cache folder (``$MINIPAGED_CACHE``, else the user cache dir) keyed by the source, the flags and
+the CPU, so it is built once per machine. Without a working C compiler (or with ``MINIPAGED_CPU_KERNEL=0``)
+``cpu_kernel_available`` is False, says why in ``cpu_kernel_problem``, and the engine uses the torch path:
+same results, slower decodes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+PROFILER_NAME = "minipaged::paged_decode_attention_cpu"
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+
+# Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
+# products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
+# shared library with it can switch the whole process to flush-denormals-to-zero. Compilers without OpenMP
+# (Apple's clang) still build the kernel, single-threaded.
+COMPILE_FLAG_SETS = (
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+    ["-O3", "-march=native", "-ffast-math"],
+    ["-O3", "-ffast-math"],
+)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here; the message says why and how to get it."""
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    from minipaged.model.loader import cache_root
+    return cache_root() / "kernels"
+
+
+def _build(head_dim: int) -> Path:
+    """Compile the kernel for ``head_dim`` (or find it already compiled); the path of the shared library."""
+    compiler = _compiler()
+    if compiler is None:
+        raise CpuKernelUnavailable("no C compiler found (cc, gcc or clang); install one (Debian: apt install gcc; "
+                                   "macOS: xcode-select --install) or set CC")
+    identity = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), str(head_dim).encode(),
+                                          _cpu_name().encode(), repr(COMPILE_FLAG_SETS).encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_paged_attention-hd{head_dim}-{identity}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for flags in COMPILE_FLAG_SETS:
+            openmp = ["-fopenmp"] if "-fopenmp" in flags else []
+            compile_cmd = [compiler, "-c", "-fPIC", f"-DHEAD_DIM={head_dim}", *flags, str(SOURCE), "-o", str(obj)]
+            link_cmd = [compiler, "-shared", *openmp, str(obj), "-o", str(lib), "-lm"]
+            try:
+                done = subprocess.run(compile_cmd, capture_output=True, text=True, timeout=120)
+                if done.returncode == 0:
+                    done = subprocess.run(link_cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise CpuKernelUnavailable(f"could not run the C compiler {compiler!r}: {e}") from e
+            if done.returncode == 0:
+                os.replace(lib, target)        # atomic: a second process building at once finds a whole file
+                return target
+            last_line = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            errors.append(f"[{' '.join(flags)}] {last_line}")
+    raise CpuKernelUnavailable(f"{compiler} could not build {SOURCE.name}: " + "; ".join(errors))
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel(head_dim: int) -> ctypes.CDLL:
+    """The compiled kernel for ``head_dim``, built on first use; raises CpuKernelUnavailable."""
+    if os.environ.get("MINIPAGED_CPU_KERNEL", "1") == "0":
+        raise CpuKernelUnavailable("MINIPAGED_CPU_KERNEL=0 turns the compiled CPU kernel off")
+    path = _build(head_dim)
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"could not load {path}: {e}; delete it to rebuild") from e
+    fn = library.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_problem(head_dim: int = 64) -> Optional[str]:
+    """None when the kernel for ``head_dim`` builds and loads here, else why not (one line)."""
+    try:
+        load_kernel(head_dim)
+    except CpuKernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def cpu_kernel_available(head_dim: int = 64) -> bool:
+    return cpu_kernel_problem(head_dim) is None
+
+
+def can_use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The kernel reads float32 memory directly: CPU tensors, float32, a contiguous cache."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and cpu_kernel_available(q.shape[-1]))
+
+
+def check_decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
+                        block_size: int) -> None:
+    """C reads whatever address it is given: a bad block id or length would read outside the cache (or
+    crash the process) instead of raising. So the indices are checked first (once per step: the plan does)."""
+    if seq_lens.numel() == 0:
+        return
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"decode lengths must be 1..{block_tables.shape[1] * block_size} (the table's blocks), "
+                         f"got {seq_lens.tolist()}")
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block ids must be 0..{num_blocks - 1}; pad short tables with any valid id")
+
+
+def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                               checked: bool = False) -> torch.Tensor:
+    """Attention of one query per request over its paged keys and values, read in place.
+
+    q [num_reqs, num_heads, head_dim]; k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim];
+    block_tables [num_reqs, max_blocks] (every entry a valid block id); seq_lens [num_reqs] (>= 1).
+    ``checked``: the caller has already run ``check_decode_inputs`` on these tables and lengths.
+    """
+    num_reqs, num_heads, head_dim = q.shape
+    library = load_kernel(head_dim)
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the CPU kernel needs contiguous K and V caches")
+    if not checked:
+        check_decode_inputs(tables, lens, k_cache.shape[0], k_cache.shape[1])
+    out = torch.empty_like(q)
+    with record_function(PROFILER_NAME):        # a C call is invisible to torch.profiler unless named
+        failed = library.paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            out.data_ptr(), num_reqs, num_heads, k_cache.shape[2], k_cache.shape[1], tables.shape[1], scale,
+            torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out

@@ -1,0 +1,129 @@
+"""The compiled CPU decode kernel (kernels/cpu_paged_attention.c) against the one-request-at-a-time reference,
+its guards (bad indices raise instead of reading outside the cache), its fallback where it cannot be built,
+and the engine's choice of it: greedy outputs the same as with the torch path."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attention_batches import make_batch, random_specs
+from minipaged import Engine, SamplingParams
+from minipaged.config import ConfigError
+from minipaged.kernels import (cpu_kernel_available, cpu_kernel_problem, paged_attention, paged_attention_reference,
+                               paged_decode_attention_cpu, plan_attention)
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_builds_here():
+    """CI has a C compiler, so a failure to build is a bug, not a reason to skip."""
+    assert cpu_kernel_problem(64) is None
+    assert cpu_kernel_available(16) and cpu_kernel_available(128)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_matches_reference_on_mixed_batches(seed):
+    """Decodes by the kernel, prefill chunks by torch, in one call: GQA ratios, head sizes, block sizes,
+    padded (-1) and strided block tables, idle requests, with a per-step plan or without."""
+    rng = random.Random(3000 + seed)
+    group, block_size = rng.choice([1, 3, 4]), rng.choice([1, 4, 16, 32])
+    head_dim = rng.choice([16, 32, 64, 128])
+    decode_only = rng.random() < 0.5
+    specs = [(rng.randint(1, 120), 1) for _ in range(rng.randint(1, 6))] if decode_only \
+        else random_specs(rng, rng.randint(1, 6), max_ctx=90) + [(rng.randint(1, 40), 0)]
+    rng.shuffle(specs)
+    batch = make_batch(specs, block_size=block_size, group=group, head_dim=head_dim, seed=seed,
+                       num_kv_heads=rng.choice([1, 2, 3]), table_stride=rng.choice([1, 2]))
+    q, k_cache, v_cache, tables, seq_lens, starts = batch
+    ref = paged_attention_reference(*batch, 0.3)
+    hints = plan_attention(tables, block_size, seq_lens.tolist(), starts.tolist(), backend="cpu")
+    for kw in ({}, hints, hints):              # planned inside the call, or once for every layer (checked once)
+        torch.testing.assert_close(paged_attention(*batch, 0.3, backend="cpu", **kw), ref, **TOL)
+
+
+def test_long_contexts_large_scores_and_threads():
+    """2,000-token contexts with scores in the hundreds (softmax must subtract its maximum), on one thread
+    and on two: the same numbers as the reference (scores that large magnify expf's last-bit differences
+    about tenfold, hence a looser tolerance)."""
+    specs = [(2000, 1), (1999, 1), (17, 1), (1, 1)]
+    q, k_cache, v_cache, tables, seq_lens, starts = make_batch(specs, block_size=16, group=3, head_dim=64, seed=5)
+    q = q * 30
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
+    padded = tables.long().clamp(min=0)        # the kernel reads any valid id past a request's end
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = paged_decode_attention_cpu(q, k_cache, v_cache, padded, seq_lens, 0.125)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_indices_raise_instead_of_reading_outside_the_cache():
+    q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=1)
+    good = tables.long().clamp(min=0)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, good, seq_lens, 0.25)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="block ids must be 0.."):
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables, seq_lens, 0.25)           # -1 padding
+    with pytest.raises(ValueError, match="block ids must be 0.."):
+        paged_decode_attention_cpu(q, k_cache, v_cache, good + k_cache.shape[0], seq_lens, 0.25)
+    with pytest.raises(ValueError, match="decode lengths must be 1.."):
+        paged_decode_attention_cpu(q, k_cache, v_cache, good, seq_lens * 100, 0.25)     # past the table
+    with pytest.raises(ValueError, match="decode lengths must be 1.."):
+        paged_decode_attention_cpu(q, k_cache, v_cache, good, seq_lens * 0, 0.25)
+
+
+def test_the_engine_uses_it_and_greedy_tokens_do_not_change(tiny_engine_factory):
+    """The engine picks the kernel on a CPU in float32; a workload with decodes beside prefill chunks and
+    preemptions gives the same greedy tokens as the torch path."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for backend in (None, "torch"):
+        engine = tiny_engine_factory(num_blocks=24, block_size=4, max_num_batched_tokens=32,
+                                     attention_backend=backend)
+        results[engine.backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        if backend is None:
+            assert engine.backend == "cpu" and engine.stats()["preemptions_recompute"] > 0
+    assert results["cpu"] == results["torch"]
+
+
+def test_asking_for_it_where_it_cannot_run_says_what_to_do(tiny_model):
+    with pytest.raises(ConfigError, match="runs on the CPU in float32.*attention_backend='torch'"):
+        Engine(tiny_model, attention_backend="cpu", dtype="bfloat16", num_blocks=16)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_torch(tiny_model, tmp_path):
+    """No C compiler (CC names none) and an empty kernel cache: the engine runs on the torch path, and asking
+    for the kernel explains why it is missing."""
+    script = f"""
+import sys
+from minipaged import Engine, SamplingParams
+from minipaged.config import ConfigError
+from minipaged.kernels import cpu_kernel_problem
+print("problem:", cpu_kernel_problem(16))
+engine = Engine({tiny_model!r}, num_blocks=16, block_size=4, load_progress=print)
+assert engine.backend == "torch", engine.backend
+out = engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+assert len(out[0].token_ids) == 3
+try:
+    Engine({tiny_model!r}, num_blocks=16, attention_backend="cpu")
+except ConfigError as e:
+    print("asked:", e)
+"""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "MINIPAGED_CACHE": str(tmp_path / "cache"),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "problem: could not run the C compiler" in done.stdout
+    assert "Attention: torch, torch ops (the compiled CPU kernel is unavailable: could not run" in done.stdout
+    assert "asked: the cpu attention backend is unavailable here" in done.stdout
+    assert "use attention_backend='torch'" in done.stdout
