@@ -3,7 +3,8 @@
 The floor is what torch needs for the model's matmuls alone, with fused projections (q|k|v as one matrix,
 gate|up as one, o, down, and the LM head), random weights of the same shapes, the same threads, in the same
 run. A decode step can never be faster than that; everything above it is attention, norms, RoPE, sampling,
-scheduling and Python. Efficiency = floor / engine step.
+scheduling and Python. Efficiency = floor / engine step. Where the engine's attention is the compiled CPU
+kernel, the same engine on the plain torch attention path is measured beside it, in the same run.
 
     python bench/decode_floor.py [--model smollm2] [--batches 1 16 64] [--context 128] [--steps 20]
 
@@ -77,7 +78,7 @@ def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> fl
 # How the profiler's operators group into what a reader of the model code sees. Anything else that
 # computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops".
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
                  "aten::_index_put_impl_"}
 # Operators that only make a new view of existing memory or allocate it: no arithmetic, no copy.
@@ -117,7 +118,7 @@ def profile_step(engine: Engine, batch: int, context: int, steps: int = 5) -> di
             ms["attention"] += self_ms
         elif op.key.startswith("aten::"):
             ms["elementwise and small ops"] += self_ms
-        if op.key.startswith("aten::") and op.key not in METADATA_OPS:
+        if op.key.startswith(("aten::", "minipaged::")) and op.key not in METADATA_OPS:
             working_ops += op.count / steps
     ms["outside any operator (Python)"] = max(0.0, step_ms - sum(ms.values()))
     return {"step_ms": step_ms, "ms": ms, "ops_per_layer": working_ops / engine.model.num_layers,
@@ -134,16 +135,32 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False)
-    rows, record = [], {"context": args.context, "batches": {}}
+    # The same engine on the plain torch attention path, side by side, when the default is the compiled kernel.
+    torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+                          attention_backend="torch") if engine.backend != "torch" else None
+    rows, record = [], {"context": args.context, "attention_backend": engine.backend, "batches": {}}
     for batch in args.batches:
         floor = matmul_floor_ms(engine.model, batch, args.steps)
         step = engine_decode_ms(engine, batch, args.context, args.steps)
+        torch_step = engine_decode_ms(torch_engine, batch, args.context, args.steps) if torch_engine else None
         floor = min(floor, matmul_floor_ms(engine.model, batch, args.steps))   # again, after: less noise
-        rows.append([batch, floor, step, floor / step, batch / step * 1000])
+        row = [batch, floor, step, floor / step, batch / step * 1000]
         record["batches"][batch] = {"floor_ms": floor, "engine_ms": step, "efficiency": floor / step}
-        print(f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}", flush=True)
+        line = f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}"
+        if torch_step is not None:
+            row += [torch_step, floor / torch_step]
+            record["batches"][batch].update(torch_path_ms=torch_step, torch_path_efficiency=floor / torch_step)
+            line += f" (torch attention path: {torch_step:.1f} ms, {floor / torch_step:.2f})"
+        rows.append(row)
+        print(line, flush=True)
+    del torch_engine
+    headers = ["batch", "floor ms", "engine ms", "efficiency", "engine tok/s"]
+    if len(rows[0]) > len(headers):
+        headers += ["torch-path ms", "torch-path efficiency"]
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
-          + table(["batch", "floor ms", "engine ms", "efficiency", "engine tok/s"], rows))
+          f"Engine attention backend: **{engine.backend}**"
+          + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)" if len(headers) > 5
+             else "") + "\n\n" + table(headers, rows))
     if args.profile:
         parts, breakdown_rows = {}, []
         for batch in args.batches:
