@@ -278,6 +278,14 @@ class Trace:
         req = self.view.requests.get(request_id)
         return req is not None and req.state == "finished"
 
+    def all_complete(self, scenario: "Scenario") -> Optional[bool]:
+        """None while any of the scenario's requests is missing or unfinished; then whether every one got all
+        the tokens it asked for (a preempted request must still get them all)."""
+        requests = self.view.requests.values()
+        if len(requests) < len(scenario.requests) or any(r.state != "finished" for r in requests):
+            return None
+        return all(r.num_output_tokens == r.max_tokens for r in requests)
+
 
 # A check returns a truthy value when the learner's run shows the thing; a string is shown as the detail.
 Check = Callable[[Trace], Union[bool, str, None]]

@@ -89,12 +89,9 @@ def _swapped_in(t: Trace) -> Any:
 
 
 def _all_done(t: Trace) -> Any:
-    if len(t.view.requests) < len(SCENARIO.requests) or any(r.state != "finished" for r in
-                                                             t.view.requests.values()):
-        return None
     n = sum(len(ev.preempted) for ev in t.events)
-    full = all(r.num_output_tokens == r.max_tokens for r in t.view.requests.values())
-    return full and f"your run: {n} preemption(s), {len(t.events)} steps, every request got all its tokens"
+    return t.all_complete(SCENARIO) and (f"your run: {n} preemption(s), {len(t.events)} steps, every request got "
+                                         "all its tokens")
 
 
 def _no_preemption(t: Trace) -> Any:

@@ -77,11 +77,7 @@ def _layout_in_header(t: Trace) -> Any:
 
 
 def _all_done(t: Trace) -> Any:
-    if len(t.view.requests) < len(SCENARIO.requests) or any(r.state != "finished"
-                                                            for r in t.view.requests.values()):
-        return None
-    full = all(r.num_output_tokens == r.max_tokens for r in t.view.requests.values())
-    return full and f"{len(t.events)} steps, every request got all its tokens"
+    return t.all_complete(SCENARIO) and f"{len(t.events)} steps, every request got all its tokens"
 
 
 def _roomy(t: Trace) -> Any:

@@ -102,20 +102,31 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
-def draw_run(info: EngineInfo, events: Sequence[StepEvent], path: str | Path,
-             size: tuple[int, int] = DEFAULT_SIZE, title: Optional[str] = None) -> Path:
-    """Draw the run to a PNG of exactly ``size`` pixels; returns the path written."""
-    path = Path(path)
-    if path.suffix.lower() != ".png":
+def check_png_path(path: str | Path) -> None:
+    """Pictures are PNG files: say so before any work is done (``minipaged bench --plot`` uses this too)."""
+    if Path(path).suffix.lower() != ".png":
         raise PlotError(f"{path}: the picture is a PNG; give a file name ending in .png")
-    if not events:
-        raise PlotError("the run has no steps yet: nothing to draw")
+
+
+def import_matplotlib() -> Any:
+    """matplotlib set up to write files (no display needed), or a PlotError that says how to install it."""
     try:
         import matplotlib
     except ImportError:
         raise PlotError("drawing needs matplotlib, which is not installed: pip install matplotlib "
                         "(or install minipaged with its [test] extra)") from None
-    matplotlib.use("Agg")                      # files only: no display needed
+    matplotlib.use("Agg")
+    return matplotlib
+
+
+def draw_run(info: EngineInfo, events: Sequence[StepEvent], path: str | Path,
+             size: tuple[int, int] = DEFAULT_SIZE, title: Optional[str] = None) -> Path:
+    """Draw the run to a PNG of exactly ``size`` pixels; returns the path written."""
+    path = Path(path)
+    check_png_path(path)
+    if not events:
+        raise PlotError("the run has no steps yet: nothing to draw")
+    import_matplotlib()
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch

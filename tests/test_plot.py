@@ -96,6 +96,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(trace, tmp_path, capsys, content
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
+def test_missing_matplotlib_is_one_clear_line(trace, tmp_path, capsys, monkeypatch):
+    """matplotlib is not a core dependency: without it, `minipaged plot` says how to get it and exits 2."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)       # import matplotlib now raises ImportError
+    assert main(["plot", str(trace), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_plot_needs_neither_torch_nor_transformers(trace, tmp_path):
     """Thin clients (watch --attach) draw with the same module, so it must stay light."""
     picture = tmp_path / "light.png"

@@ -48,18 +48,17 @@ def check_plot_possible(path: Optional[str]) -> None:
     """Fail before the benchmark runs if the picture cannot be drawn."""
     if not path:
         return
-    if not path.lower().endswith(".png"):
-        raise BenchError(f"--plot {path!r}: the picture is a PNG; give a file name ending in .png")
+    from minipaged.plot import PlotError, check_png_path, import_matplotlib
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise BenchError("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                         "(or install minipaged with its [test] extra)") from None
+        check_png_path(path)
+        import_matplotlib()
+    except PlotError as e:
+        raise BenchError(f"--plot: {e}") from None
 
 
 def new_figure(num_axes: int, title: str) -> tuple[Any, Any]:
-    import matplotlib
-    matplotlib.use("Agg")                     # files only: no display needed
+    from minipaged.plot import import_matplotlib
+    import_matplotlib()
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, num_axes, figsize=(5 * num_axes, 4), squeeze=False)
     fig.suptitle(title)
