@@ -50,7 +50,8 @@ static inline void prefetch_row(const float *row, int64_t length)
 }
 
 /*
- * q            [num_reqs, num_heads, HEAD_DIM]                     contiguous float32
+ * q            [num_reqs, num_heads, HEAD_DIM] float32: each request's heads contiguous, request r's at
+ *              q + r * q_stride (q may be a view into a wider tensor, such as the q part of q|k)
  * k_cache      [num_blocks, block_size, num_kv_heads, HEAD_DIM]    contiguous float32 (v_cache the same)
  * block_tables [num_reqs, max_blocks] int64                        the blocks of each request, in order
  * seq_lens     [num_reqs] int64                                    keys to attend to (>= 1), the query's own included
@@ -60,7 +61,7 @@ static inline void prefetch_row(const float *row, int64_t length)
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           int64_t max_blocks, float scale, int num_threads)
+                           int64_t max_blocks, int64_t q_stride, float scale, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;          /* query heads sharing one KV head */
     const int64_t token_stride = num_kv_heads * HEAD_DIM;    /* floats from one token's K row to the next */
@@ -70,7 +71,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t n = seq_lens[r];
         const int64_t *table = block_tables + r * max_blocks;
-        const float *q_r = q + r * num_heads * HEAD_DIM;
+        const float *q_r = q + r * q_stride;
         float *out_r = out + r * num_heads * HEAD_DIM;
         int64_t *row = malloc(sizeof(int64_t) * n);               /* where token t's K (and V) row starts */
         float *p = malloc(sizeof(float) * num_heads * n);         /* p[h * n + t]: scores, then weights */

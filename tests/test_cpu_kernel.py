@@ -65,6 +65,23 @@ def test_long_contexts_large_scores_and_threads():
         torch.set_num_threads(threads)
 
 
+def test_queries_may_be_a_view_of_a_wider_tensor():
+    """The model hands over q as the first heads of its q|k rows (a strided view): read in place, the same
+    result as a contiguous copy; anything else (a half-precision or transposed q) is refused or copied."""
+    q, k_cache, v_cache, tables, seq_lens, starts = make_batch([(30, 1), (9, 1), (50, 1)], group=3, seed=4)
+    ref = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts, 0.2)
+    wide = torch.cat([q, torch.randn(3, 2, q.shape[-1])], dim=1)            # [reqs, heads + 2, dim]
+    view = wide[:, :q.shape[1]]
+    assert not view.is_contiguous()
+    padded = tables.long().clamp(min=0)
+    torch.testing.assert_close(paged_decode_attention_cpu(view, k_cache, v_cache, padded, seq_lens, 0.2), ref, **TOL)
+    transposed = q.transpose(1, 2).contiguous().transpose(1, 2)             # heads not end to end: copied
+    torch.testing.assert_close(paged_decode_attention_cpu(transposed, k_cache, v_cache, padded, seq_lens, 0.2), ref,
+                               **TOL)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        paged_decode_attention_cpu(q.half(), k_cache, v_cache, padded, seq_lens, 0.2)
+
+
 def test_bad_indices_raise_instead_of_reading_outside_the_cache():
     q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=1)
     good = tables.long().clamp(min=0)
@@ -127,3 +144,12 @@ except ConfigError as e:
     assert "Attention: torch, torch ops (the compiled CPU kernel is unavailable: could not run" in done.stdout
     assert "asked: the cpu attention backend is unavailable here" in done.stdout
     assert "use attention_backend='torch'" in done.stdout
+
+
+def test_the_profiler_sees_the_kernel_by_name():
+    """bench/decode_floor.py splits a profiled step by operator: the C call must show up as one."""
+    from torch.profiler import ProfilerActivity, profile
+    q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables.long().clamp(min=0), seq_lens, 0.25)
+    assert "minipaged::paged_decode_attention_cpu" in {op.key for op in prof.key_averages()}

@@ -61,3 +61,30 @@ def test_greedy_tokens_match_transformers_generate(tiny_model_untied):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rope_are_transformers_own_math_bit_for_bit(dtype):
+    """The engine's RMSNorm (torch's fused F.rms_norm in fp32) and RoPE (roll with a signed sin table) are
+    shortcuts: they must give exactly transformers' LlamaRMSNorm and apply_rotary_pos_emb, not nearly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+    from minipaged.model.llama import apply_rope, rms_norm
+    gen = torch.Generator().manual_seed(0)
+    for hidden in (64, 576, 2048):
+        x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+        norm = LlamaRMSNorm(hidden, eps=1e-5)
+        norm.weight.data = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        norm = norm.to(dtype)
+        assert torch.equal(rms_norm(x, norm.weight.data, 1e-5), norm(x))
+    for head_dim in (16, 64, 128):
+        q = torch.randn(1, 9, 21, head_dim, generator=gen).to(dtype)     # transformers: [batch, heads, seq, dim]
+        k = torch.randn(1, 3, 21, head_dim, generator=gen).to(dtype)
+        freqs = torch.rand(21, head_dim // 2, generator=gen) * 20
+        cos = torch.cat((freqs, freqs), -1).cos()
+        sin_half = freqs.sin()
+        sin = torch.cat((sin_half, sin_half), -1)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos[None].to(dtype), sin[None].to(dtype))
+        signed_sin = torch.cat((-sin_half, sin_half), -1).to(dtype)[:, None]      # [seq, 1, dim]
+        flat = torch.cat((q[0], k[0])).transpose(0, 1)                             # [seq, heads, dim]
+        got = apply_rope(flat, cos.to(dtype)[:, None], signed_sin).transpose(0, 1)
+        assert torch.equal(got[:9], want_q[0]) and torch.equal(got[9:], want_k[0])

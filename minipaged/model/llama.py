@@ -43,16 +43,21 @@ class LlamaLayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as transformers' LlamaRMSNorm computes it (in fp32, then back)."""
+    """RMSNorm exactly as transformers' LlamaRMSNorm computes it (in fp32, then back). (torch's own
+    ``F.rms_norm`` gives the same bits in fp32, but on a CPU it is these same operators and more, not one
+    fused kernel: measured no faster.)"""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in Llama's rotate-half form: x * cos + rotate_half(x) * sin, where rotate_half(x)
+    is [-x2, x1] for the two halves x1, x2. The same thing, bit for bit, in fewer operators:
+    rotate_half(x) * sin = roll(x, half) * signed_sin, with the minus sign kept in the table
+    (signed_sin = [-sin1, sin2]); negating is exact, so nothing rounds differently."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class CompactLlama:
@@ -91,16 +96,17 @@ class CompactLlama:
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self._cos: Optional[torch.Tensor] = None
-        self._sin: Optional[torch.Tensor] = None
+        self._sin: Optional[torch.Tensor] = None          # signed: [-sin, sin] (see apply_rope)
 
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position up to ``max_position`` (grown by doubling, kept)."""
         if self._cos is None or self._cos.shape[0] < max_position:
             n = max(max_position, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             positions = torch.arange(n, device=self.device, dtype=torch.float32)
             freqs = positions[:, None] * self.inv_freq.to(self.device)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-            self._sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+            self._cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.rope_scaling).to(self.dtype)
+            sin = freqs.sin() * self.rope_scaling
+            self._sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
         return self._cos, self._sin
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
@@ -141,12 +147,13 @@ class CompactLlama:
         # same for every layer: work it out once here, not 30 times.
         attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                          meta.host_query_start_loc, backend=meta.backend)
+        h = h.clone()                 # the residual stream, added to in place below; the caller's tensor stays
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
             qkv = F.linear(x, w.qkv)
             # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
             qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = (qk * cos + rotate_half(qk) * sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             # Write first, then read: a request may attend to blocks another request fills in this step.
@@ -154,8 +161,8 @@ class CompactLlama:
                      all_slots_new=meta.all_slots_new)
             attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    self.scale, backend=meta.backend, **attention_hints)
-            h = h + reduce(F.linear(attn.reshape(num_tokens, q_size), w.o))
+            h += reduce(F.linear(attn.reshape(num_tokens, q_size), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + reduce(F.linear(F.silu(gate) * up, w.down))
+            h += reduce(F.linear(F.silu(gate).mul_(up), w.down))         # in place: one tensor fewer
         return h
