@@ -61,8 +61,9 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _build(head_dim: int) -> Path:
-    """Compile the kernel for ``head_dim`` (or find it already compiled); the path of the shared library."""
+def _build(head_dim: int, *, again: bool = False) -> Path:
+    """Compile the kernel for ``head_dim`` (or find it already compiled; ``again``: compile it anew); the
+    path of the shared library."""
     compiler = _compiler()
     if compiler is None:
         raise CpuKernelUnavailable("no C compiler found (cc, gcc or clang); install one (Debian: apt install gcc; "
@@ -70,9 +71,17 @@ def _build(head_dim: int) -> Path:
     identity = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), str(head_dim).encode(),
                                           _cpu_name().encode(), repr(COMPILE_FLAG_SETS).encode()])).hexdigest()[:16]
     target = _cache_dir() / f"cpu_paged_attention-hd{head_dim}-{identity}.so"
-    if target.exists():
+    if target.exists() and not again:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _compile(compiler, head_dim, target)
+    except OSError as e:                       # a read-only or full cache folder
+        raise CpuKernelUnavailable(f"cannot write the compiled kernel to {target.parent} ({e}); set "
+                                   "MINIPAGED_CACHE to a writable folder") from e
+
+
+def _compile(compiler: str, head_dim: int, target: Path) -> Path:
     errors = []
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
@@ -102,8 +111,12 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
     path = _build(head_dim)
     try:
         library = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise CpuKernelUnavailable(f"could not load {path}: {e}; delete it to rebuild") from e
+    except OSError:                            # a damaged file in the cache (a copy cut short, say): once more
+        path = _build(head_dim, again=True)
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise CpuKernelUnavailable(f"could not load the compiled kernel {path}: {e}") from e
     fn = library.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]

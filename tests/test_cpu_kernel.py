@@ -153,3 +153,22 @@ def test_the_profiler_sees_the_kernel_by_name():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_decode_attention_cpu(q, k_cache, v_cache, tables.long().clamp(min=0), seq_lens, 0.25)
     assert "minipaged::paged_decode_attention_cpu" in {op.key for op in prof.key_averages()}
+
+
+def test_a_damaged_cached_kernel_is_rebuilt_and_an_unwritable_cache_is_explained(tmp_path, monkeypatch):
+    from minipaged.kernels import cpu_paged_attention as cpu
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
+    cpu.load_kernel.cache_clear()
+    try:
+        built = cpu._build(32)
+        built.write_bytes(b"not a shared library")                 # as if a copy had been cut short
+        cpu.load_kernel(32)                                         # rebuilt, loads
+        assert built.read_bytes() != b"not a shared library"
+        cpu.load_kernel.cache_clear()
+        blocker = tmp_path / "file"
+        blocker.write_text("a file where the cache folder should be")
+        monkeypatch.setenv("MINIPAGED_CACHE", str(blocker))
+        with pytest.raises(cpu.CpuKernelUnavailable, match="set MINIPAGED_CACHE to a writable folder"):
+            cpu.load_kernel(32)
+    finally:
+        cpu.load_kernel.cache_clear()
