@@ -78,7 +78,8 @@ def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> fl
 # How the profiler's operators group into what a reader of the model code sees. Anything else that
 # computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops".
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
-ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
                  "aten::_index_put_impl_"}
 # Operators that only make a new view of existing memory or allocate it: no arithmetic, no copy.

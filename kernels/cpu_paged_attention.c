@@ -7,7 +7,10 @@
  * whose flash kernel is built for many queries, not one. So each layer of a decode step reads the cache,
  * writes a copy, and reads the copy again. Decode attention is memory-bound: what it costs is the bytes it
  * moves. This kernel follows each request's block table and reads every key and value exactly once.
- * vLLM's CPU backend does the same in C++ (csrc/cpu/attention.cpp, paged_attention_v1 for CPU).
+ * vLLM's CPU backend does the same in C++ (csrc/cpu/attention.cpp, paged_attention_v1: scores, softmax,
+ * then values, with the head size a template constant). Its cache layout differs: it interleaves the
+ * tokens of a block so the dot products vectorise across tokens; ours keeps minipaged's one layout
+ * [block, offset, kv_head, dim] for every backend and vectorises along each head instead.
  *
  * The math, for request r and query head h (its KV head is h / group, grouped-query attention):
  *     score[t] = scale * dot(q[r, h], K[t])           for t in 0 .. seq_len-1
