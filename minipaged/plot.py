@@ -26,6 +26,11 @@ from .events import EngineInfo, StepEvent
 STATES = ("waiting", "prefill", "decode", "preempted", "swapped", "running, no tokens", "finished")
 STATE_COLOURS = ("#d9d9d9", "#4c78a8", "#59a14f", "#e15759", "#f28e2b", "#b07aa1", "#222222")
 DEFAULT_SIZE = (1600, 1000)          # pixels
+# The tokens panel's stacked bars, bottom to top: RunTimeline series, colour, legend label.
+TOKEN_KINDS = (("prefill_tokens", "#4c78a8", "prefill tokens"),
+               ("decode_tokens", "#59a14f", "decode tokens"),
+               ("accepted_draft_tokens", "#8cd17d", "drafts accepted"),
+               ("rejected_draft_tokens", "#ff9d9a", "drafts rejected"))
 
 
 class PlotError(ValueError):
@@ -40,7 +45,9 @@ class RunTimeline:
     request_ids: list[str]                               # arrival order
     states: dict[str, list[Optional[str]]]               # request -> its state at each step (None: absent)
     prefill_tokens: list[int] = field(default_factory=list)
-    decode_tokens: list[int] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)           # each decode's own last token
+    accepted_draft_tokens: list[int] = field(default_factory=list)   # speculative drafts the target kept
+    rejected_draft_tokens: list[int] = field(default_factory=list)   # ... and those it threw away
     budget: list[int] = field(default_factory=list)
     blocks_used: list[int] = field(default_factory=list)
     blocks_cached_free: list[int] = field(default_factory=list)
@@ -82,8 +89,14 @@ def build_timeline(info: EngineInfo, events: Sequence[StepEvent]) -> RunTimeline
             mark(rid, "waiting")
         for rid in ev.running:
             mark(rid, "running, no tokens")
+        # With speculative decoding a decode row carries drafts too: split them off, so the picture shows
+        # what the budget was spent on (accepted drafts are tokens gained, rejected ones compute wasted).
+        accepted = sum(s.num_accepted for s in ev.scheduled if s.kind == "decode")
+        rejected = sum(s.num_rejected for s in ev.scheduled if s.kind == "decode")
         timeline.prefill_tokens.append(ev.num_prefill_tokens)
-        timeline.decode_tokens.append(ev.num_decode_tokens)
+        timeline.decode_tokens.append(ev.num_decode_tokens - accepted - rejected)
+        timeline.accepted_draft_tokens.append(accepted)
+        timeline.rejected_draft_tokens.append(rejected)
         timeline.budget.append(ev.budget_limit)
         total = ev.num_total_blocks or info.num_blocks
         timeline.blocks_used.append(total - ev.num_free_blocks)
@@ -159,12 +172,23 @@ def draw_run(info: EngineInfo, events: Sequence[StepEvent], path: str | Path,
     ax_blocks.set_ylim(0, timeline.num_blocks * 1.08)
     ax_blocks.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
-    ax_tokens.bar(timeline.steps, timeline.prefill_tokens, width=1.0, color="#4c78a8", label="prefill tokens")
-    ax_tokens.bar(timeline.steps, timeline.decode_tokens, width=1.0, bottom=timeline.prefill_tokens,
-                  color="#59a14f", label="decode tokens")
-    ax_tokens.step(timeline.steps, timeline.budget, where="mid", color="#e15759", linewidth=1,
-                   label="token budget")
-    ax_tokens.set_ylim(0, max(timeline.budget + timeline.prefill_tokens) * 1.12)   # the budget line shows
+    bottom = [0] * len(timeline.steps)
+    for series, colour, label in TOKEN_KINDS:
+        heights = getattr(timeline, series)
+        if series.endswith("draft_tokens") and not any(heights):
+            continue                           # no speculative decoding in this run: no empty legend entries
+        ax_tokens.bar(timeline.steps, heights, width=1.0, bottom=bottom, color=colour, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    # A budget far above what the steps used (2048 tokens, a handful of decodes) would flatten the bars to
+    # nothing: then the panel is scaled to the bars and the budget is named in the legend instead.
+    most_used, budget = max(bottom), max(timeline.budget)
+    if most_used >= budget / 4:
+        ax_tokens.step(timeline.steps, timeline.budget, where="mid", color="#e15759", linewidth=1,
+                       label="token budget")
+        ax_tokens.set_ylim(0, budget * 1.12)
+    else:
+        ax_tokens.plot([], [], color="#e15759", linewidth=1, label=f"budget {budget} (off scale)")
+        ax_tokens.set_ylim(0, max(most_used, 1) * 1.15)
     ax_tokens.set_ylabel("tokens / step")
     ax_tokens.set_xlabel("engine step")
     ax_tokens.set_xlim(first - 0.5, last + 0.5)

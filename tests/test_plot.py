@@ -8,7 +8,7 @@ import pytest
 
 from minipaged.cli import main
 from minipaged.events import read_trace, write_trace_event, write_trace_header
-from minipaged.plot import STATE_COLOURS, STATES, build_timeline
+from minipaged.plot import STATE_COLOURS, STATES, TOKEN_KINDS, build_timeline, draw_run
 from minipaged.request import SamplingParams
 from pilot_util import run_async, wait_for
 from test_bench import png_size
@@ -59,6 +59,32 @@ def test_timeline_follows_what_the_engine_did(trace):
     assert max(budget_used) <= info.max_num_batched_tokens and set(timeline.budget) == {24}
     assert max(timeline.blocks_used) <= info.num_blocks and timeline.blocks_used[-1] == 0
     assert max(timeline.blocks_cached_free) > 0                   # finished prompts left their prefix cached
+
+
+def test_speculative_steps_show_their_drafts_accepted_and_rejected(tiny_engine_factory, tmp_path):
+    """With speculative decoding a decode row carries drafts: the tokens panel splits each step's budget into
+    prefill, each decode's own token, drafts the target kept and drafts it threw away (colours drawn)."""
+    engine = tiny_engine_factory(speculative_config={"method": "draft_model", "model": "self",
+                                                     "num_draft_layers": 1, "num_speculative_tokens": 3})
+    events = []
+    engine.subscribe(events.append)
+    engine.generate([[5, 6, 7, 8] * 3, list(range(30, 45)), [9] * 10],
+                    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    timeline = build_timeline(engine.info, events)
+    stats = engine.stats()
+    assert sum(timeline.accepted_draft_tokens) == stats["spec_decode_num_accepted_tokens"] > 0
+    assert sum(timeline.accepted_draft_tokens) + sum(timeline.rejected_draft_tokens) \
+        == stats["spec_decode_num_draft_tokens"] > sum(timeline.accepted_draft_tokens)      # some rejected too
+    for i, ev in enumerate(events):
+        parts = [getattr(timeline, series)[i] for series, _, _ in TOKEN_KINDS]
+        assert sum(parts) == ev.budget_used                                 # the bars add up to the budget used
+        assert timeline.decode_tokens[i] == sum(s.kind == "decode" for s in ev.scheduled)   # one own token each
+    picture = draw_run(engine.info, events, tmp_path / "spec.png", size=(1200, 800))
+    import matplotlib.image
+    pixels = (matplotlib.image.imread(picture)[..., :3] * 255).round().astype(int)
+    colours = {tuple(int(c) for c in row) for row in pixels[625:740, 100:1000].reshape(-1, 3)}   # tokens panel
+    for series, hex_colour, _ in TOKEN_KINDS[1:]:       # visible: the 2048-token budget does not flatten them
+        assert tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)) in colours, f"no {series} bar drawn"
 
 
 def test_plot_command_draws_the_run_at_the_size_asked(trace, tmp_path, capsys):
