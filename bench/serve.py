@@ -14,22 +14,17 @@ import asyncio
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
 from common import machine_line, random_token_prompts, save, table
 from minipaged import Engine, SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from minipaged.bench.servers import free_port, minipaged_serve_command, running
 
 
 def in_process(model: str, prompts: list[list[int]], max_tokens: int, options: dict) -> tuple[float, float, int]:
@@ -98,23 +93,15 @@ def main() -> None:
     engine_s, engine_ttft, engine_tokens = in_process(args.model, prompts, args.max_tokens, options)
     gc.collect()
 
+    # The server is started as a user would, and always stopped; one that exits or never answers fails the
+    # run with its log instead of leaving it waiting.
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "minipaged", "serve", "--model", args.model, "--port", str(port),
-                               "--threads", str(args.threads), "--served-model-name", "bench"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    command = minipaged_serve_command(args.model, port, ["--threads", str(args.threads), "--served-model-name",
+                                                         "bench"])
+    with tempfile.TemporaryDirectory() as tmp, \
+            running(command, port, what="minipaged serve", log_path=os.path.join(tmp, "serve.log")) as url:
         server_s, server_ttft, server_tokens = asyncio.run(through_server(url, "bench", prompts, args.max_tokens))
         rss = attach_rss_mb(url)
-    finally:
-        server.terminate()
-        server.wait(30)
     assert engine_tokens == server_tokens == args.clients * args.max_tokens
     engine_tps, server_tps = engine_tokens / engine_s, server_tokens / server_s
     loss = 1 - server_tps / engine_tps
