@@ -26,9 +26,8 @@ from common import machine_line, random_token_prompts, save, table
 from minipaged import Engine, SamplingParams
 
 
-def matmul_floor_ms(model, batch: int, repeats: int) -> float:
-    """Median ms of one decode step's matmuls alone (30 layers x 4 fused projections + LM head)."""
-    hidden = model.embed.shape[1]
+def random_weights_like(model) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+    """Random matrices of the model's fused shapes: per layer (q|k|v, o, gate|up, down), and the LM head."""
     gen = torch.Generator().manual_seed(0)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
@@ -36,9 +35,19 @@ def matmul_floor_ms(model, batch: int, repeats: int) -> float:
 
     layers = [(weight(*w.qkv.shape), weight(*w.o.shape), weight(*w.gate_up.shape), weight(*w.down.shape))
               for w in model.layers]
-    lm_head = weight(*model.lm_head.shape)
+    return layers, weight(*model.lm_head.shape)
+
+
+def matmul_floor_ms(model, batch: int, repeats: int, *, head_rows: int | None = None,
+                    weights: tuple | None = None) -> float:
+    """Median ms of one step's matmuls alone: ``batch`` token rows through every layer's 4 fused projections,
+    and ``head_rows`` of them (default: all; 0: none) through the LM head, as a step that samples only some
+    rows does. ``weights``: from ``random_weights_like``, to reuse them over many calls."""
+    layers, lm_head = weights or random_weights_like(model)
+    head_rows = batch if head_rows is None else head_rows
+    gen = torch.Generator().manual_seed(1)
+    hidden, inter = model.embed.shape[1], model.layers[0].down.shape[1]
     x = torch.randn(batch, hidden, generator=gen, dtype=model.dtype)
-    inter = model.layers[0].down.shape[1]
     mid = torch.randn(batch, inter, generator=gen, dtype=model.dtype)
     attn = torch.randn(batch, model.layers[0].o.shape[1], generator=gen, dtype=model.dtype)
     times = []
@@ -50,7 +59,8 @@ def matmul_floor_ms(model, batch: int, repeats: int) -> float:
                 F.linear(attn, o)
                 F.linear(x, gate_up)
                 F.linear(mid, down)
-            F.linear(x, lm_head)
+            if head_rows:
+                F.linear(x[:head_rows], lm_head)
             if r >= 2:                                   # two warm-up rounds
                 times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000

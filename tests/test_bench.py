@@ -12,6 +12,7 @@ import pytest
 from minipaged.bench.report import check_plot_possible
 from minipaged.bench.requests import BenchError, LengthRange, make_requests
 from minipaged.cli import main
+from minipaged.events import read_trace
 
 TINY = ["--block-size", "4", "--num-blocks", "256"]
 
@@ -46,6 +47,19 @@ def test_throughput_json_counts_every_token_and_baseline_gets_the_same_requests(
     printed = capsys.readouterr().out
     assert "requests/s" in printed and "ratio minipaged / transformers" in printed
     assert png_size(picture) == (1000, 400)
+
+
+def test_throughput_records_its_steps_as_a_trace_that_plot_draws(tiny_model, tmp_path):
+    """--record saves the run's steps: every prompt and output token is in them, and `minipaged plot` draws them."""
+    trace, picture = tmp_path / "run.jsonl", tmp_path / "run.png"
+    assert main(["bench", "throughput", "--model", tiny_model, "--num-prompts", "5", "--input-len", "8:20",
+                 "--output-len", "6", "--record", str(trace), *TINY]) == 0
+    info, events = read_trace(str(trace))
+    assert info.num_blocks == 256 and events and sum(len(ev.finished) for ev in events) == 5
+    assert sum(len(tokens) for ev in events for tokens in ev.new_token_ids.values()) == 5 * 6
+    assert main(["plot", str(trace), "-o", str(picture)]) == 0 and png_size(picture) == (1600, 1000)
+    assert main(["bench", "throughput", "--model", tiny_model, "--num-prompts", "1",
+                 "--record", str(tmp_path / "no-such-dir" / "x.jsonl"), *TINY]) == 2
 
 
 def test_throughput_reads_a_jsonl_prompts_file(tiny_model, tmp_path):

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run transformers' padded generate on the same requests and print the ratio")
     parser.add_argument("--baseline-batch-size", type=positive_int, default=16,
                         help="requests per padded transformers batch")
+    parser.add_argument("--record", metavar="FILE.jsonl",
+                        help="also save the run's steps as a trace (written after the run, so it costs the "
+                             "measurement nothing): draw it with `minipaged plot FILE.jsonl`")
     add_engine_arguments(parser)
 
 
@@ -66,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
                               "minipaged": rates(result.seconds, len(requests), result.num_input_tokens,
                                                  result.num_output_tokens)}
     print_rates("minipaged", record["minipaged"])
+    if args.record:
+        save_trace(args.record, engine, result.events)
     if args.baseline == "transformers":
         prompts = [r.prompt_token_ids for r in requests]
         wants = [r.output_len for r in requests]
@@ -83,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(record, args.plot)
     return 0
+
+
+def save_trace(path: str, engine: Any, events: list) -> None:
+    from ..events import write_trace_event, write_trace_header
+    try:
+        with open(path, "w") as fp:
+            write_trace_header(fp, engine.info)
+            for event in events:
+                write_trace_event(fp, event)
+    except OSError as e:
+        raise BenchError(f"--record {path}: {e.strerror or e}") from None
+    report.err.print(f"[dim]saved {len(events)} steps to {path} (draw them: minipaged plot {path})[/]")
 
 
 def print_rates(name: str, r: dict[str, Any]) -> None:
