@@ -66,6 +66,20 @@ def matmul_floor_ms(model, batch: int, repeats: int, *, head_rows: int | None = 
     return statistics.median(times) * 1000
 
 
+def kv_read_ms(num_bytes: int, repeats: int = 5) -> float:
+    """Median ms to read ``num_bytes`` of fp32 once, streaming (a sum over a buffer that size): the least
+    time any attention kernel needs to look at a decode step's keys and values, which the matmul floor
+    leaves out. The buffer is far larger than the caches for the batches that matter."""
+    data = torch.ones(max(num_bytes // 4, 1))
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
 def engine_decode_ms(engine: Engine, batch: int, context: int, steps: int) -> float:
     """Median ms of a whole engine step (schedule, forward, sample, bookkeeping) with ``batch`` decodes."""
     prompts = random_token_prompts(batch, context, context, seed=batch, vocab=engine.model.embed.shape[0])
@@ -149,14 +163,21 @@ def main() -> None:
     # The same engine on the plain torch attention path, side by side, when the default is the compiled kernel.
     torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
                           attention_backend="torch") if engine.backend != "torch" else None
+    side_by_side = torch_engine is not None
     rows, record = [], {"context": args.context, "attention_backend": engine.backend, "batches": {}}
     for batch in args.batches:
         floor = matmul_floor_ms(engine.model, batch, args.steps)
         step = engine_decode_ms(engine, batch, args.context, args.steps)
         torch_step = engine_decode_ms(torch_engine, batch, args.context, args.steps) if torch_engine else None
         floor = min(floor, matmul_floor_ms(engine.model, batch, args.steps))   # again, after: less noise
-        row = [batch, floor, step, floor / step, batch / step * 1000]
-        record["batches"][batch] = {"floor_ms": floor, "engine_ms": step, "efficiency": floor / step}
+        # Every layer's keys and values of every decode, at the measured steps' mean context length.
+        kv_bytes = batch * (args.context + args.steps // 2) * engine.model.kv_bytes_per_token()
+        kv_ms = kv_read_ms(kv_bytes)
+        row = [batch, floor, step, floor / step, batch / step * 1000, kv_bytes / 2**20, kv_ms,
+               (floor + kv_ms) / step]
+        record["batches"][batch] = {"floor_ms": floor, "engine_ms": step, "efficiency": floor / step,
+                                    "kv_mib": kv_bytes / 2**20, "kv_read_ms": kv_ms,
+                                    "efficiency_incl_kv_read": (floor + kv_ms) / step}
         line = f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}"
         if torch_step is not None:
             row += [torch_step, floor / torch_step]
@@ -165,13 +186,16 @@ def main() -> None:
         rows.append(row)
         print(line, flush=True)
     del torch_engine
-    headers = ["batch", "floor ms", "engine ms", "efficiency", "engine tok/s"]
-    if len(rows[0]) > len(headers):
+    headers = ["batch", "floor ms", "engine ms", "efficiency", "engine tok/s", "KV MiB", "KV read ms",
+               "efficiency vs floor + KV read"]
+    if side_by_side:
         headers += ["torch-path ms", "torch-path efficiency"]
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
           f"Engine attention backend: **{engine.backend}**"
-          + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)" if len(headers) > 5
-             else "") + "\n\n" + table(headers, rows))
+          + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)" if side_by_side
+             else "") + ". KV read ms: reading the step's keys and values once at this machine's "
+          "streaming speed, which attention cannot avoid and the matmul floor leaves out.\n\n"
+          + table(headers, rows))
     if args.profile:
         parts, breakdown_rows = {}, []
         for batch in args.batches:
