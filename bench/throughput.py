@@ -18,10 +18,11 @@ time over it is the most that cutting minipaged's overhead could ever reach on t
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import tempfile
 from pathlib import Path
+
+import numpy
 
 from common import machine_line, random_token_prompts, save, table
 from decode_floor import matmul_floor_ms, random_weights_like
@@ -60,13 +61,7 @@ def ideal_seconds(model, events: list[StepEvent], repeats: int = 3) -> float:
                zip(grid, layers_ms)]
 
     def at(rows: int, series: list[float]) -> float:
-        if rows <= 0:
-            return 0.0
-        i = min(bisect.bisect_left(grid, rows), len(grid) - 1)
-        if grid[i] == rows or i == 0:
-            return series[i]
-        lo, hi = grid[i - 1], grid[i]
-        return series[i - 1] + (series[i] - series[i - 1]) * (rows - lo) / (hi - lo)
+        return float(numpy.interp(rows, grid, series)) if rows > 0 else 0.0
 
     total_ms = sum(at(ev.budget_used, layers_ms) + at(len(ev.new_token_ids), head_ms) for ev in events)
     return total_ms / 1000

@@ -122,7 +122,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       **hints)
     if backend in ("cpu", "torch"):
         hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
-        if backend == "cpu" and can_use_cpu_kernel(q, k_cache):
+        if backend == "cpu" and can_use_cpu_kernel(q, k_cache, v_cache):
             hints["decode_attention"] = _checked_cpu_decode(hints, block_tables, seq_lens, query_start_loc, k_cache)
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -137,10 +137,15 @@ def cpu_kernel_available(head_dim: int = 64) -> bool:
     return cpu_kernel_problem(head_dim) is None
 
 
-def can_use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel reads float32 memory directly: CPU tensors, float32, a contiguous cache."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and cpu_kernel_available(q.shape[-1]))
+def kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernel reads the memory directly: float32 CPU tensors, and caches laid out contiguously."""
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache))
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def can_use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernel can read these tensors and is built here for their head size."""
+    return kernel_can_read(q, k_cache, v_cache) and cpu_kernel_available(q.shape[-1])
 
 
 def _profiling() -> bool:
@@ -172,15 +177,14 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``checked``: the caller has already run ``check_decode_inputs`` on these tables and lengths.
     """
     num_reqs, num_heads, head_dim = q.shape
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)):
-        raise ValueError("the CPU kernel reads float32 CPU tensors; use the torch path for other dtypes/devices")
+    if not kernel_can_read(q, k_cache, v_cache):
+        raise ValueError("the CPU kernel reads float32 CPU tensors and contiguous K and V caches; use the torch "
+                         "path for anything else")
     library = load_kernel(head_dim)
     if q.stride(2) != 1 or q.stride(1) != head_dim:       # each request's heads must lie end to end
         q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the CPU kernel needs contiguous K and V caches")
     if not checked:
         check_decode_inputs(tables, lens, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty(num_reqs, num_heads, head_dim, dtype=torch.float32)

@@ -135,6 +135,9 @@ class CompactLlama:
         Under tensor parallelism (``minipaged.parallel``) each rank holds some of the heads and some of the MLP's
         columns, so ``o_proj`` and ``down`` produce partial sums: ``all_reduce`` adds them up over the ranks.
         With one rank it is None: the layer is whole and its output needs nothing.
+
+        The residual stream is added to in place, so ``h`` becomes the output: callers pass a tensor made for
+        this step and nothing else (an embedding lookup, or the hidden states a pipeline stage received).
         """
         cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
         cos = cos_table[positions].unsqueeze(1)               # [T, 1, head_dim]
@@ -147,7 +150,6 @@ class CompactLlama:
         # same for every layer: work it out once here, not 30 times.
         attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                          meta.host_query_start_loc, backend=meta.backend)
-        h = h.clone()                 # the residual stream, added to in place below; the caller's tensor stays
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
             qkv = F.linear(x, w.qkv)
