@@ -182,3 +182,30 @@ def test_a_refused_request_leaves_no_blocks_behind(tiny_engine_factory):
     assert not engine.has_unfinished_requests()          # the first, already queued, was aborted
     assert run_requests(engine, [BenchRequest([5] * 10, 4)]).num_output_tokens == 4     # still usable
     assert engine.kv.num_free_blocks == free
+
+
+def test_decode_floor_measures_floor_and_engine_steps_in_turns_and_leaves_nothing_behind(tiny_model, monkeypatch):
+    """bench/decode_floor.py's efficiency is a ratio of two timings: they must be taken in turns (floor
+    pass, engine step, floor pass, ...), so that a machine whose speed drifts slows both alike, and the
+    requests it decoded must be gone afterwards, their blocks free for the next batch size."""
+    from minipaged import Engine
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_floor
+    engine = Engine(tiny_model, block_size=4, num_blocks=64, max_num_seqs=3, enable_prefix_caching=False)
+    order: list[str] = []
+    make_pass = decode_floor.matmul_pass
+
+    def recording_pass(*args, **kwargs):
+        run_once = make_pass(*args, **kwargs)
+        return lambda: (order.append("floor"), run_once())[1]
+    monkeypatch.setattr(decode_floor, "matmul_pass", recording_pass)
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (order.append("step"), step())[1])
+
+    floor_ms, step_ms = decode_floor.side_by_side_ms(engine.model, [engine], batch=3, context=6, steps=5)
+    assert floor_ms > 0 and step_ms > 0
+    decodes = order[order.index("floor"):]              # from the first floor pass on: prefills are done
+    assert decodes == ["floor"] + ["floor", "step"] * 5   # a warm-up pass, then 5 turns
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["blocks_free"] == stats["blocks_total"]

@@ -28,9 +28,13 @@ def run_and_capture_logits(engine: Engine, prompts, max_tokens: int):
     return outs, captured, events
 
 
+@pytest.mark.parametrize("lm_head_slice_rows", [None, 48], ids=["whole-lm-head", "lm-head-in-slices"])
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_untied"])
-def test_logits_match_transformers_for_a_batch_decoded_together(fixture, request):
+def test_logits_match_transformers_for_a_batch_decoded_together(fixture, lm_head_slice_rows, request, monkeypatch):
     path = request.getfixturevalue(fixture)
+    if lm_head_slice_rows:       # the tiny vocabulary fits one slice of the default size: force several
+        import minipaged.model.llama as llama
+        monkeypatch.setattr(llama, "LM_HEAD_SLICE_ROWS", lm_head_slice_rows)
     engine = Engine(path, block_size=4, num_blocks=128)
     prompts = random_prompts(random.Random(7), 5, 3, 29)
     assert len({len(p) for p in prompts}) > 1                       # a batch of different lengths
@@ -61,6 +65,22 @@ def test_greedy_tokens_match_transformers_generate(tiny_model_untied):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_in_vocabulary_slices_is_one_linear(dtype):
+    """The CPU computes the LM head a slice of the vocabulary at a time (faster there): the same logits as
+    one F.linear to rounding, for slices that divide the vocabulary and slices that leave a remainder."""
+    from minipaged.model.llama import vocab_sliced_linear
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 64, generator=gen).to(dtype)
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        want = torch.nn.functional.linear(x, weight)
+        for slice_rows in (100, 300, 999, 1000, 4096):
+            got = vocab_sliced_linear(x, weight, slice_rows)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            torch.testing.assert_close(got, want)    # a slice's edge tiles may round differently: not bit-exact
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
