@@ -49,9 +49,11 @@ def triton_available() -> bool:
     return True
 
 
-def choose_backend(t: torch.Tensor, backend: str | None = None) -> str:
+def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int | None = None) -> str:
     """The backend to use for tensor ``t``: ``backend`` itself when given (checked), else Triton for CUDA
-    tensors when Triton is installed, torch otherwise."""
+    tensors when Triton is installed, torch otherwise. ``head_dim``: for "cpu", the head size its compiled
+    kernel must be built for; callers that only plan a step or write K/V (torch code for this backend too)
+    leave it out, so that no kernel is built for a head size the model does not have."""
     if backend is None:
         return "triton" if t.is_cuda and triton_available() else "torch"
     if backend not in BACKENDS:
@@ -59,9 +61,9 @@ def choose_backend(t: torch.Tensor, backend: str | None = None) -> str:
     if backend == "triton" and not triton_available():
         raise ValueError("the triton attention backend needs Triton: pip install 'minipaged[gpu]' (Linux with a "
                          "CUDA GPU), or use the torch backend.")
-    if backend == "cpu" and not cpu_kernel_available():
+    if backend == "cpu" and head_dim is not None and not cpu_kernel_available(head_dim):
         raise ValueError(f"the cpu attention backend needs its compiled kernel, which is unavailable here "
-                         f"({cpu_kernel_problem()}); use the torch backend.")
+                         f"({cpu_kernel_problem(head_dim)}); use the torch backend.")
     return backend
 
 
@@ -109,7 +111,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     unknown = set(kw) - _TORCH_HINTS - _TRITON_HINTS
     if unknown:
         raise TypeError(f"paged_attention() got unexpected keyword arguments {sorted(unknown)}")
-    backend = choose_backend(q, backend)
+    backend = choose_backend(q, backend, head_dim=q.shape[-1])
     if backend == "triton":
         from .triton_paged_attention import paged_attention_triton
         hints = {k: v for k, v in kw.items() if k in _TRITON_HINTS}

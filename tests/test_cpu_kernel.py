@@ -113,6 +113,29 @@ def test_the_engine_uses_it_and_greedy_tokens_do_not_change(tiny_engine_factory)
     assert results["cpu"] == results["torch"]
 
 
+def test_a_step_builds_the_kernel_only_for_the_models_head_size(monkeypatch):
+    """Planning a step and writing its K/V are torch code for the cpu backend too: they must not ask for
+    (and so compile) a kernel of some other head size; attending asks for the queries' own."""
+    import minipaged.kernels as kernels
+    asked: list[int] = []
+    real = kernels.cpu_kernel_available
+
+    def recording(head_dim: int = 64) -> bool:
+        asked.append(head_dim)
+        return real(head_dim)
+    monkeypatch.setattr(kernels, "cpu_kernel_available", recording)
+    q, k_cache, v_cache, tables, seq_lens, starts = make_batch([(9, 1), (30, 1), (12, 4)], block_size=4,
+                                                               head_dim=32, seed=5)
+    tables = tables.long().clamp(min=0)
+    hints = plan_attention(tables, 4, seq_lens.tolist(), starts.tolist(), backend="cpu")
+    new_k = torch.randn(6, k_cache.shape[2], 32)
+    kernels.write_kv(new_k, new_k.clone(), k_cache, v_cache, torch.arange(6), backend="cpu")
+    out = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, 0.2, backend="cpu", **hints)
+    want = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts, 0.2)
+    torch.testing.assert_close(out, want, **TOL)
+    assert asked and set(asked) == {32}
+
+
 def test_asking_for_it_where_it_cannot_run_says_what_to_do(tiny_model):
     with pytest.raises(ConfigError, match="runs on the CPU in float32.*attention_backend='torch'"):
         Engine(tiny_model, attention_backend="cpu", dtype="bfloat16", num_blocks=16)
