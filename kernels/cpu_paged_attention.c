@@ -55,6 +55,12 @@ static inline void prefetch_row(const float *row, int64_t length)
         __builtin_prefetch(row + i, 0 /* read */, 2 /* into L2 */);
 }
 
+/* Where token t's row starts in a cache, in floats, for a request with this block table. */
+static inline int64_t row_start(const int64_t *table, int64_t t, int64_t block_size, int64_t token_stride)
+{
+    return (table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
 /*
  * q            [num_reqs, num_heads, HEAD_DIM] float32: each request's heads contiguous, request r's at
  *              q + r * q_stride (q may be a view into a wider tensor, such as the q part of q|k)
@@ -89,13 +95,17 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
         }
         /* The block table lookup, once per token instead of once per token and head. */
         for (int64_t t = 0; t < n; t++)
-            row[t] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+            row[t] = row_start(table, t, block_size, token_stride);
 
-        /* Scores: every head of token t in one pass over its K row (all KV heads sit side by side). */
+        /* Scores: every head of token t in one pass over its K row (all KV heads sit side by side). Near
+         * the end, the rows asked for ahead are the first V rows: the next pass starts with them in L2. */
         for (int64_t t = 0; t < n; t++) {
             const float *k_t = k_cache + row[t];
-            if (t + PREFETCH_DISTANCE < n)
-                prefetch_row(k_cache + row[t + PREFETCH_DISTANCE], token_stride);
+            const int64_t ahead = t + PREFETCH_DISTANCE;
+            if (ahead < n)
+                prefetch_row(k_cache + row[ahead], token_stride);
+            else if (ahead - n < n)
+                prefetch_row(v_cache + row[ahead - n], token_stride);
             for (int64_t h = 0; h < num_heads; h++)
                 p[h * n + t] = scale * dot(q_r + h * HEAD_DIM, k_t + (h / group) * HEAD_DIM);
         }
@@ -118,12 +128,18 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                 p_h[t] *= inv_sum;
         }
 
-        /* Weighted sum of values: again one pass over the tokens, every head at once. */
+        /* Weighted sum of values: again one pass over the tokens, every head at once. Near the end, the
+         * rows asked for ahead are the next request's first K rows. */
+        const int64_t next_n = r + 1 < num_reqs ? seq_lens[r + 1] : 0;
+        const int64_t *next_table = table + max_blocks;
         memset(out_r, 0, sizeof(float) * num_heads * HEAD_DIM);
         for (int64_t t = 0; t < n; t++) {
             const float *v_t = v_cache + row[t];
-            if (t + PREFETCH_DISTANCE < n)
-                prefetch_row(v_cache + row[t + PREFETCH_DISTANCE], token_stride);
+            const int64_t ahead = t + PREFETCH_DISTANCE;
+            if (ahead < n)
+                prefetch_row(v_cache + row[ahead], token_stride);
+            else if (ahead - n < next_n)
+                prefetch_row(k_cache + row_start(next_table, ahead - n, block_size, token_stride), token_stride);
             for (int64_t h = 0; h < num_heads; h++) {
                 const float weight = p[h * n + t];
                 const float *v_th = v_t + (h / group) * HEAD_DIM;
