@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from common import machine_line, random_token_prompts, save, table
 from minipaged import Engine, SamplingParams
-from minipaged.model.llama import vocab_sliced_linear
+from minipaged.kernels import linear_for
+from minipaged.model.llama import lm_head_logits
 
 
 def random_weights_like(model) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
@@ -41,14 +42,15 @@ def random_weights_like(model) -> tuple[list[tuple[torch.Tensor, ...]], torch.Te
     return layers, weight(*model.lm_head.shape)
 
 
-def matmul_pass(model, batch: int, *, head_rows: int | None = None,
-                weights: tuple | None = None) -> Callable[[], float]:
+def matmul_pass(model, batch: int, *, head_rows: int | None = None, weights: tuple | None = None,
+                linear: Callable = F.linear) -> Callable[[], float]:
     """A function that runs one step's matmuls alone and returns its ms: ``batch`` token rows through every
     layer's 4 fused projections, and ``head_rows`` of them (default: all; 0: none) through the LM head, as a
-    step that samples only some rows does. The LM head is computed the way the engine computes it
-    (``vocab_sliced_linear``), so the floor moves with any speed-up of the matmuls themselves and the gap
-    to it stays what the issue asks about: everything that is not a matmul. ``weights``: from
-    ``random_weights_like``, to reuse them over many calls."""
+    step that samples only some rows does. ``linear``: the engine's matmul code (``linear_for`` its
+    backend: the compiled loop for a few rows on a CPU) with the LM head computed as the engine computes it
+    (``lm_head_logits``), so that the floor moves with any speed-up of the matmuls themselves and the gap to
+    it stays what the issue asks about, everything that is not a matmul; the default, torch's ``F.linear``,
+    gives the plain torch floor. ``weights``: from ``random_weights_like``, to reuse them over many calls."""
     layers, lm_head = weights or random_weights_like(model)
     head_rows = batch if head_rows is None else head_rows
     gen = torch.Generator().manual_seed(1)
@@ -61,20 +63,20 @@ def matmul_pass(model, batch: int, *, head_rows: int | None = None,
     def run_once() -> float:
         start = time.perf_counter()
         for qkv, o, gate_up, down in layers:
-            F.linear(x, qkv)
-            F.linear(attn, o)
-            F.linear(x, gate_up)
-            F.linear(mid, down)
+            linear(x, qkv)
+            linear(attn, o)
+            linear(x, gate_up)
+            linear(mid, down)
         if head_rows:
-            vocab_sliced_linear(x[:head_rows], lm_head)
+            lm_head_logits(x[:head_rows], lm_head, linear)
         return (time.perf_counter() - start) * 1000
     return run_once
 
 
 def matmul_floor_ms(model, batch: int, repeats: int, *, head_rows: int | None = None,
-                    weights: tuple | None = None) -> float:
+                    weights: tuple | None = None, linear: Callable = F.linear) -> float:
     """Median ms of ``repeats`` runs of ``matmul_pass`` (after two warm-up runs)."""
-    run_once = matmul_pass(model, batch, head_rows=head_rows, weights=weights)
+    run_once = matmul_pass(model, batch, head_rows=head_rows, weights=weights, linear=linear)
     times = [run_once() for _ in range(repeats + 2)][2:]
     return statistics.median(times)
 
@@ -114,20 +116,22 @@ def decode_step_ms(engine: Engine, batch: int, context: int, max_steps: int) -> 
         engine.reset_prefix_cache()
 
 
-def side_by_side_ms(model, engines: list[Engine], batch: int, context: int, steps: int) -> list[float]:
-    """Median ms of the matmul floor and of each engine's decode step, measured in turns: a floor pass, a
-    step of each engine, a floor pass, and so on. This machine's speed drifts by 10% and more within a
-    minute (it is shared); measured one after the other, floor and step would see different machines, and
-    their ratio would measure the drift. In turns, every figure sees the same ones."""
-    floor_pass = matmul_pass(model, batch)
+def side_by_side_ms(floor_passes: list[Callable[[], float]], engines: list[Engine], batch: int, context: int,
+                    steps: int) -> list[float]:
+    """Median ms of each floor pass and of each engine's decode step, measured in turns: every floor pass,
+    a step of each engine, every floor pass again, and so on. This machine's speed drifts by 10% and more
+    within a minute (it is shared); measured one after the other, floor and step would see different
+    machines, and their ratio would measure the drift. In turns, every figure sees the same ones."""
     streams = [decode_step_ms(engine, batch, context, steps + 1) for engine in engines]
     for stream in streams:
         next(stream)                 # the prompts' prefills and a first decode: from here on, only decodes
-    floor_pass()                     # warm-up
-    times: list[list[float]] = [[] for _ in range(1 + len(streams))]
+    for floor_pass in floor_passes:
+        floor_pass()                 # warm-up
+    times: list[list[float]] = [[] for _ in range(len(floor_passes) + len(streams))]
     for _ in range(steps):
-        times[0].append(floor_pass())
-        for i, stream in enumerate(streams, 1):
+        for i, floor_pass in enumerate(floor_passes):
+            times[i].append(floor_pass())
+        for i, stream in enumerate(streams, len(floor_passes)):
             times[i].append(next(stream))
     for stream in streams:
         stream.close()
@@ -136,7 +140,7 @@ def side_by_side_ms(model, engines: list[Engine], batch: int, context: int, step
 
 # How the profiler's operators group into what a reader of the model code sees. Anything else that
 # computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops".
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "minipaged::small_batch_linear"}
 ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
@@ -200,10 +204,17 @@ def main() -> None:
                           attention_backend="torch") if engine.backend != "torch" else None
     side_by_side = torch_engine is not None
     rows, record = [], {"context": args.context, "attention_backend": engine.backend, "batches": {}}
+    # Each engine against the floor of its own matmul code: the default engine's (the compiled loop for a few
+    # rows, where the kernels build) and, for the torch path, torch's F.linear.
+    weights = random_weights_like(engine.model)
+    linear = linear_for(engine.backend, engine.model.head_dim)
     for batch in args.batches:
-        floor, step, *others = side_by_side_ms(engine.model, [engine] + ([torch_engine] if torch_engine else []),
-                                               batch, args.context, args.steps)
-        torch_step = others[0] if others else None
+        floor_passes = [matmul_pass(engine.model, batch, weights=weights, linear=linear)]
+        if side_by_side:
+            floor_passes.append(matmul_pass(engine.model, batch, weights=weights))
+        engines = [engine] + ([torch_engine] if side_by_side else [])
+        medians = side_by_side_ms(floor_passes, engines, batch, args.context, args.steps)
+        floor, step = medians[0], medians[len(floor_passes)]
         # Every layer's keys and values of every decode, at the measured steps' mean context length.
         kv_bytes = batch * (args.context + args.steps // 2) * engine.model.kv_bytes_per_token()
         kv_ms = kv_read_ms(kv_bytes)
@@ -213,21 +224,25 @@ def main() -> None:
                                     "kv_mib": kv_bytes / 2**20, "kv_read_ms": kv_ms,
                                     "efficiency_incl_kv_read": (floor + kv_ms) / step}
         line = f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}"
-        if torch_step is not None:
-            row += [torch_step, floor / torch_step]
-            record["batches"][batch].update(torch_path_ms=torch_step, torch_path_efficiency=floor / torch_step)
-            line += f" (torch attention path: {torch_step:.1f} ms, {floor / torch_step:.2f})"
+        if side_by_side:
+            torch_floor, torch_step = medians[1], medians[3]
+            row += [torch_floor, torch_step, torch_floor / torch_step]
+            record["batches"][batch].update(torch_floor_ms=torch_floor, torch_path_ms=torch_step,
+                                            torch_path_efficiency=torch_floor / torch_step)
+            line += (f" (torch path: floor {torch_floor:.1f} ms, step {torch_step:.1f} ms, "
+                     f"{torch_floor / torch_step:.2f})")
         rows.append(row)
         print(line, flush=True)
     del torch_engine
     headers = ["batch", "floor ms", "engine ms", "efficiency", "engine tok/s", "KV MiB", "KV read ms",
                "efficiency vs floor + KV read"]
     if side_by_side:
-        headers += ["torch-path ms", "torch-path efficiency"]
+        headers += ["torch floor ms", "torch-path ms", "torch-path efficiency"]
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
           f"Engine attention backend: **{engine.backend}**"
-          + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)" if side_by_side
-             else "") + ". KV read ms: reading the step's keys and values once at this machine's "
+          + (" (torch columns: the same engine with `attention_backend='torch'`, same run, against the floor "
+             "of torch's own matmuls)" if side_by_side else "")
+          + ". KV read ms: reading the step's keys and values once at this machine's "
           "streaming speed, which attention cannot avoid and the matmul floor leaves out.\n\n"
           + table(headers, rows))
     if args.profile:

@@ -4,6 +4,8 @@ Backends:
     triton     the GPU path (triton_paged_attention.py): every request's queries in one kernel launch.
     cpu        the CPU path the engine picks when it can: decodes by the compiled C kernel
                (cpu_paged_attention.c), reading keys and values in place; prefill chunks as in ``torch``.
+               The same compiled library multiplies steps of one to four token rows by the weights
+               (cpu_matvec.c, ``linear_for``): such steps are bound by reading the weights.
     torch      plain torch ops (reference.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
     reference  the readable specification, one request at a time: tests compare the others with it.
@@ -15,10 +17,12 @@ lazily so machines without it (Macs) never need it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
+from .cpu_linear import SMALL_BATCH_ROWS, small_batch_linear
 from .cpu_paged_attention import (can_use_cpu_kernel, check_decode_inputs, cpu_kernel_available, cpu_kernel_problem,
                                   paged_decode_attention_cpu)
 from .reference import (TorchAttentionPlan, paged_attention_reference, paged_attention_torch, plan_torch_attention,
@@ -27,7 +31,7 @@ from .reference import (TorchAttentionPlan, paged_attention_reference, paged_att
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
-           "describe_backend"]
+           "describe_backend", "linear_for", "small_batch_linear", "SMALL_BATCH_ROWS"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
@@ -47,6 +51,12 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def linear_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The linear layer a step on ``backend`` uses: with the compiled CPU kernels ("cpu"), their small-batch
+    matrix-vector loop for one to four token rows and torch for more; anywhere else torch's ``F.linear``."""
+    return small_batch_linear(head_dim) if backend == "cpu" else F.linear
 
 
 def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int | None = None) -> str:
@@ -92,7 +102,8 @@ def describe_backend(backend: str, device: torch.device, dtype: torch.dtype, hea
                      asked: str | None = None) -> str:
     """One line for the start-up messages: which attention code runs, and why not the compiled CPU kernel
     where it would have been the choice."""
-    text = {"triton": "Triton kernel", "cpu": "compiled C kernel for decodes (kernels/cpu_paged_attention.c)",
+    text = {"triton": "Triton kernel", "cpu": "compiled C kernels for decodes (kernels/cpu_paged_attention.c) "
+                                             "and for steps of 1-4 tokens (kernels/cpu_matvec.c)",
             "torch": "torch ops", "reference": "the one-request-at-a-time reference"}[backend]
     if backend == "torch" and asked is None and device.type == "cpu" and dtype == torch.float32:
         text += f" (the compiled CPU kernel is unavailable: {cpu_kernel_problem(head_dim)})"

@@ -1,4 +1,5 @@
-"""The compiled CPU decode kernel (cpu_paged_attention.c): built on first use, cached, called with ctypes.
+"""The compiled CPU kernels (cpu_paged_attention.c, the decode attention, and cpu_matvec.c, small-batch
+matrix-vector products, in one shared library): built on first use, cached, called with ctypes.
 
 Why C and ctypes, not a torch C++ extension: the kernel needs no torch headers, so the machine's C compiler
 builds it in well under a second (a torch extension takes a minute), and the shared library lands in
@@ -26,6 +27,7 @@ from torch.profiler import record_function
 
 PROFILER_NAME = "minipaged::paged_decode_attention_cpu"
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_matvec.c"))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -68,7 +70,8 @@ def _build(head_dim: int, *, again: bool = False) -> Path:
     if compiler is None:
         raise CpuKernelUnavailable("no C compiler found (cc, gcc or clang); install one (Debian: apt install gcc; "
                                    "macOS: xcode-select --install) or set CC")
-    identity = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), str(head_dim).encode(),
+    identity = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES), compiler.encode(),
+                                          str(head_dim).encode(),
                                           _cpu_name().encode(), repr(COMPILE_FLAG_SETS).encode()])).hexdigest()[:16]
     target = _cache_dir() / f"cpu_paged_attention-hd{head_dim}-{identity}.so"
     if target.exists() and not again:
@@ -84,15 +87,17 @@ def _build(head_dim: int, *, again: bool = False) -> Path:
 def _compile(compiler: str, head_dim: int, target: Path) -> Path:
     errors = []
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        objects, lib = [Path(tmp) / f"{source.stem}.o" for source in SOURCES], Path(tmp) / "kernel.so"
         for flags in COMPILE_FLAG_SETS:
             openmp = ["-fopenmp"] if "-fopenmp" in flags else []
-            compile_cmd = [compiler, "-c", "-fPIC", f"-DHEAD_DIM={head_dim}", *flags, str(SOURCE), "-o", str(obj)]
-            link_cmd = [compiler, "-shared", *openmp, str(obj), "-o", str(lib), "-lm"]
+            commands = [[compiler, "-c", "-fPIC", f"-DHEAD_DIM={head_dim}", *flags, str(source), "-o", str(obj)]
+                        for source, obj in zip(SOURCES, objects)]
+            commands.append([compiler, "-shared", *openmp, *map(str, objects), "-o", str(lib), "-lm"])
             try:
-                done = subprocess.run(compile_cmd, capture_output=True, text=True, timeout=120)
-                if done.returncode == 0:
-                    done = subprocess.run(link_cmd, capture_output=True, text=True, timeout=120)
+                for command in commands:
+                    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+                    if done.returncode != 0:
+                        break
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise CpuKernelUnavailable(f"could not run the C compiler {compiler!r}: {e}") from e
             if done.returncode == 0:
@@ -100,7 +105,8 @@ def _compile(compiler: str, head_dim: int, target: Path) -> Path:
                 return target
             last_line = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             errors.append(f"[{' '.join(flags)}] {last_line}")
-    raise CpuKernelUnavailable(f"{compiler} could not build {SOURCE.name}: " + "; ".join(errors))
+    raise CpuKernelUnavailable(f"{compiler} could not build {' and '.join(source.name for source in SOURCES)}: "
+                               + "; ".join(errors))
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,6 +126,9 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
     fn = library.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn = library.small_batch_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
 
 

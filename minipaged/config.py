@@ -95,7 +95,8 @@ class EngineConfig:
     # None: the engine picks the attention code from the device (triton on CUDA; on a CPU in float32 the
     # compiled kernel when a C compiler builds it, torch otherwise); naming one forces it, e.g. to compare.
     attention_backend: Optional[AttentionBackend] = field(default=None, metadata={
-        "help": "attention code: triton (CUDA), cpu (compiled C decode kernel), torch (plain torch ops)",
+        "help": "attention code: triton (CUDA), cpu (compiled C kernels: decode attention, and matmuls for steps of "
+                "1-4 tokens), torch (plain torch ops)",
         "shown_default": "triton on CUDA, cpu where it builds, else torch"})
     # Parallelism (minipaged.parallel): world size = tp x pp processes, rank 0 being the engine's own.
     tensor_parallel_size: int = field(default=1, metadata={

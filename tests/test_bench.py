@@ -193,16 +193,14 @@ def test_decode_floor_measures_floor_and_engine_steps_in_turns_and_leaves_nothin
     import decode_floor
     engine = Engine(tiny_model, block_size=4, num_blocks=64, max_num_seqs=3, enable_prefix_caching=False)
     order: list[str] = []
-    make_pass = decode_floor.matmul_pass
-
-    def recording_pass(*args, **kwargs):
-        run_once = make_pass(*args, **kwargs)
-        return lambda: (order.append("floor"), run_once())[1]
-    monkeypatch.setattr(decode_floor, "matmul_pass", recording_pass)
+    run_floor = decode_floor.matmul_pass(engine.model, 3)
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: (order.append("step"), step())[1])
 
-    floor_ms, step_ms = decode_floor.side_by_side_ms(engine.model, [engine], batch=3, context=6, steps=5)
+    def floor_pass() -> float:
+        order.append("floor")
+        return run_floor()
+    floor_ms, step_ms = decode_floor.side_by_side_ms([floor_pass], [engine], batch=3, context=6, steps=5)
     assert floor_ms > 0 and step_ms > 0
     decodes = order[order.index("floor"):]              # from the first floor pass on: prefills are done
     assert decodes == ["floor"] + ["floor", "step"] * 5   # a warm-up pass, then 5 turns

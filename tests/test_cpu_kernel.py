@@ -136,6 +136,27 @@ def test_a_step_builds_the_kernel_only_for_the_models_head_size(monkeypatch):
     assert asked and set(asked) == {32}
 
 
+def test_small_batch_linear_matches_torch_and_leaves_the_rest_to_it():
+    """The compiled matrix-vector loop (1-4 token rows) gives F.linear's values to rounding, for widths that
+    are and are not multiples of a vector; more rows, other dtypes and strided weights go to torch itself."""
+    import torch.nn.functional as F
+    from minipaged.kernels import SMALL_BATCH_ROWS, small_batch_linear
+    linear = small_batch_linear(64)
+    gen = torch.Generator().manual_seed(4)
+    for rows in range(1, SMALL_BATCH_ROWS + 1):
+        for out_features, in_features in ((1, 7), (33, 64), (1000, 577)):
+            x = torch.randn(rows, in_features, generator=gen)
+            weight = torch.randn(out_features, in_features, generator=gen)
+            assert linear.handles(x, weight)
+            # sums of up to 577 products of numbers near 1, in another order: rounding differs by ~1e-5
+            torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    x, weight = torch.randn(SMALL_BATCH_ROWS + 1, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    strided = torch.randn(64, 40, generator=gen).t()
+    for args in ((x, weight), (x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x[:0], weight)):
+        assert not linear.handles(*args)
+        assert torch.equal(linear(*args), F.linear(*args))
+
+
 def test_asking_for_it_where_it_cannot_run_says_what_to_do(tiny_model):
     with pytest.raises(ConfigError, match="runs on the CPU in float32.*attention_backend='torch'"):
         Engine(tiny_model, attention_backend="cpu", dtype="bfloat16", num_blocks=16)

@@ -55,6 +55,23 @@ def test_logits_match_transformers_for_a_batch_decoded_together(fixture, lm_head
         assert out.token_ids == theirs.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("attention_backend", [None, "torch"])
+def test_one_request_alone_matches_transformers(tiny_model_untied, attention_backend):
+    """A request decoding alone is the small-batch case: on the default CPU backend every projection and the
+    LM head of its decode steps run through the compiled matrix-vector loop, on the torch backend F.linear."""
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend=attention_backend)
+    assert engine.backend == (attention_backend or "cpu")
+    prompt = random_prompts(random.Random(11), 1, 5, 30)
+    outs, captured, _ = run_and_capture_logits(engine, prompt, max_tokens=10)
+    out = outs[0]
+    with torch.no_grad():
+        ref = engine.loaded.hf_model(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0].float()
+    n_prompt = len(out.prompt_token_ids)
+    theirs = ref[n_prompt - 1:n_prompt - 1 + len(out.token_ids)]
+    torch.testing.assert_close(torch.stack(captured[out.request_id]), theirs, atol=2e-5, rtol=1e-4)
+    assert out.token_ids == theirs.argmax(-1).tolist()
+
+
 def test_greedy_tokens_match_transformers_generate(tiny_model_untied):
     engine = Engine(tiny_model_untied, block_size=8, num_blocks=64)
     prompts = random_prompts(random.Random(3), 6, 1, 40)

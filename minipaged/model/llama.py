@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from minipaged.kernels import paged_attention, plan_attention, write_kv
+from minipaged.kernels import SMALL_BATCH_ROWS, linear_for, paged_attention, plan_attention, write_kv
 
 
 @dataclass
@@ -54,6 +54,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # Vocabulary rows per slice when a CPU computes the LM head (see vocab_sliced_linear).
 LM_HEAD_SLICE_ROWS = 1024
+
+
+def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
+    """The LM head: the step's ``linear`` for a handful of rows when it is the compiled matrix-vector loop
+    (which streams the weight once, whatever its size), else ``vocab_sliced_linear``."""
+    if linear is not F.linear and x.shape[0] <= SMALL_BATCH_ROWS:
+        return linear(x, weight)
+    return vocab_sliced_linear(x, weight)
 
 
 def vocab_sliced_linear(x: torch.Tensor, weight: torch.Tensor, rows_per_slice: Optional[int] = None) -> torch.Tensor:
@@ -148,11 +156,12 @@ class CompactLlama:
                 kv_cache: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Compute logits for the rows in ``logits_indices`` (the last token of each finished prefill/decode)."""
         h = self.run_layers(self.embed[input_ids], positions, meta, kv_cache)
-        return self.final_logits(h[logits_indices], self.lm_head)
+        return self.final_logits(h[logits_indices], self.lm_head, meta.backend)
 
-    def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """The last norm and the LM head (or, under tensor parallelism, this rank's slice of its rows)."""
-        return vocab_sliced_linear(rms_norm(h, self.final_norm, self.eps), lm_head).float()
+        x = rms_norm(h, self.final_norm, self.eps)
+        return lm_head_logits(x, lm_head, linear_for(backend, self.head_dim)).float()
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
@@ -176,9 +185,10 @@ class CompactLlama:
         # same for every layer: work it out once here, not 30 times.
         attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                          meta.host_query_start_loc, backend=meta.backend)
+        linear = linear_for(meta.backend, self.head_dim)     # F.linear, or the compiled one for a few rows
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, self.eps)
-            qkv = F.linear(x, w.qkv)
+            qkv = linear(x, w.qkv)
             # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
             qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -189,8 +199,8 @@ class CompactLlama:
                      all_slots_new=meta.all_slots_new)
             attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    self.scale, backend=meta.backend, **attention_hints)
-            h += reduce(F.linear(attn.reshape(num_tokens, q_size), w.o))
+            h += reduce(linear(attn.reshape(num_tokens, q_size), w.o))
             x = rms_norm(h, w.post_norm, self.eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h += reduce(F.linear(F.silu(gate).mul_(up), w.down))         # in place: one tensor fewer
+            gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
+            h += reduce(linear(F.silu(gate).mul_(up), w.down))         # in place: one tensor fewer
         return h

@@ -110,7 +110,7 @@ class ShardedLlama(CompactLlama):
             h = self.run_layers(h, positions, meta, kv_cache, all_reduce)
             if not self.is_last_stage:
                 return h
-            return self.final_logits(h[logits_indices], self.lm_head_rows)
+            return self.final_logits(h[logits_indices], self.lm_head_rows, meta.backend)
 
 
 def load_shard(model: str, layout: ParallelLayout, rank: int, dtype: torch.dtype, device: torch.device,
