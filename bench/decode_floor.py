@@ -1,11 +1,13 @@
 """How close is a decode step to the machine's matmul floor?
 
-The floor is what torch needs for the model's matmuls alone, with fused projections (q|k|v as one matrix,
-gate|up as one, o, down, and the LM head), random weights of the same shapes, the same threads, in the same
+The floor is the time the model's matmuls alone take, with fused projections (q|k|v as one matrix, gate|up as
+one, o, down, and the LM head), random weights of the same shapes, the same threads, done by the engine's
+own matmul code (torch's, except the compiled loop for 1-4 token rows and the sliced LM head), in the same
 run (taken in turns with the engine's steps: a floor pass, an engine step, and so on). A decode step can never
 be faster than that; everything above it is attention, norms, RoPE, sampling, scheduling and Python.
-Efficiency = floor / engine step. Where the engine's attention is the compiled CPU kernel, the same engine on
-the plain torch attention path is measured beside it, in the same turns.
+Efficiency = floor / engine step. Where the engine uses the compiled CPU kernels, the same engine on the
+plain torch path (torch attention, torch matmuls) is measured beside it, in the same turns, against the
+floor of torch's own matmuls.
 
     python bench/decode_floor.py [--model smollm2] [--batches 1 16 64] [--context 128] [--steps 20]
 
