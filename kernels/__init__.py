@@ -4,7 +4,7 @@ Backends:
     triton     the GPU path (triton_paged_attention.py): every request's queries in one kernel launch.
     cpu        the CPU path the engine picks when it can: decodes by the compiled C kernel
                (cpu_paged_attention.c), reading keys and values in place; prefill chunks as in ``torch``.
-               The same compiled library multiplies steps of one to four token rows by the weights
+               The same compiled library multiplies steps of one to seven token rows by the weights
                (cpu_matvec.c, ``linear_for``): such steps are bound by reading the weights.
     torch      plain torch ops (reference.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
@@ -55,7 +55,7 @@ def triton_available() -> bool:
 
 def linear_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The linear layer a step on ``backend`` uses: with the compiled CPU kernels ("cpu"), their small-batch
-    matrix-vector loop for one to four token rows and torch for more; anywhere else torch's ``F.linear``."""
+    matrix-vector loop for one to seven token rows and torch for more; anywhere else torch's ``F.linear``."""
     return small_batch_linear(head_dim) if backend == "cpu" else F.linear
 
 
@@ -103,7 +103,7 @@ def describe_backend(backend: str, device: torch.device, dtype: torch.dtype, hea
     """One line for the start-up messages: which attention code runs, and why not the compiled CPU kernel
     where it would have been the choice."""
     text = {"triton": "Triton kernel", "cpu": "compiled C kernels for decodes (kernels/cpu_paged_attention.c) "
-                                             "and for steps of 1-4 tokens (kernels/cpu_matvec.c)",
+                                             "and for steps of 1-7 tokens (kernels/cpu_matvec.c)",
             "torch": "torch ops", "reference": "the one-request-at-a-time reference"}[backend]
     if backend == "torch" and asked is None and device.type == "cpu" and dtype == torch.float32:
         text += f" (the compiled CPU kernel is unavailable: {cpu_kernel_problem(head_dim)})"

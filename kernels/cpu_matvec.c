@@ -1,15 +1,16 @@
 /*
- * out = x @ weight.T for a handful of token rows: the matrix-vector products of a small decode batch.
+ * out = x @ weight.T for a handful of token rows (up to 7): the matrix-vector products of a small decode batch.
  *
  * Why it exists: a decode step with one request (`minipaged generate`, a speculative draft, the verification
- * of a few drafted tokens) multiplies each weight matrix by one to four token rows. That is memory-bound: the
+ * of a few drafted tokens) multiplies each weight matrix by one to seven token rows. That is memory-bound: the
  * step must read every weight once (SmolLM2: 540 MB), and does two flops per weight it reads. torch's CPU
  * matmul is built for large products and streams the weights here at about half the machine's speed; this
  * loop reads each weight row once, in order, and takes its dot product with every token row while the
  * weight row is in the L1 cache. Measured on the CI machine (2-core AMD EPYC, one thread, SmolLM2's 30 layers
  * of q|k|v, o, gate|up and down, weights far larger than the caches): 1 row 34.9 -> 17.2 ms, 2 rows 57.7
- * -> 20.9 ms, 4 rows 46.0 -> 31.7 ms; at 8 rows torch is faster (54.2 vs 56.8 ms), so the engine uses this
- * up to 4 (minipaged/kernels/cpu_linear.py).
+ * -> 20.9 ms, 4 rows 46.0 -> 31.7 ms, 5 rows 54.3 -> 36.5 ms, 6 rows 56.0 -> 41.8 ms, 7 rows 61.9 -> 48.5 ms; at
+ * 8 rows torch is as fast or faster (54.2 vs 56.8, 59.6 vs 62.9 ms), so the engine uses this up to 7
+ * (minipaged/kernels/cpu_linear.py). That covers checking 3 or 5 drafted tokens of one request.
  *
  * weight [rows, cols] contiguous float32 (nn.Linear's layout: one output per row)
  * x      [batch, cols] contiguous float32

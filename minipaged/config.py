@@ -96,7 +96,7 @@ class EngineConfig:
     # compiled kernel when a C compiler builds it, torch otherwise); naming one forces it, e.g. to compare.
     attention_backend: Optional[AttentionBackend] = field(default=None, metadata={
         "help": "attention code: triton (CUDA), cpu (compiled C kernels: decode attention, and matmuls for steps of "
-                "1-4 tokens), torch (plain torch ops)",
+                "1-7 tokens), torch (plain torch ops)",
         "shown_default": "triton on CUDA, cpu where it builds, else torch"})
     # Parallelism (minipaged.parallel): world size = tp x pp processes, rank 0 being the engine's own.
     tensor_parallel_size: int = field(default=1, metadata={
