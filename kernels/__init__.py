@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .cpu_linear import SMALL_BATCH_ROWS, small_batch_linear
+from .cpu_linear import SMALL_BATCH_ROWS, SmallBatchLinear, small_batch_linear
 from .cpu_paged_attention import (can_use_cpu_kernel, check_decode_inputs, cpu_kernel_available, cpu_kernel_problem,
                                   paged_decode_attention_cpu)
 from .reference import (TorchAttentionPlan, paged_attention_reference, paged_attention_torch, plan_torch_attention,
@@ -31,7 +31,7 @@ from .reference import (TorchAttentionPlan, paged_attention_reference, paged_att
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
-           "describe_backend", "linear_for", "small_batch_linear", "SMALL_BATCH_ROWS"]
+           "describe_backend", "linear_for", "small_batch_linear", "SmallBatchLinear", "SMALL_BATCH_ROWS"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
