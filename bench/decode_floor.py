@@ -2,7 +2,7 @@
 
 The floor is the time the model's matmuls alone take, with fused projections (q|k|v as one matrix, gate|up as
 one, o, down, and the LM head), random weights of the same shapes, the same threads, done by the engine's
-own matmul code (torch's, except the compiled loop for 1-4 token rows and the sliced LM head), in the same
+own matmul code (torch's, except the compiled loop for 1-7 token rows and the sliced LM head), in the same
 run (taken in turns with the engine's steps: a floor pass, an engine step, and so on). A decode step can never
 be faster than that; everything above it is attention, norms, RoPE, sampling, scheduling and Python.
 Efficiency = floor / engine step. Where the engine uses the compiled CPU kernels, the same engine on the
@@ -226,8 +226,8 @@ def main() -> None:
                                     "kv_mib": kv_bytes / 2**20, "kv_read_ms": kv_ms,
                                     "efficiency_incl_kv_read": (floor + kv_ms) / step}
         line = f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}"
-        if side_by_side:
-            torch_floor, torch_step = medians[1], medians[3]
+        if side_by_side:                 # the torch path's own floor pass, and its engine after the default one
+            torch_floor, torch_step = medians[1], medians[len(floor_passes) + 1]
             row += [torch_floor, torch_step, torch_floor / torch_step]
             record["batches"][batch].update(torch_floor_ms=torch_floor, torch_path_ms=torch_step,
                                             torch_path_efficiency=torch_floor / torch_step)

@@ -8,14 +8,12 @@ order), as any change of matmul kernel gives.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from .cpu_paged_attention import _profiling, load_kernel
+from .cpu_paged_attention import load_kernel, profiler_name
 
 # Up to this many token rows the compiled loop is faster than torch (measured: 1 to 7 rows faster,
 # 8 rows as fast or slower; cpu_matvec.c has the figures).
@@ -39,7 +37,7 @@ class SmallBatchLinear:
             return F.linear(x, weight)
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        with record_function(PROFILER_NAME) if _profiling() else contextlib.nullcontext():
+        with profiler_name(PROFILER_NAME):
             self.library.small_batch_linear(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0],
                                             weight.shape[0], weight.shape[1], torch.get_num_threads())
         return out

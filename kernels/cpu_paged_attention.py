@@ -163,6 +163,12 @@ def _profiling() -> bool:
     return getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
 
 
+def profiler_name(name: str) -> contextlib.AbstractContextManager:
+    """Name a C call for torch.profiler, which cannot see it otherwise; naming costs ~40 us, so only while a
+    profiler records."""
+    return record_function(name) if _profiling() else contextlib.nullcontext()
+
+
 def check_decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
                         block_size: int) -> None:
     """C reads whatever address it is given: a bad block id or length would read outside the cache (or
@@ -197,8 +203,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if not checked:
         check_decode_inputs(tables, lens, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty(num_reqs, num_heads, head_dim, dtype=torch.float32)
-    # A C call is invisible to torch.profiler unless named; naming it costs ~40 us, so only while profiling.
-    with record_function(PROFILER_NAME) if _profiling() else contextlib.nullcontext():
+    with profiler_name(PROFILER_NAME):
         failed = library.paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             out.data_ptr(), num_reqs, num_heads, k_cache.shape[2], k_cache.shape[1], tables.shape[1], q.stride(0),
