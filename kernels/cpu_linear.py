@@ -29,7 +29,10 @@ class SmallBatchLinear:
         self.library = load_kernel(head_dim)      # the kernels' one shared library (built per head size)
 
     def handles(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.dim() == 2 and 1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == weight.dtype == torch.float32
+        # The C loop takes the row length from the weight: an x of another width would be read past its end,
+        # so a mismatch goes to torch, which raises its own error.
+        return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+                and 1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == weight.dtype == torch.float32
                 and x.device.type == weight.device.type == "cpu" and weight.is_contiguous())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

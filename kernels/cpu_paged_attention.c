@@ -129,7 +129,9 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
         }
 
         /* Weighted sum of values: again one pass over the tokens, every head at once. Near the end, the
-         * rows asked for ahead are the next request's first K rows. */
+         * rows asked for ahead are the next request's first K rows (measured with one thread, where this
+         * thread takes request r + 1 next; with several, another core may take it, and the prefetch only
+         * costs a few wasted loads: it never reads outside the checked tables). */
         const int64_t next_n = r + 1 < num_reqs ? seq_lens[r + 1] : 0;
         const int64_t *next_table = table + max_blocks;
         memset(out_r, 0, sizeof(float) * num_heads * HEAD_DIM);

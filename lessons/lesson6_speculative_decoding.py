@@ -136,5 +136,5 @@ QUIZ = [
         "Quoting its input at batch {{smollm2.batch_1}} it was {{smollm2.grounded_b1_ngram_k3_speedup:.2f}}x "
         "as fast as without; at batch {{smollm2.batch_64}} {{smollm2.grounded_b64_ngram_k3_speedup:.2f}}x; on "
         "open questions at batch {{smollm2.batch_1}} {{smollm2.open_b1_ngram_k3_speedup:.2f}}x: a big batch "
-        "already keeps the CPU busy, and guesses that are rarely right cost more than they save."),
+        "already keeps the CPU busy, and guesses that are rarely right save little or nothing."),
 ]

@@ -155,6 +155,16 @@ def test_small_batch_linear_matches_torch_and_leaves_the_rest_to_it():
     for args in ((x, weight), (x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x[:0], weight)):
         assert not linear.handles(*args)
         assert torch.equal(linear(*args), F.linear(*args))
+    # A strided x is copied first (the loop reads rows end to end), and gives the same values.
+    x_strided = torch.randn(64, 3, generator=gen).t()
+    torch.testing.assert_close(linear(x_strided, weight), F.linear(x_strided, weight), rtol=1e-5, atol=1e-4)
+    # Widths that disagree are torch's to refuse: the loop would read past the end of a narrower x.
+    for bad_x in (torch.randn(2, 63), torch.randn(2, 65)):
+        assert not linear.handles(bad_x, weight)
+        with pytest.raises(RuntimeError):
+            linear(bad_x, weight)
+    assert not linear.handles(x[:2], weight[0])            # a 1-D weight: torch's own (vector) semantics
+    assert torch.equal(linear(x[:2], weight[0]), F.linear(x[:2], weight[0]))
 
 
 def test_asking_for_it_where_it_cannot_run_says_what_to_do(tiny_model):

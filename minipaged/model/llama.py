@@ -72,7 +72,8 @@ def vocab_sliced_linear(x: torch.Tensor, weight: torch.Tensor, rows_per_slice: O
     In slices of 1024 vocabulary rows each product's output stays in cache, and every logit is still one dot
     product over the hidden size (SmolLM2's logits came out bit-identical on the CI machine; a slice that
     leaves a ragged remainder can round its last digit differently, as any change of matmul tiling can).
-    Measured there, one thread, interleaved runs: 64 rows 64 -> 47 ms, 16 rows 30 -> 24 ms, 2 rows 23 -> 16 ms;
+    Measured there, one thread, interleaved runs: 64 rows 64 -> 47 ms, 16 rows 30 -> 24 ms, 2 rows 23 -> 16 ms
+    (up to 7 rows this applies only on the torch backend; the cpu backend's compiled loop takes those rows);
     one row gains nothing from slicing (the compiled loop of ``lm_head_logits`` does: 9.8 -> 4.3 ms), nor do
     the layers' smaller matrices. A GPU's matmul has no such problem: there this is plain ``F.linear``.
     """
