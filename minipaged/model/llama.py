@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.kernels import SmallBatchLinear, linear_for, paged_attention, plan_attention, write_kv
+from minipaged.memory import zeros_on_huge_pages
 
 
 @dataclass
@@ -145,9 +146,13 @@ class CompactLlama:
         return self._cos, self._sin
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
-        """One tensor for the whole pool: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]."""
-        return torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                           dtype=self.dtype, device=device or self.device)
+        """One tensor for the whole pool: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]
+        (on a CPU, in memory that Linux may back with huge pages: see ``zeros_on_huge_pages``)."""
+        shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        device = torch.device(device or self.device)
+        if device.type == "cpu":
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
