@@ -5,7 +5,9 @@ Backends:
     cpu        the CPU path the engine picks when it can: decodes by the compiled C kernel
                (cpu_paged_attention.c), reading keys and values in place; prefill chunks as in ``torch``.
                The same compiled library multiplies steps of one to seven token rows by the weights
-               (cpu_matvec.c, ``linear_for``): such steps are bound by reading the weights.
+               (cpu_matvec.c, ``linear_for``): such steps are bound by reading the weights; runs each
+               layer's norms, RoPE with the K/V write, and SiLU in one call each (cpu_layer_ops.c,
+               ``CpuLayerOps``); and takes greedy sampling's argmax (cpu_argmax.c, ``argmax_for``).
     torch      plain torch ops (reference.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
     reference  the readable specification, one request at a time: tests compare the others with it.
@@ -22,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .cpu_argmax import CpuArgmax, torch_argmax
+from .cpu_layer_ops import CpuLayerOps, cpu_layer_ops
 from .cpu_linear import SMALL_BATCH_ROWS, SmallBatchLinear, small_batch_linear
 from .cpu_paged_attention import (can_use_cpu_kernel, check_decode_inputs, cpu_kernel_available, cpu_kernel_problem,
                                   paged_decode_attention_cpu)
@@ -31,7 +35,8 @@ from .reference import (TorchAttentionPlan, paged_attention_reference, paged_att
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
-           "describe_backend", "linear_for", "small_batch_linear", "SmallBatchLinear", "SMALL_BATCH_ROWS"]
+           "describe_backend", "linear_for", "small_batch_linear", "SmallBatchLinear", "SMALL_BATCH_ROWS",
+           "cpu_layer_ops", "CpuLayerOps", "argmax_for"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
@@ -57,6 +62,11 @@ def linear_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor, to
     """The linear layer a step on ``backend`` uses: with the compiled CPU kernels ("cpu"), their small-batch
     matrix-vector loop for one to seven token rows and torch for more; anywhere else torch's ``F.linear``."""
     return small_batch_linear(head_dim) if backend == "cpu" else F.linear
+
+
+def argmax_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Greedy sampling's argmax on ``backend``: compiled with the CPU kernels ("cpu"), torch's anywhere else."""
+    return CpuArgmax(head_dim) if backend == "cpu" else torch_argmax
 
 
 def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int | None = None) -> str:
@@ -153,7 +163,10 @@ def _checked_cpu_decode(hints: dict[str, Any], block_tables: torch.Tensor, seq_l
     if plan.num_decodes and not plan.decode_indices_checked:
         check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, k_cache.shape[0], k_cache.shape[1])
         plan.decode_indices_checked = True
-    return functools.partial(paged_decode_attention_cpu, checked=True)
+    return _CHECKED_CPU_DECODE
+
+
+_CHECKED_CPU_DECODE = functools.partial(paged_decode_attention_cpu, checked=True)
 
 
 def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],

@@ -31,9 +31,10 @@ class SmallBatchLinear:
     def handles(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # The C loop takes the row length from the weight: an x of another width would be read past its end,
         # so a mismatch goes to torch, which raises its own error.
-        return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-                and 1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == weight.dtype == torch.float32
-                and x.device.type == weight.device.type == "cpu" and weight.is_contiguous())
+        # (Asked for every matmul of every step: the row count first, which settles most of them.)
+        return (1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dim() == 2 and weight.dim() == 2
+                and x.shape[1] == weight.shape[1] and x.dtype == weight.dtype == torch.float32
+                and x.is_cpu and weight.is_cpu and weight.is_contiguous())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self.handles(x, weight):

@@ -1,5 +1,6 @@
-"""The compiled CPU kernels (cpu_paged_attention.c, the decode attention, and cpu_matvec.c, small-batch
-matrix-vector products, in one shared library): built on first use, cached, called with ctypes.
+"""The compiled CPU kernels, in one shared library: cpu_paged_attention.c (the decode attention),
+cpu_matvec.c (small-batch matrix-vector products), cpu_layer_ops.c (a layer's norms, RoPE and K/V writes,
+SiLU) and cpu_argmax.c (greedy sampling); built on first use, cached, called with ctypes.
 
 Why C and ctypes, not a torch C++ extension: the kernel needs no torch headers, so the machine's C compiler
 builds it in well under a second (a torch extension takes a minute), and the shared library lands in
@@ -27,7 +28,7 @@ from torch.profiler import record_function
 
 PROFILER_NAME = "minipaged::paged_decode_attention_cpu"
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-SOURCES = (SOURCE, Path(__file__).with_name("cpu_matvec.c"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c")))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -129,6 +130,18 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
     fn = library.small_batch_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = library.add_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    fn = library.rope_and_write_kv
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    fn = library.silu_and_mul
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    fn = library.argmax_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return library
 
 
@@ -147,9 +160,10 @@ def cpu_kernel_available(head_dim: int = 64) -> bool:
 
 
 def kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The kernel reads the memory directly: float32 CPU tensors, and caches laid out contiguously."""
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache))
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
+    """The kernel reads the memory directly: float32 CPU tensors, and caches laid out contiguously. (Asked
+    on every layer of every step: written out rather than as a loop, which costs a few microseconds more.)"""
+    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and q.is_cpu and k_cache.is_cpu
+            and v_cache.is_cpu and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def can_use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -163,10 +177,13 @@ def _profiling() -> bool:
     return getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
 
 
+_UNNAMED = contextlib.nullcontext()            # reusable: nothing to enter or leave
+
+
 def profiler_name(name: str) -> contextlib.AbstractContextManager:
     """Name a C call for torch.profiler, which cannot see it otherwise; naming costs ~40 us, so only while a
     profiler records."""
-    return record_function(name) if _profiling() else contextlib.nullcontext()
+    return record_function(name) if _profiling() else _UNNAMED
 
 
 def check_decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,

@@ -33,7 +33,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .kernels import describe_backend, engine_backend
+from .kernels import argmax_for, describe_backend, engine_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -112,7 +112,7 @@ class Engine:
             self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
                 model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
                 config.distributed_timeout))
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, argmax_for(self.backend, self.model.head_dim))
         self.outputs = OutputProcessor(self.tokenizer)
         self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
             spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,

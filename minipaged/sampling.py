@@ -7,7 +7,7 @@ which other requests share the batch, so seeded outputs are reproducible under a
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -17,8 +17,10 @@ logger = logging.getLogger("minipaged.sampling")
 
 
 class Sampler:
-    def __init__(self, engine_seed: int) -> None:
+    def __init__(self, engine_seed: int,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)) -> None:
         self.engine_seed = engine_seed
+        self.argmax = argmax               # [rows, vocab] -> [rows]: the engine's backend may bring a faster one
         self._generators: dict[str, torch.Generator] = {}
 
     def generator_for(self, req: Request) -> torch.Generator:
@@ -37,7 +39,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[Optional[int]]:
         """logits: [len(requests), vocab] float32. Returns one token id per request, or None for a request
         whose sampling failed: the engine aborts that one request and serves the others."""
-        tokens: list[Optional[int]] = logits.argmax(dim=-1).tolist()
+        tokens: list[Optional[int]] = self.argmax(logits).tolist()
         for row, req in enumerate(requests):
             if not req.params.greedy:
                 try:

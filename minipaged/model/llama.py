@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from minipaged.kernels import SmallBatchLinear, linear_for, paged_attention, plan_attention, write_kv
+from minipaged.kernels import SmallBatchLinear, cpu_layer_ops, linear_for, paged_attention, plan_attention, write_kv
 from minipaged.memory import zeros_on_huge_pages
 
 
@@ -94,6 +94,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     rotate_half(x) * sin = roll(x, half) * signed_sin, with the minus sign kept in the table
     (signed_sin = [-sin1, sin2]); negating is exact, so nothing rounds differently."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class TorchLayerOps:
+    """A layer's small operations as torch operators: the specification (transformers' own math), used on GPUs
+    and on the torch backend. The cpu backend runs the same three in compiled C (``CpuLayerOps``,
+    kernels/cpu_layer_ops.c), one call each instead of a dozen operators; the layer loop does not know which."""
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """Add ``delta`` (the last sublayer's output) to the residual stream in place, then normalise it."""
+        if delta is not None:
+            residual += delta
+        return rms_norm(residual, weight, eps)
+
+    def rope_and_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          *, backend: Optional[str] = None, all_slots_new: bool = False) -> torch.Tensor:
+        """Rotate queries and keys, write the new tokens' keys and values to the cache; return the queries."""
+        num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+        q_and_k = (num_heads + num_kv_heads) * head_dim
+        # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
+        qk = qkv[:, :q_and_k].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        q, k = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, q_and_k:].view(num_tokens, num_kv_heads, head_dim)
+        write_kv(k, v, k_cache, v_cache, slot_mapping, backend=backend, all_slots_new=all_slots_new)
+        return q
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's middle: silu(gate) * up, from the fused gate|up output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)                         # in place: one tensor fewer
+
+
+TORCH_LAYER_OPS = TorchLayerOps()
+
+
+def layer_ops_for(backend: Optional[str], head_dim: int):
+    """The compiled layer ops for the cpu backend (float32 on a CPU, kernels built), torch's anywhere else."""
+    return cpu_layer_ops(head_dim) if backend == "cpu" else TORCH_LAYER_OPS
 
 
 class CompactLlama:
@@ -181,32 +220,28 @@ class CompactLlama:
         this step and nothing else (an embedding lookup, or the hidden states a pipeline stage received).
         """
         cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
-        cos = cos_table[positions].unsqueeze(1)               # [T, 1, head_dim]
-        sin = sin_table[positions].unsqueeze(1)
+        cos, sin = cos_table[positions], sin_table[positions]           # [T, head_dim]: this step's rows
         num_tokens = h.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
         reduce = all_reduce or (lambda partial: partial)
         # What attention needs to know about the step (which rows are decodes, their blocks, masks) is the
         # same for every layer: work it out once here, not 30 times.
         attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                          meta.host_query_start_loc, backend=meta.backend)
         linear = linear_for(meta.backend, self.head_dim)     # F.linear, or the compiled one for a few rows
+        ops = layer_ops_for(meta.backend, self.head_dim)     # norms, RoPE, SiLU: torch's, or compiled
+        mlp_out = None              # each sublayer's output joins the residual stream inside the next norm
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, self.eps)
+            x = ops.add_rms_norm(h, mlp_out, w.input_norm, self.eps)
             qkv = linear(x, w.qkv)
-            # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             # Write first, then read: a request may attend to blocks another request fills in this step.
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend,
-                     all_slots_new=meta.all_slots_new)
+            q = ops.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                      self.num_kv_heads, backend=meta.backend, all_slots_new=meta.all_slots_new)
             attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    self.scale, backend=meta.backend, **attention_hints)
-            h += reduce(linear(attn.reshape(num_tokens, q_size), w.o))
-            x = rms_norm(h, w.post_norm, self.eps)
-            gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
-            h += reduce(linear(F.silu(gate).mul_(up), w.down))         # in place: one tensor fewer
+            attn_out = reduce(linear(attn.reshape(num_tokens, self.num_heads * self.head_dim), w.o))
+            x = ops.add_rms_norm(h, attn_out, w.post_norm, self.eps)
+            mlp_out = reduce(linear(ops.silu_and_mul(linear(x, w.gate_up)), w.down))
+        if mlp_out is not None:
+            h += mlp_out
         return h
