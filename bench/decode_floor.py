@@ -141,12 +141,15 @@ def side_by_side_ms(floor_passes: list[Callable[[], float]], engines: list[Engin
 
 
 # How the profiler's operators group into what a reader of the model code sees. Anything else that
-# computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops".
+# computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops", the compiled
+# layer ops and argmax of the cpu backend included (its RoPE call also writes the step's K/V to the cache).
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "minipaged::small_batch_linear"}
 ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
                  "aten::_index_put_impl_"}
+SMALL_OPS = {"minipaged::add_rms_norm", "minipaged::rope_and_write_kv", "minipaged::silu_and_mul",
+             "minipaged::argmax_rows"}
 # Operators that only make a new view of existing memory or allocate it: no arithmetic, no copy.
 METADATA_OPS = {"aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::transpose", "aten::t",
                 "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::expand",
@@ -182,7 +185,7 @@ def profile_step(engine: Engine, batch: int, context: int, steps: int = 5) -> di
             ms["matmul"] += self_ms
         elif op.key in ATTENTION_OPS:
             ms["attention"] += self_ms
-        elif op.key.startswith("aten::"):
+        elif op.key.startswith("aten::") or op.key in SMALL_OPS:
             ms["elementwise and small ops"] += self_ms
         if op.key.startswith(("aten::", "minipaged::")) and op.key not in METADATA_OPS:
             working_ops += op.count / steps

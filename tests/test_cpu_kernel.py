@@ -204,12 +204,19 @@ def test_the_profiler_sees_the_kernel_by_name():
     """bench/decode_floor.py splits a profiled step by operator: the C calls must show up as ones."""
     from torch.profiler import ProfilerActivity, profile
     q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=2)
-    from minipaged.kernels import small_batch_linear
+    from minipaged.kernels import argmax_for, cpu_layer_ops, small_batch_linear
+    ops = cpu_layer_ops(16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_decode_attention_cpu(q, k_cache, v_cache, tables.long().clamp(min=0), seq_lens, 0.25)
         small_batch_linear(16)(torch.randn(2, 16), torch.randn(5, 16))
+        ops.add_rms_norm(torch.randn(2, 16), None, torch.ones(16), 1e-5)
+        ops.rope_and_write_kv(torch.randn(1, 6 * 16), torch.ones(1, 16), torch.zeros(1, 16), k_cache, v_cache,
+                              torch.tensor([-1]), 2, 2)                 # 2 query heads, the caches' 2 KV heads
+        ops.silu_and_mul(torch.randn(2, 8))
+        argmax_for("cpu", 16)(torch.randn(2, 50))
     names = {op.key for op in prof.key_averages()}
-    assert {"minipaged::paged_decode_attention_cpu", "minipaged::small_batch_linear"} <= names
+    assert {"minipaged::paged_decode_attention_cpu", "minipaged::small_batch_linear", "minipaged::add_rms_norm",
+            "minipaged::rope_and_write_kv", "minipaged::silu_and_mul", "minipaged::argmax_rows"} <= names
 
 
 def test_a_damaged_cached_kernel_is_rebuilt_and_an_unwritable_cache_is_explained(tmp_path, monkeypatch):

@@ -148,9 +148,9 @@ class CompactLlama:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim ** -0.5
         inner = hf_model.model
-        self.embed = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
-        self.lm_head = hf_model.lm_head.weight            # the embedding itself when embeddings are tied
+        self.embed = inner.embed_tokens.weight.data
+        self.final_norm = inner.norm.weight.data
+        self.lm_head = hf_model.lm_head.weight.data       # the embedding itself when embeddings are tied
         self.layers = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -163,7 +163,6 @@ class CompactLlama:
                 post_norm=layer.post_attention_layernorm.weight.data,
                 gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
                 down=mlp.down_proj.weight.data))
-        self.embed, self.final_norm, self.lm_head = self.embed.data, self.final_norm.data, self.lm_head.data
         # RoPE tables from transformers' own rotary module, so every rope_type (default, llama3, ...) matches.
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
