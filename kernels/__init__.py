@@ -112,8 +112,9 @@ def describe_backend(backend: str, device: torch.device, dtype: torch.dtype, hea
                      asked: str | None = None) -> str:
     """One line for the start-up messages: which attention code runs, and why not the compiled CPU kernel
     where it would have been the choice."""
-    text = {"triton": "Triton kernel", "cpu": "compiled C kernels for decodes (kernels/cpu_paged_attention.c) "
-                                             "and for steps of 1-7 tokens (kernels/cpu_matvec.c)",
+    text = {"triton": "Triton kernel", "cpu": "compiled C kernels for decodes (kernels/cpu_paged_attention.c), "
+                                             "steps of 1-7 tokens (kernels/cpu_matvec.c), each layer's norms, "
+                                             "RoPE and SiLU (kernels/cpu_layer_ops.c) and greedy argmax",
             "torch": "torch ops", "reference": "the one-request-at-a-time reference"}[backend]
     if backend == "torch" and asked is None and device.type == "cpu" and dtype == torch.float32:
         text += f" (the compiled CPU kernel is unavailable: {cpu_kernel_problem(head_dim)})"
