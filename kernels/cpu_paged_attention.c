@@ -131,28 +131,35 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                 p_h[t] *= inv_sum;
         }
 
-        /* Weighted sum of values: again one pass over the tokens, every head at once. Near the end, the
-         * rows asked for ahead are the next request's first K rows (measured with one thread, where this
-         * thread takes request r + 1 next; with several, another core may take it, and the prefetch only
-         * costs a few wasted loads: it never reads outside the checked tables). */
+        /* Weighted sum of values: again one pass over the tokens, every head at once, two tokens a step.
+         * Each head's running sum lives in out_r, so every token costs a load and a store of all of them;
+         * taking two tokens a step halves that, which is what this pass waits on with the cache warm
+         * (batch 64, 138 tokens, 30 layers: 18.6 -> 16.6 ms in cache, 24.4 -> 23.0 ms from memory; four a
+         * step was slower from memory, 25.2 ms). Near the end, the rows asked for ahead are the next
+         * request's first K rows (measured with one thread, where this thread takes request r + 1 next;
+         * with several, another core may take it, and the prefetch only costs a few wasted loads: it never
+         * reads outside the checked tables). */
         const int64_t next_n = r + 1 < num_reqs ? seq_lens[r + 1] : 0;
         const int64_t *next_table = table + max_blocks;
         memset(out_r, 0, sizeof(float) * num_heads * HEAD_DIM);
-        for (int64_t t = 0; t < n; t++) {
-            const float *v_t = v_cache + row[t];
-            const int64_t ahead = t + PREFETCH_DISTANCE;
-            if (ahead < n)
-                prefetch_row(v_cache + row[ahead], token_stride);
-            else if (ahead - n < next_n)
-                prefetch_row(k_cache + row_start(next_table, ahead - n, block_size, token_stride), token_stride);
+        for (int64_t t = 0; t < n; t += 2) {
+            for (int64_t ahead = t + PREFETCH_DISTANCE; ahead < t + PREFETCH_DISTANCE + 2; ahead++) {
+                if (ahead < n)
+                    prefetch_row(v_cache + row[ahead], token_stride);
+                else if (ahead - n < next_n)
+                    prefetch_row(k_cache + row_start(next_table, ahead - n, block_size, token_stride),
+                                 token_stride);
+            }
+            const int64_t u = t + 1 < n ? t + 1 : t;      /* an odd count: the last token pairs with itself, */
+            const float *v_t = v_cache + row[t], *v_u = v_cache + row[u];            /* weighted 0 */
             for (int64_t g = 0, h = 0; g < num_kv_heads; g++) {
-                const float *v_tg = v_t + g * HEAD_DIM;
+                const float *v_tg = v_t + g * HEAD_DIM, *v_ug = v_u + g * HEAD_DIM;
                 for (int64_t j = 0; j < group; j++, h++) {
-                    const float weight = p[h * n + t];
+                    const float w_t = p[h * n + t], w_u = u > t ? p[h * n + u] : 0.f;
                     float *o = out_r + h * HEAD_DIM;
 #pragma omp simd
                     for (int d = 0; d < HEAD_DIM; d++)
-                        o[d] += weight * v_tg[d];
+                        o[d] += w_t * v_tg[d] + w_u * v_ug[d];
                 }
             }
         }
