@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from common import machine_line, random_token_prompts, save, table
 from minipaged import Engine, SamplingParams
 from minipaged.kernels import linear_for
+from minipaged.kernels.cpu_argmax import PROFILER_NAME as ARGMAX_NAME
+from minipaged.kernels.cpu_layer_ops import PROFILER_NAMES as LAYER_OP_NAMES
+from minipaged.kernels.cpu_linear import PROFILER_NAME as SMALL_BATCH_LINEAR_NAME
+from minipaged.kernels.cpu_paged_attention import PROFILER_NAME as DECODE_ATTENTION_NAME
 from minipaged.model.llama import lm_head_logits
 
 
@@ -143,13 +147,12 @@ def side_by_side_ms(floor_passes: list[Callable[[], float]], engines: list[Engin
 # How the profiler's operators group into what a reader of the model code sees. Anything else that
 # computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops", the compiled
 # layer ops and argmax of the cpu backend included (its RoPE call also writes the step's K/V to the cache).
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "minipaged::small_batch_linear"}
-ATTENTION_OPS = {"minipaged::paged_decode_attention_cpu",
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", SMALL_BATCH_LINEAR_NAME}
+ATTENTION_OPS = {DECODE_ATTENTION_NAME,
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
                  "aten::_index_put_impl_"}
-SMALL_OPS = {"minipaged::add_rms_norm", "minipaged::rope_and_write_kv", "minipaged::silu_and_mul",
-             "minipaged::argmax_rows"}
+SMALL_OPS = {*LAYER_OP_NAMES.values(), ARGMAX_NAME}
 # Operators that only make a new view of existing memory or allocate it: no arithmetic, no copy.
 METADATA_OPS = {"aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::transpose", "aten::t",
                 "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::_reshape_alias", "aten::expand",

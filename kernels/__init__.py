@@ -36,7 +36,7 @@ __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torc
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
            "describe_backend", "linear_for", "small_batch_linear", "SmallBatchLinear", "SMALL_BATCH_ROWS",
-           "cpu_layer_ops", "CpuLayerOps", "argmax_for"]
+           "cpu_layer_ops", "CpuLayerOps", "argmax_for", "torch_argmax"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 

@@ -10,6 +10,7 @@ PROFILER_NAME = "minipaged::argmax_rows"
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling's argmax as torch computes it: the sampler's default, and this kernel's fall-back."""
     return logits.argmax(dim=-1)
 
 

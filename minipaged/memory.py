@@ -6,6 +6,7 @@ never larger than every sequence at full length could use.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -94,9 +95,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     attention kernel 30.8 -> 25.5 ms over 30 layers; a whole decode step 267.8 -> 264.5 ms (batch 16:
     113.0 -> 112.2 ms). Elsewhere (macOS, Windows) this is ``torch.zeros``.
     """
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)

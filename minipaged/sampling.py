@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .kernels import torch_argmax
 from .request import Request, SamplingParams
 
 logger = logging.getLogger("minipaged.sampling")
@@ -18,7 +19,7 @@ logger = logging.getLogger("minipaged.sampling")
 
 class Sampler:
     def __init__(self, engine_seed: int,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
         self.engine_seed = engine_seed
         self.argmax = argmax               # [rows, vocab] -> [rows]: the engine's backend may bring a faster one
         self._generators: dict[str, torch.Generator] = {}
