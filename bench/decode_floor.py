@@ -10,6 +10,7 @@ plain torch path (torch attention, torch matmuls) is measured beside it, in the 
 floor of torch's own matmuls.
 
     python bench/decode_floor.py [--model smollm2] [--batches 1 16 64] [--context 128] [--steps 20]
+                                 [--no-profile] [--no-torch-path]
 
 It also splits each batch's profiled step into matmuls, attention (block gathers, K/V writes, the attention
 kernel), elementwise and small ops, and time outside any operator (Python), counts the operators per layer
@@ -204,12 +205,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--no-torch-path", dest="torch_path", action="store_false",
+                    help="time only the floor and the default engine in turns (no torch-path engine beside them)")
     args = ap.parse_args()
 
     engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False)
     # The same engine on the plain torch attention path, side by side, when the default is the compiled kernel.
     torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
-                          attention_backend="torch") if engine.backend != "torch" else None
+                          attention_backend="torch") if engine.backend != "torch" and args.torch_path else None
     side_by_side = torch_engine is not None
     rows, record = [], {"context": args.context, "attention_backend": engine.backend, "batches": {}}
     # Each engine against the floor of its own matmul code: the default engine's (the compiled loop for a few
