@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence
 from .request import SamplingParams
 
 DEFAULT_WORKLOAD = "shared-system-prompt"
+# The `watch` flags that shape a workload (a lesson and a replay bring their own workload, so they refuse these).
+WORKLOAD_ARG_NAMES = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant at a workshop about how large language models are served. "
