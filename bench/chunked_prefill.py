@@ -17,7 +17,10 @@ import random
 import statistics
 import time
 
-from common import OUT, drive, machine_line, percentile, save, table
+from minipaged.bench.report import BENCH_OUT as OUT
+from minipaged.bench.report import machine_line, percentile, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.run import drive
 from minipaged import Engine, SamplingParams
 
 

@@ -18,7 +18,9 @@ import argparse
 import tempfile
 import time
 
-from common import machine_line, random_token_prompts, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.requests import random_token_prompts
 from minipaged import Engine, SamplingParams
 from minipaged.model.testing import build_tiny_llama
 

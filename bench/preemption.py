@@ -12,7 +12,8 @@ import argparse
 import random
 import time
 
-from common import machine_line, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
 from minipaged import Engine, SamplingParams
 
 
