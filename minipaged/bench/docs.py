@@ -87,8 +87,13 @@ def engine_defaults() -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
 
 
+def short(value: float) -> str:
+    """Three significant digits, without switching to exponents for big values."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def ms(value: float) -> str:
-    return f"{value:.3g} ms"
+    return f"{short(value)} ms"
 
 
 def throughput_derived(r: dict[str, Any]) -> dict[str, Any]:
@@ -131,8 +136,8 @@ def spec_decode_table(r: dict[str, Any]) -> str:
 
 def chunked_prefill_table(r: dict[str, Any]) -> str:
     rows = [[x["budget"] if x["budget"] != "chunked off" else "chunked off (prefill-first)",
-             f"{x['itl_p99_ms'] / 1000:.3g} s", f"{x['ttft_long_s']:.3g} s", x["ttft_long_steps"],
-             f"{x['throughput_tok_s']:.3g} tok/s"] for x in r["results"]]
+             f"{short(x['itl_p99_ms'] / 1000)} s", f"{short(x['ttft_long_s'])} s", x["ttft_long_steps"],
+             f"{short(x['throughput_tok_s'])} tok/s"] for x in r["results"]]
     return markdown_table(["max_num_batched_tokens", "decoders' ITL p99", "long prompts' TTFT", "TTFT in steps",
                            "throughput"], rows)
 
@@ -146,14 +151,14 @@ def chunked_prefill_derived(r: dict[str, Any], default_budget: int) -> dict[str,
 
 def preemption_table(r: dict[str, Any]) -> str:
     rows = [["big pool (no preemption)" if x["mode"].startswith("none") else x["mode"],
-             f"{x['throughput_tok_s']:.3g} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
+             f"{short(x['throughput_tok_s'])} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
              x["steps"]] for x in r["results"]]
     return markdown_table(["mode", "throughput", "preemptions", "extra prefill tokens", "blocks copied", "steps"],
                           rows)
 
 
 def parallel_table(r: dict[str, Any]) -> str:
-    rows = [[x["layout"], x["ranks"], x["kv_blocks_per_rank"], f"{x['step_ms']:.3g}", f"{x['comm_ms_per_step']:.3g}",
+    rows = [[x["layout"], x["ranks"], x["kv_blocks_per_rank"], short(x["step_ms"]), short(x["comm_ms_per_step"]),
              f"{x['comm_share']:.0%}", f"{x['tok_s']:.0f}", "yes" if x["same_outputs_as_first"] else "**no**"]
             for x in r["results"]]
     return markdown_table(["layout", "ranks", "KV blocks per rank", "step ms", "comm ms/step", "comm share",
