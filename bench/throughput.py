@@ -1,7 +1,7 @@
 """Output tokens/s: minipaged vs transformers' padded batched generate, same model, same workload, one run.
 
 A preset of ``minipaged bench throughput --baseline transformers`` (the command does the measuring; this
-script fixes the workload the README quotes and keeps its table in bench/out/):
+script fixes the workload docs/performance.md quotes and keeps its table in bench/out/):
 
     minipaged bench throughput --num-prompts 64 --input-len 40:400 --output-len 16:128 \\
         --baseline transformers --baseline-batch-size 16
