@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from minipaged import placeholders
 from minipaged.events import EngineInfo, EngineView, StepEvent
-from minipaged.placeholders import PLACEHOLDER  # noqa: F401  (the tests strip placeholders with it)
 from minipaged.request import SamplingParams
 
 HERE = Path(__file__).resolve().parent

@@ -48,14 +48,17 @@ def fill(template: str, values: Mapping[str, Any], booleans: tuple[str, str] = (
     return PLACEHOLDER.sub(sub, template)
 
 
-def hand_written_numbers(template: str, allowed: Iterable[str] = ()) -> list[str]:
+def hand_written_numbers(template: str, allowed: Iterable[str] = (), quotations: bool = False) -> list[str]:
     """The template's lines that still hold a digit once placeholders, code (fenced and inline), link targets,
-    HTML comments and the ``allowed`` regular expressions are taken out: numbers typed by hand."""
+    HTML comments, ``"quotations"`` (when asked: the lessons quote vLLM's docs) and the ``allowed`` regular
+    expressions are taken out: numbers typed by hand."""
     text = re.sub(r"```.*?```", "", template, flags=re.S)
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     text = PLACEHOLDER.sub("", text)
     text = re.sub(r"`[^`]*`", "", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
+    if quotations:
+        text = re.sub(r'"[^"]*"', "", text, flags=re.S)
     for pattern in allowed:
         text = re.sub(pattern, "", text, flags=re.M)
     return [line for line in text.splitlines() if re.search(r"\d", line)]
