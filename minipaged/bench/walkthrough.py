@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -151,9 +150,10 @@ def write_prompts(ctx: Context, name: str, prompts: list[str]) -> str:
 # ------------------------------------------------------------------------------------------------------ main
 
 def server_machine_line(threads: int) -> str:
-    import torch
-    return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads per "
-            f"server, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"))
+    """The machine as the docs print it, with the torch threads each server gets (not this process's)."""
+    m = report.machine()
+    return (f"{m['machine']}, {m['cpu_count']} cores, torch {m['torch']}, {threads} threads per server, "
+            + (m["gpu"] or "no GPU"))
 
 
 def resolve(model: str) -> tuple[str, int]:
