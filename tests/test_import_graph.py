@@ -106,9 +106,9 @@ def find_cycle(graph: dict[str, set[str]], within: set[str] | None = None) -> li
     return None
 
 
-def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle from each tangle of modules (each strongly connected component larger than one module),
-    so a failure names every place to fix at once, not just the first."""
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The tangles of modules: each group (larger than one module) in which every module imports every other,
+    directly or through the others (a strongly connected component)."""
     def reachable(start: str) -> set[str]:
         seen, todo = {start}, [start]
         while todo:
@@ -119,22 +119,29 @@ def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         return seen
 
     reach = {node: reachable(node) for node in graph}
-    tangles, placed = [], set()
+    found, placed = [], set()
     for node in sorted(graph):
         if node in placed:
             continue
         tangle = {other for other in reach[node] if node in reach.get(other, ())}
         placed |= tangle
         if len(tangle) > 1:
-            tangles.append(find_cycle(graph, tangle))
-    return tangles
+            found.append(tangle)
+    return found
+
+
+def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle from each tangle, so a failure names every place to fix at once, not just the first."""
+    return [find_cycle(graph, tangle) for tangle in tangles(graph)]
 
 
 def test_the_project_has_no_import_cycle():
-    cycles = all_cycles(import_graph())
-    assert not cycles, ("import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles) + "\nMove what both "
-                        "modules need into the module it belongs to (one that imports neither), rather than "
-                        "hiding an import inside a function.")
+    graph = import_graph()
+    found = tangles(graph)
+    assert not found, ("import cycles:\n" + "\n".join(
+        f"{' -> '.join(find_cycle(graph, t))}  (modules tangled together: {', '.join(sorted(t))})" for t in found)
+        + "\nMove what both modules need into the module it belongs to (one that imports neither), rather than "
+        "hiding an import inside a function.")
 
 
 def test_no_benchmark_script_imports_another():
