@@ -71,7 +71,7 @@ def main() -> None:
              f"{100 * r['comm_share']:.0f}%", r["tok_s"], r["same_outputs_as_first"]] for r in results]
     markdown = (f"{machine_line()}; 1 thread per rank; {args.requests} requests, prompts 20-120 tokens, "
                 f"{args.max_tokens} new tokens; KV budget {BUDGET_GIB} GiB per rank\n\n" + table(headers, rows))
-    save("parallel", {"machine": machine_line(), "results": results}, markdown)
+    save("parallel", {"machine": machine_line(), "args": vars(args), "results": results}, markdown)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def main() -> None:
           f" Greedy outputs identical: yes.")
     for r in (off, on):
         r.pop("tokens")
-    save("prefix_cache", {"off": off, "on": on} | {
+    save("prefix_cache", {"args": vars(args), "off": off, "on": on} | {
         "saved": saved, "ideal_saved": ideal, "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"]}, md)
 
 
