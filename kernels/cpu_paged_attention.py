@@ -28,7 +28,7 @@ from torch.profiler import record_function
 
 PROFILER_NAME = "minipaged::paged_decode_attention_cpu"
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c")))
+SOURCES = (SOURCE, *(Path(__file__).with_name(name) for name in ("cpu_matvec.c", "cpu_int8_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c")))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -130,6 +130,9 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
     fn = library.small_batch_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = library.int8_small_batch_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn = library.add_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]

@@ -34,6 +34,7 @@ from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
 from .kernels import argmax_for, describe_backend, engine_backend
+from .kernels.int8 import quantization_problem
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -86,6 +87,8 @@ class Engine:
                                           config.attention_backend)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if config.quantization:                # before a self-draft copies the layers: it shares them quantized
+            self._quantize(config, DTYPES[dtype_name])
         spec = config.speculative
         self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
                                             load_progress) if spec and spec.uses_draft_model else None
@@ -139,6 +142,7 @@ class Engine:
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
+            load_progress(self.weights_line())
             load_progress("Attention: " + describe_backend(self.backend, self.device, DTYPES[dtype_name],
                                                            self.model.head_dim, config.attention_backend))
 
@@ -148,6 +152,21 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
+
+    def _quantize(self, config: EngineConfig, dtype: torch.dtype) -> None:
+        """Weight-only int8 (kernels/int8.py), or a ConfigError saying why this engine cannot."""
+        problem = quantization_problem(config.quantization, self.backend, self.device, dtype, self.layout.world_size)
+        if problem:
+            raise ConfigError(problem + ".")
+        self.model.quantize_int8()
+        # transformers' module held the fp32 weights the model shared; dropped, so that only int8 stays.
+        self.loaded = dataclasses.replace(self.loaded, hf_model=None)
+
+    def weights_line(self) -> str:
+        """The start-up line on the weights' memory, beside the KV cache's."""
+        kind = ("int8 matrices with fp32 scales, fp32 embedding and norms (not exact: docs/quantization.md)"
+                if self.model.quantization else str(self.model.dtype).removeprefix("torch."))
+        return f"Weights: {self.model.weight_bytes() / 2**20:.1f} MiB ({kind})"
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,

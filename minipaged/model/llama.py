@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.kernels import SmallBatchLinear, cpu_layer_ops, linear_for, paged_attention, plan_attention, write_kv
+from minipaged.kernels.int8 import Int8Weight, int8_linear_for, quantize_int8, weight_bytes
 from minipaged.memory import zeros_on_huge_pages
 
 
@@ -59,7 +60,10 @@ LM_HEAD_SLICE_ROWS = 1024
 
 def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
     """The LM head: the step's ``linear`` when it is the compiled matrix-vector loop and takes these rows
-    (it streams the weight once, whatever its size), else ``vocab_sliced_linear``."""
+    (it streams the weight once, whatever its size), else ``vocab_sliced_linear``. A quantized head
+    (``Int8Weight``) goes to the step's int8-aware ``linear``."""
+    if isinstance(weight, Int8Weight):
+        return linear(x, weight)
     if isinstance(linear, SmallBatchLinear) and linear.handles(x, weight):
         return linear(x, weight)
     return vocab_sliced_linear(x, weight)
@@ -171,6 +175,27 @@ class CompactLlama:
         self.dtype = self.embed.dtype
         self._cos: Optional[torch.Tensor] = None
         self._sin: Optional[torch.Tensor] = None          # signed: [-sin, sin] (see apply_rope)
+        self.quantization: Optional[str] = None            # "int8" once quantize_int8 ran
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 (kernels/int8.py): every layer's matrices and the LM head become ``Int8Weight``; the
+        embedding (a lookup of a few rows, not a matmul) and the norms stay fp32, as do activations and KV."""
+        for w in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(w, name, quantize_int8(getattr(w, name)))
+        self.lm_head = quantize_int8(self.lm_head)
+        self.quantization = "int8"
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model computes with (a tied LM head counted once)."""
+        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors += [t for w in self.layers for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)]
+        return sum(weight_bytes(t) for t in tensors)
+
+    def linear_for(self, backend: Optional[str]) -> Callable:
+        """The step's linear layer: the backend's, made int8-aware when the weights are quantized."""
+        linear = linear_for(backend, self.head_dim)
+        return int8_linear_for(backend, self.head_dim, linear) if self.quantization else linear
 
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for every position up to ``max_position`` (grown by doubling, kept)."""
@@ -205,7 +230,7 @@ class CompactLlama:
     def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """The last norm and the LM head (or, under tensor parallelism, this rank's slice of its rows)."""
         x = rms_norm(h, self.final_norm, self.eps)
-        return lm_head_logits(x, lm_head, linear_for(backend, self.head_dim)).float()
+        return lm_head_logits(x, lm_head, self.linear_for(backend)).float()
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
@@ -226,7 +251,7 @@ class CompactLlama:
         # same for every layer: work it out once here, not 30 times.
         attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                          meta.host_query_start_loc, backend=meta.backend)
-        linear = linear_for(meta.backend, self.head_dim)     # F.linear, or the compiled one for a few rows
+        linear = self.linear_for(meta.backend)               # F.linear, or the compiled one for a few rows
         ops = layer_ops_for(meta.backend, self.head_dim)     # norms, RoPE, SiLU: torch's, or compiled
         mlp_out = None              # each sublayer's output joins the residual stream inside the next norm
         for i, w in enumerate(self.layers):
