@@ -120,3 +120,38 @@ def test_int8_with_a_self_draft_and_prefix_caching_generates(tiny_model):
                                         "num_draft_layers": 1})
     outs = engine.generate([[1, 2, 3, 4, 5]] * 2, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 8
+
+
+# SmolLM2's greedy agreement with fp32, teacher-forced, over the held-out chat prompts below: measured
+# (bench/quantization.py's prompts and lengths, bench/out/quantization.json), and held to this floor.
+SMOLLM2_TEACHER_FORCED_FLOOR = 0.93      # measured 0.961 (bench/out/quantization.json)
+SMOLLM2_PREFIX_FLOOR = 0.35              # measured 0.490: one near-tie decides the rest of an answer
+
+
+@pytest.mark.slow
+def test_smollm2_int8_agrees_with_fp32_on_held_out_chat_prompts():
+    from minipaged.bench.quality import greedy_agreement
+    from minipaged.model.int8_reference import dequantized_hf_model
+    from minipaged.workloads import OPEN_ENDED
+    options = dict(num_threads=1, kv_cache_memory=0.25, max_model_len=1024)
+    fp32 = Engine("smollm2", **options)
+    int8 = Engine("smollm2", quantization="int8", **options)
+    assert int8.model.weight_bytes() < 0.45 * fp32.model.weight_bytes()
+    prompts = [fp32.inputs.chat_prompt([{"role": "user", "content": p}]) for p in OPEN_ENDED[-8:]]
+    agreement = greedy_agreement(fp32, int8, dequantized_hf_model(fp32.loaded.hf_model, int8.model), prompts, 48)
+    assert agreement.tokens >= 8 * 24
+    assert agreement.teacher_forced >= SMOLLM2_TEACHER_FORCED_FLOOR, agreement
+    assert agreement.prefix_agreement >= SMOLLM2_PREFIX_FLOOR, agreement
+    assert agreement.teacher_forced < 1.0 or agreement.identical_outputs == agreement.prompts
+
+
+def test_quantization_md_is_its_template_filled_from_the_json():
+    from minipaged.bench.docs import QUANTIZATION_DOC, QUANTIZATION_TEMPLATE, bench_results, rendered_quantization_doc
+    from minipaged.placeholders import hand_written_numbers
+    from tests.test_docs import ALLOWED
+    assert QUANTIZATION_DOC.read_text(encoding="utf-8") == rendered_quantization_doc(bench_results()), (
+        "docs/quantization.md is not docs/quantization.md.in filled from bench/out/quantization.json: run "
+        "python bench/render_docs.py")
+    typed = hand_written_numbers(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"),
+                                 ALLOWED + [r"\bint8\b", r"\bFP8\b", r"\bINT8\b", r"\bfloat32\b"])
+    assert not typed, f"numbers typed into docs/quantization.md.in instead of placeholders: {typed}"
