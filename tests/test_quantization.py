@@ -155,3 +155,23 @@ def test_quantization_md_is_its_template_filled_from_the_json():
     typed = hand_written_numbers(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"),
                                  ALLOWED + [r"\bint8\b", r"\bFP8\b", r"\bINT8\b", r"\bfloat32\b"])
     assert not typed, f"numbers typed into docs/quantization.md.in instead of placeholders: {typed}"
+
+
+def test_peer_llamacpp_finds_llama_server_or_skips_with_a_message(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import peer_llamacpp
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert peer_llamacpp.find_llama_cpp(str(tmp_path)) is None
+    build = tmp_path / "llama.cpp" / "build"
+    (build / "bin").mkdir(parents=True)
+    for name in ("llama-server", "llama-quantize"):
+        (build / "bin" / name).write_text("")
+    assert peer_llamacpp.find_llama_cpp(str(tmp_path / "llama.cpp")) == build          # a source folder's build/
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(build))
+    assert peer_llamacpp.find_llama_cpp(None) == build
+    monkeypatch.delenv("LLAMA_CPP_DIR")
+    monkeypatch.setattr("sys.argv", ["peer_llamacpp.py", "--llama-cpp-dir", str(tmp_path / "nowhere")])
+    assert peer_llamacpp.main() == 0
+    assert "SKIPPED: llama-server and llama-quantize not found" in capsys.readouterr().out
