@@ -13,6 +13,8 @@ The GGUF files: the wheel's own Q4_1 file (what ``smollm2`` is made from); F32 r
 transformers dequantizes from the same file); Q8_0 from the F32 file. They are written to ``--work-dir``.
 
     python bench/peer_llamacpp.py [--llama-cpp-dir DIR] [--alone-requests 4] [--loaded-requests 32] [--output-len 64]
+    python bench/peer_llamacpp.py --servers minipaged-fp32 minipaged-int8 --alone-requests 2 --loaded-requests 4 \
+        --output-len 16 --out-dir /tmp/peer      # a smoke run of minipaged's half, without llama.cpp
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from minipaged.bench.peer import distinct_prompts
-from minipaged.bench.report import save
+from minipaged.bench.report import BENCH_OUT, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
 from minipaged.bench.walkthrough import bench, warm_up
@@ -112,9 +114,11 @@ def main() -> int:
     parser.add_argument("--loaded-requests", type=int, default=32, help=f"requests sent {IN_FLIGHT} in flight")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8", "F32", "Q8_0", "Q4_1"])
+    parser.add_argument("--out-dir", default=str(BENCH_OUT), help="where peer_llamacpp.json goes (a smoke run: elsewhere)")
     args = parser.parse_args()
     llama = find_llama_cpp(args.llama_cpp_dir)
-    if llama is None:
+    wants_llama = any(not server.startswith("minipaged-") for server in args.servers)
+    if llama is None and wants_llama:
         print("SKIPPED: llama-server and llama-quantize not found (give --llama-cpp-dir or set LLAMA_CPP_DIR to a "
               "llama.cpp build folder; this script never builds llama.cpp)")
         return 0
@@ -123,7 +127,7 @@ def main() -> int:
     prompts_file = work / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                     for p in distinct_prompts(max(args.alone_requests, args.loaded_requests))))
-    files = gguf_files(llama, work)
+    files = gguf_files(llama, work) if wants_llama else {}
     results: dict[str, Any] = {}
     for server in args.servers:
         if server.startswith("minipaged-"):
@@ -134,7 +138,8 @@ def main() -> int:
     rows = [[name, r["alone"]["output_tok_s"], r["loaded"]["output_tok_s"], r["loaded"]["median_ttft_s"]]
             for name, r in results.items()]
     save("peer_llamacpp", {"args": vars(args), "llama_cpp": str(llama), "results": results},
-         table(["server", "alone: out tok/s", f"{IN_FLIGHT} in flight: out tok/s", "median TTFT (s)"], rows))
+         table(["server", "alone: out tok/s", f"{IN_FLIGHT} in flight: out tok/s", "median TTFT (s)"], rows),
+         out=Path(args.out_dir))
     return 0
 
 
