@@ -9,6 +9,7 @@ bench/out/quantization_tinyllama.json (docs/quantization.md shows it).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import subprocess
@@ -49,6 +50,7 @@ def build_checkpoint(folder: Path) -> Path:
 def measure_one(folder: str, quantization: str, tokens: int, threads: int) -> dict:
     """In this process: start the engine, decode one request alone; report time, memory, speed."""
     from minipaged import Engine, SamplingParams
+    from minipaged.memory import resident_mib, return_freed_memory_to_the_os
     start = time.perf_counter()
     engine = Engine(folder, num_threads=threads, kv_cache_memory=0.25, max_model_len=512,
                     quantization=None if quantization == "fp32" else quantization)
@@ -58,7 +60,10 @@ def measure_one(folder: str, quantization: str, tokens: int, threads: int) -> di
     engine.generate([list(range(3, 35))], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
                     use_tqdm=False)
     decodes = [e for e in events if e.scheduled and all(s.kind == "decode" for s in e.scheduled)]
+    gc.collect()
+    return_freed_memory_to_the_os()
     return {"startup_s": startup_s, "weights_mib": engine.model.weight_bytes() / 2**20,
+            "resident_after_start_mib": resident_mib(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "decode_tok_s": len(decodes) / sum(e.duration_s for e in decodes)}
 
@@ -80,10 +85,12 @@ def main() -> None:
                                "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)],
                               capture_output=True, text=True, check=True)
         results[precision] = json.loads(done.stdout.strip().splitlines()[-1])
-    rows = [[name, r["startup_s"], r["weights_mib"], r["peak_rss_mib"], r["decode_tok_s"]] for name, r in results.items()]
+    rows = [[name, r["startup_s"], r["weights_mib"], r["resident_after_start_mib"], r["peak_rss_mib"], r["decode_tok_s"]]
+            for name, r in results.items()]
     save("quantization_tinyllama", {"args": {k: v for k, v in vars(args).items() if k != "one"},
                                     "shape": TINYLLAMA_SHAPE, "results": results},
-         table(["precision", "start-up (s)", "weights (MiB)", "peak memory (MiB)", "decode tok/s"], rows))
+         table(["precision", "start-up (s)", "weights (MiB)", "resident after start-up and decoding (MiB)",
+                "peak memory (MiB)", "decode tok/s"], rows))
 
 
 if __name__ == "__main__":

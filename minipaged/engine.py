@@ -21,6 +21,7 @@ Follow a request from top to bottom:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -35,7 +36,8 @@ from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, Sched
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
 from .kernels import argmax_for, describe_backend, engine_backend
 from .kernels.int8 import quantization_problem
-from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
+from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
+                     return_freed_memory_to_the_os)
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
@@ -161,6 +163,8 @@ class Engine:
         self.model.quantize_int8()
         # transformers' module held the fp32 weights the model shared; dropped, so that only int8 stays.
         self.loaded = dataclasses.replace(self.loaded, hf_model=None)
+        gc.collect()
+        return_freed_memory_to_the_os()
 
     def weights_line(self) -> str:
         """The start-up line on the weights' memory, beside the KV cache's."""

@@ -184,6 +184,11 @@ class CompactLlama:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(w, name, quantize_int8(getattr(w, name)))
         self.lm_head = quantize_int8(self.lm_head)
+        # The fp32 tensors kept become copies of their own: transformers' may be views into one storage over the
+        # whole checkpoint file (memory-mapped), which would stay resident as long as any view of it lives.
+        self.embed, self.final_norm = self.embed.clone(), self.final_norm.clone()
+        for w in self.layers:
+            w.input_norm, w.post_norm = w.input_norm.clone(), w.post_norm.clone()
         self.quantization = "int8"
 
     def weight_bytes(self) -> int:
