@@ -175,3 +175,17 @@ def test_peer_llamacpp_finds_llama_server_or_skips_with_a_message(tmp_path, monk
     monkeypatch.setattr("sys.argv", ["peer_llamacpp.py", "--llama-cpp-dir", str(tmp_path / "nowhere")])
     assert peer_llamacpp.main() == 0
     assert "SKIPPED: llama-server and llama-quantize not found" in capsys.readouterr().out
+
+
+def test_int8_keeps_no_view_of_the_loaded_checkpoint(tiny_model_untied, monkeypatch):
+    """transformers' tensors may be views of one memory-mapped checkpoint file, resident while any view lives:
+    the fp32 tensors int8 keeps (embedding, norms) are copies, so dropping transformers' model frees it all."""
+    import minipaged.engine as engine_module
+    loaded = []
+    load = engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
+    engine = Engine(tiny_model_untied, num_blocks=16, quantization="int8")
+    theirs = {t.untyped_storage().data_ptr() for t in loaded[0].hf_model.state_dict().values()}
+    m = engine.model
+    ours = [m.embed, m.final_norm] + [t for w in m.layers for t in (w.input_norm, w.post_norm)]
+    assert not theirs & {t.untyped_storage().data_ptr() for t in ours}
