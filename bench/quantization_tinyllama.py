@@ -78,6 +78,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure_one(args.folder, args.one, args.decode_tokens, args.threads)))
         return
+    import torch
+    torch.set_num_threads(args.threads)          # the recorded machine line names the children's thread count
     folder = build_checkpoint(Path(args.folder))
     results = {}
     for precision in ("fp32", "int8"):
