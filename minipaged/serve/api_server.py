@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -200,7 +201,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         body.sampling_params(asked or 1)
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
-            token_ids = eng.inputs.chat_prompt(messages)
+            try:
+                token_ids = eng.inputs.chat_prompt(messages)
+            except TemplateError as exc:                  # e.g. roles that the template does not take
+                raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
+                                    "messages") from None
             if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
                 if len(token_ids) >= max_model_len:
                     raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
