@@ -167,6 +167,12 @@ def test_3_stop_strings_and_bodies_are_bounded(server, model_name):
     chunked = httpx.post(server + "/v1/completions", content=chunks(), timeout=30,
                          headers={"content-type": "application/json"})
     assert "--max-body-bytes" in error_of(chunked, 413)["message"]
+
+    def small_chunks():
+        yield json.dumps({"model": model_name, "prompt": "chunked", "max_tokens": 2}).encode()
+    small = httpx.post(server + "/v1/completions", content=small_chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(server + "/health").status_code == 200
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from types import FrameType
 from typing import Any, Awaitable, Callable, Optional
 
@@ -36,6 +37,8 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        print("minipaged serve: draining: no new requests, running ones may finish (a second Ctrl-C or SIGTERM "
+              "stops at once)", file=sys.stderr, flush=True)
         async def drain_then_exit() -> None:
             try:
                 await self._drain()
