@@ -8,13 +8,16 @@ error event, watchers get ``goodbye``, and the process exits 0.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
 
 import httpx
 import openai
@@ -83,28 +86,29 @@ def stub_events(info_json: str, snapshot_json: str, goodbye: bool) -> bytes:
     return text.encode()
 
 
-def test_8_attach_reconnects_once_with_a_fresh_snapshot(tiny_engine_factory):
+@contextmanager
+def stub_server(info, comes_back: bool) -> Iterator[tuple[str, list]]:
+    """A stub of the event stream: the first connection ends after the snapshot of step 5 without goodbye; the
+    second brings the snapshot of step 9 and says goodbye (the server came back), or ends without it too."""
     from minipaged.events import EngineView
     from minipaged.serve.async_engine import snapshot_event
-    from minipaged.tui.attach import AttachRun
 
-    info = tiny_engine_factory().info
     info_json = json.dumps({"type": "engine", **info.__dict__})
     snapshots = []
     for step in (5, 9):
         view = EngineView(info)
         view.step = step
         snapshots.append(snapshot_event(view).to_json())
-    connections = []
+    connections: list = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             connections.append(self.path)
             first = len(connections) == 1
-            body = stub_events(info_json, snapshots[0 if first else 1], goodbye=not first)
+            body = stub_events(info_json, snapshots[0 if first else 1], goodbye=comes_back and not first)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))   # then the connection ends: no goodbye the first time
+            self.send_header("Content-Length", str(len(body)))   # then the stream ends
             self.end_headers()
             self.wfile.write(body)
 
@@ -114,17 +118,57 @@ def test_8_attach_reconnects_once_with_a_fresh_snapshot(tiny_engine_factory):
     stub = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
-        run = AttachRun(f"http://127.0.0.1:{stub.server_address[1]}", silence_timeout_s=5)
+        yield f"http://127.0.0.1:{stub.server_address[1]}", connections
+    finally:
+        stub.shutdown()
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_8_attach_reconnects_once_with_a_fresh_snapshot(tiny_engine_factory, comes_back):
+    """After a reconnect the new engine header comes first and the snapshot after it; a second stream that
+    breaks at once is the end: the client gives up instead of reconnecting forever."""
+    from minipaged.tui.attach import AttachRun, ServerLost
+
+    info = tiny_engine_factory().info
+    with stub_server(info, comes_back) as (url, connections):
+        run = AttachRun(url, silence_timeout_s=5)
         assert run.load() == info
         first = run.step()
         again = run.step()
         second = run.step()
-        end = run.step()
+        if comes_back:
+            assert run.step() is None and run.goodbye == "stub closing"
+        else:
+            with pytest.raises(ServerLost, match="lost the server at step 9: the event stream ended without"):
+                run.step()
         run.close()
-    finally:
-        stub.shutdown()
-    assert first.step == 5 and again == info and second.step == 9 and end is None
-    assert run.goodbye == "stub closing" and len(connections) == 2
+    assert first.step == 5 and again == info and second.step == 9
+    assert len(connections) == 2
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_8_the_attach_tui_starts_over_after_a_reconnect(tiny_engine_factory, comes_back):
+    from minipaged.tui.attach import AttachApp, AttachRun
+
+    info = tiny_engine_factory().info
+
+    async def run(url: str) -> AttachApp:
+        app = AttachApp(AttachRun(url, silence_timeout_s=5))
+        async with app.run_test(size=(160, 45)) as pilot:
+            start = time.monotonic()
+            while not (app.engine_done or app.engine_error):
+                assert time.monotonic() - start < 20, "the app never saw the end of the stream"
+                await pilot.pause(0.05)
+            await pilot.press("q")
+        return app
+
+    with stub_server(info, comes_back) as (url, _connections):
+        app = asyncio.run(run(url))
+    assert [e.step for e in app.events] == [9] and app.state.last_event.step == 9     # only the fresh snapshot
+    if comes_back:
+        assert app.engine_error is None
+    else:
+        assert "lost the server at step 9" in app.engine_error
 
 
 # ---------------------------------------------------------------------------- 9. SIGTERM drains

@@ -11,8 +11,9 @@ A dead server must not look like a finished run. The server sends a ``: heartbea
 nothing else to say and ``event: goodbye`` when it shuts down on purpose; silence longer than
 ``silence_timeout_s`` or a stream that ends without the goodbye means the server was lost. The client then
 tries once to reconnect (a fresh header and snapshot: ``step`` returns the new ``EngineInfo`` first, and
-the caller starts its picture over) and otherwise raises ``ServerLost`` ("lost the server at step N"), which
-``watch --attach`` reports with a non-zero exit. Comment lines and unknown event names are ignored.
+the caller starts its picture over; a server that dropped a slow watcher is back this way) and, if that
+fails or the new stream breaks before its first step, raises ``ServerLost`` ("lost the server at step N"),
+which ``watch --attach`` reports with a non-zero exit. Comment lines and unknown event names are ignored.
 
 Nothing here imports torch or transformers (a test keeps it so): a thin client starts in about a second.
 """
@@ -133,34 +134,37 @@ class AttachRun:
         """The reader thread: records into the queue; at the end, a goodbye, a reconnect, or the loss."""
         reconnected = False
         while True:
-            why = self._read_stream(events, response)
+            why, num_records = self._read_stream(events, response)
             if why is None or self._closed.is_set():
                 self._events.put(_GOODBYE)
                 return
-            if reconnected:
-                self._events.put(_Lost(why))
+            if reconnected and num_records <= 1:          # a reconnect that broke before its first step:
+                self._events.put(_Lost(why))              # give up rather than loop
                 return
-            reconnected = True
-            try:                                          # one try: a fresh header and snapshot
+            try:                                          # one try per loss: a fresh header and snapshot
                 header, events, response = self._connect()
             except ConnectionError as exc:
                 self._events.put(_Lost(f"{why}; reconnecting failed: {exc}"))
                 return
             self._events.put(header)                      # the caller starts over from the snapshot
+            reconnected = True
 
-    def _read_stream(self, events: Iterator[SseEvent], response: httpx.Response) -> Optional[str]:
-        """Read one connection to its end: None after the server's goodbye, else why it was lost."""
+    def _read_stream(self, events: Iterator[SseEvent], response: httpx.Response) -> tuple[Optional[str], int]:
+        """Read one connection to its end: (None after the server's goodbye, else why it was lost; how many
+        records it brought after the header)."""
+        num_records = 0
         try:
             for event in events:
                 if event.name == "goodbye":
                     self.goodbye = json.loads(event.data).get("reason", "") if event.data else ""
-                    return None
+                    return None, num_records
                 self._events.put(parse_record(event.data))
-            return "the event stream ended without the server's goodbye"
+                num_records += 1
+            return "the event stream ended without the server's goodbye", num_records
         except httpx.ReadTimeout:
-            return f"the server sent nothing (not even a heartbeat) for {self.silence_timeout_s:g} s"
+            return f"the server sent nothing (not even a heartbeat) for {self.silence_timeout_s:g} s", num_records
         except (httpx.HTTPError, ValueError) as exc:
-            return f"the event stream broke ({exc.__class__.__name__})"
+            return f"the event stream broke ({exc.__class__.__name__})", num_records
         finally:
             response.close()
 
