@@ -111,7 +111,7 @@ def bad_unicode(value: Any, path: str) -> Iterator[str]:
             value.encode("utf-8")
         except UnicodeEncodeError:
             yield path
-    elif isinstance(value, list):
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):    # token ids hold no text
         for i, item in enumerate(value):
             yield from bad_unicode(item, f"{path}[{i}]")
     elif isinstance(value, dict):
