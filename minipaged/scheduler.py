@@ -144,10 +144,10 @@ class Scheduler:
         once, so the work is one pass per queue plus the requests', never a queue scan per request."""
         gone = {id(r) for r in reqs}
         states = {r.status for r in reqs}
-        if RequestStatus.WAITING in states:
-            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        if RequestStatus.WAITING in states:             # rebuilt as the same kind of queue, order kept
+            self.waiting = type(self.waiting)(r for r in self.waiting if id(r) not in gone)
         if RequestStatus.RUNNING in states:
-            self.running = [r for r in self.running if id(r) not in gone]
+            self.running = type(self.running)(r for r in self.running if id(r) not in gone)
         for req in reqs:
             if req.status is RequestStatus.SWAPPED:
                 self.finish_request(req, status)      # rare, and the CPU pool must release its blocks

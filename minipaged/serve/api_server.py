@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -114,9 +115,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """404 and 405 as OpenAI's JSON (FastAPI's own is ``{"detail": ...}``)."""
         if exc.status_code == 404:
+            routes = [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                      for method in sorted(route.methods)]
             message = (f"{request.method} {request.url.path} does not exist on this server; its routes: "
-                       f"POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/events, "
-                       f"GET /health, GET /metrics, GET /openapi.json.")
+                       f"{', '.join(routes)}, GET /openapi.json.")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}."
