@@ -4,7 +4,8 @@
   transformers dequantises GGUF on load (~20 s); we do that once and keep the result as safetensors in
   the user's cache folder, so later starts take about a second.
 * ``tinyllama``: TinyLlama/TinyLlama-1.1B-Chat-v1.0 through the normal Hugging Face hub cache.
-* a local folder, or any hub id, of a Llama-architecture model.
+* a local folder, or any hub id, of a model of a family minipaged runs (families.py: Llama, Mistral, Qwen2,
+  Qwen3).
 """
 from __future__ import annotations
 
@@ -20,28 +21,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .families import FAMILIES, UnsupportedModelError, family_of
+
 ProgressCallback = Callable[[str], None]
 
 EMBEDDED_NAME = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0"}
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 class ModelNotAvailableError(RuntimeError):
     """The model cannot be found locally and cannot be downloaded."""
-
-
-# Config fields of Llama variants that CompactLlama would compute wrongly: name -> is this value fine?
-UNSUPPORTED_VARIANTS = {
-    "hidden_act": lambda v: v in (None, "silu"),
-    "attention_bias": lambda v: not v,
-    "mlp_bias": lambda v: not v,
-}
-
-
-class UnsupportedModelError(ValueError):
-    """The model exists but is not an architecture minipaged implements."""
 
 
 @dataclass
@@ -165,17 +156,7 @@ def load_model(model: str = EMBEDDED_NAME, *, dtype: torch.dtype = torch.float32
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise UnsupportedModelError(f"{path} has no readable config.json ({exc}).") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"minipaged runs Llama-architecture models (model_type 'llama': Llama 2/3, TinyLlama, SmolLM2, ...); "
-            f"{model} is '{config.model_type}'.")
-    unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in UNSUPPORTED_VARIANTS.items()
-                   if not ok(getattr(config, name, None))]
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{model} is a Llama variant that minipaged's compact forward pass does not implement "
-            f"({', '.join(unsupported)}); it runs SiLU MLPs without projection biases (Llama 2/3, TinyLlama, "
-            f"SmolLM2).")
+    family_of(config, model)                      # refuses, before loading weights, what no family computes
     _say(progress, f"Loading weights from {path} ...")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
