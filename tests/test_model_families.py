@@ -40,8 +40,9 @@ MODELS: dict[str, tuple[dict, dict]] = {
     # Five heads of 16 over a hidden size of 64: Qwen3 declares head_dim, it is not hidden / heads.
     "qwen3-odd-heads-mha-tied": (dict(family="qwen3", num_heads=5, num_kv_heads=5, head_dim=16), {}),
 }
-# One row per family for the runs with two processes (their heads divide by two).
-TP2_MODELS = ["llama3-rope-mha-untied", "mistral-gqa-untied", "qwen2-gqa-tied", "qwen3-gqa-untied"]
+# The runs with two processes: tp=2 on one row per family (their heads divide by two), pp=2 on Qwen3's q/k norm.
+TWO_RANKS = [("llama3-rope-mha-untied", "tp"), ("mistral-gqa-untied", "tp"), ("qwen2-gqa-tied", "tp"),
+             ("qwen3-gqa-untied", "tp"), ("qwen3-odd-heads-mha-tied", "pp")]
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +72,7 @@ def transformers_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[in
 
 def test_the_matrix_covers_every_family():
     assert {args["family"] for args, _ in MODELS.values()} == set(FAMILIES)
-    assert {MODELS[name][0]["family"] for name in TP2_MODELS} == set(FAMILIES)
+    assert {MODELS[name][0]["family"] for name, split in TWO_RANKS if split == "tp"} == set(FAMILIES)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -121,17 +122,19 @@ def test_greedy_tokens_match_generate_under_chunks_prefix_hits_and_preemption(fa
     assert stats["blocks_free"] == stats["blocks_total"]
 
 
-@pytest.mark.parametrize("name", TP2_MODELS)
-def test_tp2_gives_transformers_tokens_under_chunks_prefix_hits_and_preemption(family_model, name):
-    """Two ranks over gloo, one thread each: the biases cut with their heads, the q/k norms whole on each."""
+@pytest.mark.parametrize("name, split", TWO_RANKS, ids=[f"{split}2-{name}" for name, split in TWO_RANKS])
+def test_two_ranks_give_transformers_tokens_under_chunks_prefix_hits_and_preemption(family_model, name, split):
+    """Two ranks over gloo, one thread each. tp: the biases cut with their heads, the q/k norms whole on each
+    rank; pp: each rank its own layers, with their norms."""
     path, options = family_model(name)
     prompts = shared_prefix_prompts()[:3]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    with Engine(path, **{**TIGHT, "num_blocks": 10}, **options, tensor_parallel_size=2, num_threads=1,
+    layout = {"tensor_parallel_size": 2} if split == "tp" else {"pipeline_parallel_size": 2}
+    with Engine(path, **{**TIGHT, "num_blocks": 10}, **options, **layout, num_threads=1,
                 distributed_timeout=60) as engine:
         outs = engine.generate(prompts, params)
         stats = engine.stats()
-        assert engine.info.parallel.startswith("tp=2")
+        assert engine.info.parallel.startswith(f"{split}=2")
     assert stats["preemptions_recompute"] > 0 and stats["prefix_cache_hits"] > 0
     hf = Engine(path, block_size=4, num_blocks=32, **options).loaded.hf_model
     assert [o.token_ids for o in outs] == [transformers_greedy(hf, p, params.max_tokens) for p in prompts]
