@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 
 import pytest
@@ -209,3 +210,35 @@ def test_family_variants_the_forward_pass_does_not_compute_are_refused(tmp_path,
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(UnsupportedModelError, match=words):
         Engine(str(path), block_size=4, num_blocks=8)
+
+
+TRITON_SCRIPT = """
+import json, random, sys
+import torch
+from minipaged import Engine
+from tests.conftest import random_prompts
+from tests.test_model_vs_transformers import run_and_capture_logits
+worst = {}
+for path in sys.argv[1:]:
+    prompts = random_prompts(random.Random(2), 2, 3, 9)
+    logits = [run_and_capture_logits(Engine(path, block_size=4, num_blocks=32, attention_backend=backend), prompts,
+                                     max_tokens=2)[1] for backend in ("triton", "torch")]
+    worst[path] = max(float((torch.stack(logits[0][r]) - torch.stack(logits[1][r])).abs().max()) for r in logits[1])
+print(json.dumps(worst))
+"""
+
+
+def test_triton_backend_in_the_interpreter_computes_the_families_like_torch(family_model):
+    """The Triton attention kernel, run on the CPU by Triton's interpreter (slow: tiny shapes, a fresh process
+    so that TRITON_INTERPRET is set before Triton loads), with the q/k norm and the biases in front of it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton")
+    paths = [family_model(name)[0] for name in ("qwen2-odd-heads-untied", "qwen3-odd-heads-mha-tied")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, *paths], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(worst) == set(paths) and max(worst.values()) <= 2e-5, worst
