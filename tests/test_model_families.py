@@ -242,3 +242,16 @@ def test_triton_backend_in_the_interpreter_computes_the_families_like_torch(fami
     assert done.returncode == 0, done.stderr[-3000:]
     worst = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(worst) == set(paths) and max(worst.values()) <= 2e-5, worst
+
+
+def test_the_command_line_runs_a_family_folder_and_refuses_a_window_with_the_fix(family_model, tmp_path, capsys):
+    """``--model`` takes a local folder of any family, as it takes a Llama one; refusals are one line, exit 2."""
+    from minipaged.cli import main
+    path, _ = family_model("qwen3-odd-heads-mha-tied")
+    assert main(["generate", "--model", path, "--max-tokens", "4", "--no-chat", "--block-size", "4", "hello"]) == 0
+    assert capsys.readouterr().out.strip()
+    window = build_tiny_model(tmp_path / "mistral", "mistral", num_layers=1, sliding_window=32,
+                              max_position_embeddings=64)
+    assert main(["generate", "--model", str(window), "--max-tokens", "2", "hi"]) == 2
+    assert "--max-model-len 32" in capsys.readouterr().err
+    assert main(["generate", "--model", str(window), "--max-tokens", "2", "--max-model-len", "32", "hi"]) == 0
