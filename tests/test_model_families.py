@@ -197,6 +197,14 @@ def test_a_sliding_window_shorter_than_the_context_is_refused_with_the_fix(tmp_p
     Engine(str(path), block_size=4, num_blocks=8, max_model_len=48)          # the window covers every sequence
 
 
+def test_a_qwen_window_that_is_switched_off_is_not_a_window(tmp_path):
+    """Qwen2.5's configs carry ``sliding_window`` with ``use_sliding_window: false``: full attention, runs."""
+    path = build_tiny_model(tmp_path / "qwen2", "qwen2", num_layers=1, max_position_embeddings=256)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "use_sliding_window": False, "sliding_window": 48}))
+    assert Engine(str(path), block_size=4, num_blocks=8).info.max_model_len == 256
+
+
 @pytest.mark.parametrize("family, change, words", [
     ("qwen3", {"attention_bias": True}, "attention_bias=True"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
