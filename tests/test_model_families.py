@@ -263,3 +263,24 @@ def test_the_command_line_runs_a_family_folder_and_refuses_a_window_with_the_fix
     assert main(["generate", "--model", str(window), "--max-tokens", "2", "hi"]) == 2
     assert "--max-model-len 32" in capsys.readouterr().err
     assert main(["generate", "--model", str(window), "--max-tokens", "2", "--max-model-len", "32", "hi"]) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_gguf_file_of_each_family_runs_like_its_folder(tmp_path, monkeypatch, family):
+    """``--model file.gguf``: transformers reads the GGUF, minipaged converts it once into its cache, and the
+    tokens are the folder's (float32 GGUF: the same weights). llama.cpp writes Mistral as llama, so it comes back
+    a llama; transformers reads no head_dim from a Qwen3 GGUF (it takes Qwen3's 128), so this one has 128."""
+    from minipaged.model.loader import resolve_model_path
+    from minipaged.model.testing import write_tiny_gguf
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
+    shape = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 128} if family == "qwen3" else {}
+    folder = build_tiny_model(tmp_path / "hf", family, num_layers=1, tie_word_embeddings=family != "qwen2", **shape)
+    gguf = write_tiny_gguf(folder, tmp_path / f"tiny-{family}.gguf")
+    prompts = random_prompts(random.Random(4), 2, 3, 12)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engines = [Engine(str(path), block_size=4, num_blocks=32, attention_backend="torch") for path in (gguf, folder)]
+    tokens = [[o.token_ids for o in engine.generate(prompts, params)] for engine in engines]
+    assert tokens[0] == tokens[1]
+    assert engines[0].model.family.model_type == ("llama" if family == "mistral" else family)
+    assert engines[0].tokenizer.encode("hi \u00e9") == engines[1].tokenizer.encode("hi \u00e9")
+    assert resolve_model_path(str(gguf))[1] is False                         # converted once, then cached
