@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
-MODEL_HELP = ("'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama, Mistral, Qwen2 or "
-              "Qwen3 model")
+MODEL_HELP = ("'smollm2' (embedded default), 'tinyllama', a local HF folder, a .gguf file or a hub id of a Llama, "
+              "Mistral, Qwen2 or Qwen3 model")
 
 
 @dataclass(frozen=True)
