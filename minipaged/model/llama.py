@@ -93,19 +93,6 @@ def vocab_sliced_linear(x: torch.Tensor, weight: torch.Tensor, rows_per_slice: O
     return out
 
 
-def norm_heads_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
-                head_dim: int, eps: float) -> None:
-    """Qwen3's per-head RMSNorm of the queries and keys, in place in ``qkv``, before RoPE rotates them.
-
-    In place, so that what comes next (``rope_and_write_kv``, the torch one or the compiled one) reads the
-    normalised q and k from ``qkv`` as if the projection had produced them: the layer ops need no variant."""
-    tokens, q_width, k_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_width].view(tokens, num_heads, head_dim)
-    k = qkv[:, q_width:q_width + k_width].view(tokens, num_kv_heads, head_dim)
-    q.copy_(rms_norm(q, q_norm, eps))
-    k.copy_(rms_norm(k, k_norm, eps))
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in Llama's rotate-half form: x * cos + rotate_half(x) * sin, where rotate_half(x)
     is [-x2, x1] for the two halves x1, x2. The same thing, bit for bit, in fewer operators:
@@ -276,6 +263,19 @@ class CompactLlama:
         if mlp_out is not None:
             h += mlp_out
         return h
+
+
+def norm_heads_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
+                head_dim: int, eps: float) -> None:
+    """Qwen3's per-head RMSNorm of the queries and keys, in place in ``qkv``, before RoPE rotates them.
+
+    In place, so that what comes next (``rope_and_write_kv``, the torch one or the compiled one) reads the
+    normalised q and k from ``qkv`` as if the projection had produced them: the layer ops need no variant."""
+    tokens, q_width, k_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_width:q_width + k_width].view(tokens, num_kv_heads, head_dim)
+    q.copy_(rms_norm(q, q_norm, eps))
+    k.copy_(rms_norm(k, k_norm, eps))
 
 
 CompactModel = CompactLlama      # every family in families.py runs through this one class
