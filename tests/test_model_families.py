@@ -81,7 +81,7 @@ def test_the_matrix_covers_every_family():
 def test_logits_match_transformers_for_a_batch_decoded_together(family_model, name, backend):
     path, options = family_model(name)
     engine = Engine(path, block_size=4, num_blocks=64, attention_backend=backend, **options)
-    assert engine.backend == backend
+    assert engine.info.attention_backend == backend
     prompts = random_prompts(random.Random(3), 4, 3, 29)
     assert len({len(p) for p in prompts}) > 1                               # different lengths
     outs, captured, events = run_and_capture_logits(engine, prompts, max_tokens=5)
