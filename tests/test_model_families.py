@@ -18,7 +18,7 @@ import torch
 
 from minipaged import Engine, SamplingParams
 from minipaged.config import ConfigError
-from minipaged.model import FAMILIES, UnsupportedModelError
+from minipaged.model import FAMILIES, UnsupportedModelError, load_model
 from minipaged.model.testing import build_tiny_model
 from tests.conftest import random_prompts
 from tests.test_model_vs_transformers import run_and_capture_logits
@@ -137,7 +137,7 @@ def test_two_ranks_give_transformers_tokens_under_chunks_prefix_hits_and_preempt
         stats = engine.stats()
         assert engine.info.parallel.startswith(f"{split}=2")
     assert stats["preemptions_recompute"] > 0 and stats["prefix_cache_hits"] > 0
-    hf = Engine(path, block_size=4, num_blocks=32, **options).loaded.hf_model
+    hf = load_model(path).hf_model
     assert [o.token_ids for o in outs] == [transformers_greedy(hf, p, params.max_tokens) for p in prompts]
 
 
