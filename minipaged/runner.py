@@ -11,7 +11,7 @@ reads the block manager, so the same runner could sit in another process (tensor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_requests: list[Request]
     num_logits_rows: list[int]          # rows per sampled request, in order: 1 + its draft tokens
+    # Prompt log-probabilities: (request, first prompt token scored, rows), whose logits follow the sampled rows.
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -49,6 +51,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[Request] = []
         num_rows: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
         for chunk in chunks:
             req = chunk.request
             table = list(chunk.block_table)
@@ -57,6 +61,12 @@ class ModelRunner:
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
+            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
+                # every prompt position's logits score the prompt token after it (the last one samples)
+                first = query_start_loc[-1]
+                count = min(chunk.end, req.num_prompt_tokens - 1) - chunk.start
+                prompt_indices.extend(range(first, first + count))
+                prompt_rows.append((req, chunk.start + 1, count))
             query_start_loc.append(len(input_ids))
             seq_lens.append(chunk.end)
             tables.append(table)
@@ -76,7 +86,8 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
             host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend,
             all_slots_new=min(slots, default=0) >= 0)
-        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled, num_rows)
+        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
+                          num_rows, prompt_rows)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
