@@ -115,6 +115,13 @@ class OutputProcessor:
         for i, entry in enumerate(entries):
             state.prompt_logprobs[first + i] = self.position_logprobs(entry)
 
+    def prompt_logprobs_of(self, request_id: str) -> Optional[list[Optional[PositionLogprobs]]]:
+        """A running request's prompt log-probabilities (None if it did not ask, or is no longer running)."""
+        state = self._states.get(request_id)
+        if state is None or state.request.params.prompt_logprobs is None:
+            return None
+        return list(state.prompt_logprobs)
+
     def drain_logprobs(self) -> dict[str, list[PositionLogprobs]]:
         """The log-probabilities of the tokens since the last call, per request (streams send them)."""
         new, self._new_logprobs = self._new_logprobs, {}

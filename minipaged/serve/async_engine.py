@@ -48,12 +48,15 @@ class ChoiceDelta:
     text: str
     num_tokens: int
     finish_reason: Optional[str] = None      # set only in the choice's last delta
+    token_ids: tuple[int, ...] = ()          # the new tokens, and their log-probabilities when the request asked
+    logprobs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class Update:
     deltas: tuple[ChoiceDelta, ...]
     output: Any = None                       # the RequestOutput, in the update where the last sample finishes
+    prompt_logprobs: Optional[list] = None   # in a request's first update, when it asked for them
 
 
 @dataclass
@@ -63,6 +66,7 @@ class _Stream:
     queue: asyncio.Queue
     samples: dict[str, int]                  # engine sub-request id -> choice index
     finished: set[str] = field(default_factory=set)
+    updates_sent: int = 0
 
 
 class AsyncEngine:
@@ -243,16 +247,23 @@ class AsyncEngine:
                 stream.finished.add(sub)
             deltas.setdefault(parent, []).append(ChoiceDelta(
                 stream.samples[sub], event.new_text.get(sub, ""), len(event.new_token_ids.get(sub, ())),
-                finish.finish_reason if finish is not None else None))
+                finish.finish_reason if finish is not None else None, tuple(event.new_token_ids.get(sub, ())),
+                tuple(self.engine.step_logprobs.get(sub, ()))))
         for parent, parent_deltas in deltas.items():
             stream = self._streams[parent]
             output = None
+            first_sample = next(iter(stream.samples))
+            prompt_logprobs = None if stream.updates_sent else self.engine.outputs.prompt_logprobs_of(first_sample)
             if len(stream.finished) == len(stream.samples):
                 output = self.engine.outputs.pop_finished(parent)[0]
                 del self._streams[parent]
                 for sub in stream.samples:
                     self._sample_parent.pop(sub, None)
-            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output))
+                if not stream.updates_sent:
+                    prompt_logprobs = output.prompt_logprobs
+            stream.updates_sent += 1
+            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output,
+                                            prompt_logprobs))
 
     def _fail_all(self, error: ServerError) -> None:
         for request_id in list(self._streams):
