@@ -22,8 +22,6 @@ from ..request import InvalidRequestError
 from .params import StructuredOutputsError, StructuredOutputsParams
 from .processors import LogitsProcessor
 
-MAX_ROLLBACK_TOKENS = 64      # more than any number of drafts a step verifies
-
 
 def _library_message(exc: Exception) -> str:
     """xgrammar's message without its C++ time stamp and source location."""
@@ -53,8 +51,8 @@ class StructuredOutputCompiler:
         try:
             if kind == "json":
                 return compiler.compile_json_schema(params.schema_text(), any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":                  # OpenAI's json_object: any JSON *object*
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -73,7 +71,7 @@ class GrammarMask(LogitsProcessor):
     def __init__(self, compiled: Any, vocab_size: int) -> None:
         import xgrammar as xgr
         self._xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(compiled)     # rollback is unlimited in xgrammar 0.2
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.consumed: list[int] = []         # the tokens the matcher has accepted, in order
         self.num_allowed: Optional[int] = None  # how many tokens the last mask allowed (for the event log)
