@@ -315,7 +315,11 @@ class Engine:
             num_total_blocks=stats["blocks_total"], num_free_cpu_blocks=stats["cpu_blocks_free"],
             num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
-            swapped=tuple(r.request_id for r in s.swapped), counters=stats)
+            swapped=tuple(r.request_id for r in s.swapped), counters=stats,
+            new_logprobs={rid: [position[token].logprob for position, token in zip(positions, new_token_ids[rid])]
+                          for rid, positions in self.step_logprobs.items() if rid in new_token_ids},
+            constrained={rid: (allowed, self.logits.vocab_size)
+                         for rid, allowed in self.logits.drain_constrained().items()})
         for callback in list(self._subscribers):
             try:
                 callback(event)

@@ -187,3 +187,37 @@ def test_bad_logits_fields_name_the_problem(fields, words):
 def test_token_ids_outside_the_vocabulary_are_refused(engine):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("q", SamplingParams(logit_bias={10_000: 1.0}))
+
+
+def test_events_carry_probabilities_and_mask_sizes_for_the_tui(engine):
+    from minipaged.events import EngineView, StepEvent
+    from minipaged.tui.state import describe_event
+    from minipaged.tui.widgets.output import coloured_output, probability_colour
+
+    events: list[StepEvent] = []
+    unsubscribe = engine.subscribe(events.append)
+    try:
+        asked, masked, plain = engine.generate(["abc", "def", "ghi"], [
+            SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=10, structured_outputs={"choice": ["yes", "no"]}),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])
+    finally:
+        unsubscribe()
+    view, lines = EngineView(engine.info), []
+    for ev in events:
+        again = StepEvent.from_dict(json.loads(ev.to_json()))     # JSON-serialisable, thin clients read it back
+        assert again == ev
+        lines += describe_event(again, view)
+        view.apply(again)
+    rid_asked, rid_masked, rid_plain = asked.request_id, masked.request_id, plain.request_id
+    logprobs = [lp for ev in events for lp in ev.new_logprobs.get(rid_asked, [])]
+    assert logprobs == pytest.approx([asked.outputs[0].logprobs[i][t].logprob for i, t in enumerate(asked.token_ids)])
+    assert not any(rid_plain in ev.new_logprobs for ev in events)
+    allowed = [ev.constrained[rid_masked] for ev in events if rid_masked in ev.constrained]
+    assert allowed and allowed[0] == (2, engine.logits.vocab_size)       # "y" or "n" first
+    assert any("structured-output mask: 2 of 259 tokens allowed" in line.text for line in lines)
+    spans = view.requests[rid_asked].text_probs
+    assert sum(n for n, _p in spans) == len(asked.text) and not view.requests[rid_plain].text_probs
+    rendered = coloured_output(view.requests[rid_asked].text, spans)
+    assert {span.style for span in rendered.spans} <= {probability_colour(p) for _n, p in spans}
+    assert probability_colour(0.9) != probability_colour(0.001)

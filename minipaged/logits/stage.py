@@ -28,7 +28,7 @@ class LogitsStage:
         self.compiler = StructuredOutputCompiler(tokenizer, vocab_size)
         self._processors: dict[str, list[LogitsProcessor]] = {}     # request id -> its processors
         self._raw_logprobs: dict[str, torch.Tensor] = {}            # this step's rows, until take_logprobs
-        self.constrained: dict[str, int] = {}                       # this step: request id -> tokens its grammar allowed
+        self._constrained: dict[str, int] = {}      # this step: request id -> tokens its grammar allowed (first row)
 
     # ------------------------------------------------------------------ requests in and out
     def compile(self, params: SamplingParams) -> Any:
@@ -57,7 +57,6 @@ class LogitsStage:
                 drafts: dict[str, Sequence[int]]) -> None:
         """Keep the raw log-probabilities asked for, then edit each request's rows in place. ``rows[i]`` is
         request i's [1 + drafts, vocab] block of logits; its row j follows the output plus drafts[:j]."""
-        self.constrained = {}
         for req, block in zip(requests, rows):
             if req.params.logprobs is not None:
                 self._raw_logprobs[req.request_id] = log_softmax_rows(block)
@@ -65,13 +64,21 @@ class LogitsStage:
             if not processors:
                 continue
             draft = list(drafts.get(req.request_id, ()))
+            grammar = processors[-1] if isinstance(processors[-1], GrammarMask) else None
+            if grammar is not None:
+                grammar.num_allowed = None
             for j in range(block.shape[0]):
                 history = req.output_token_ids + draft[:j]
                 for processor in processors:
                     processor.apply(block[j], req.prompt_token_ids, history)
-            grammar = processors[-1]
-            if isinstance(grammar, GrammarMask) and grammar.num_allowed is not None:
-                self.constrained[req.request_id] = grammar.num_allowed
+                if grammar is not None and j == 0 and grammar.num_allowed is not None:
+                    self._constrained[req.request_id] = grammar.num_allowed
+
+    def drain_constrained(self) -> dict[str, int]:
+        """Requests whose next token a structured-output mask constrained since the last call, and how many
+        tokens it allowed (for the StepEvent)."""
+        constrained, self._constrained = self._constrained, {}
+        return constrained
 
     def take_logprobs(self, new_token_ids: dict[str, list[int]],
                       params_of: dict[str, SamplingParams]) -> dict[str, list[TokenLogprobs]]:

@@ -281,7 +281,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         text = ("" if echo_only else c.text) if echoed is None else echoed[1] + ("" if echo_only else c.text)
         logprobs = None
         if body.logprobs is not None:
-            prompt_positions = [] if echoed is None else list(zip(echoed[0], prompt_logprobs or [None] * len(echoed[0])))
+            prompt_positions = [] if echoed is None else list(zip(echoed[0],
+                                                                  prompt_logprobs or [None] * len(echoed[0])))
             logprobs = p.completion_logprobs(prompt_positions + generated, body.logprobs, as_ids)
         choice = p.completion_choice(index, text, c.finish_reason, c.stop_reason, logprobs)
         if body.prompt_logprobs is not None:
