@@ -208,8 +208,7 @@ class Engine:
         finished = self.scheduler.update_from_output(plan, sampled)
         new_token_ids = {c.request.request_id: c.request.output_token_ids[num_before[c.request.request_id]:]
                          for c in plan.chunks if c.request.request_id in sampled and sampled[c.request.request_id]}
-        logprobs = self.logits.take_logprobs(new_token_ids, {c.request.request_id: c.request.params
-                                                             for c in plan.chunks})
+        logprobs = self.logits.take_logprobs(new_token_ids)
         for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter(), logprobs):
             if surplus:                                    # accepted drafts after a stop string never happened
                 del req.output_token_ids[-surplus:]
@@ -276,7 +275,7 @@ class Engine:
                 start += count
             logits = logits[:num_sampled_rows]
         requests = model_input.sampled_requests
-        if any(r.params.uses_logits_stage or r.params.logprobs is not None for r in requests):
+        if self.logits.needed_by(requests):
             self.logits.process(requests, logits.split(model_input.num_logits_rows), drafts)
         return logits
 

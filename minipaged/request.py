@@ -148,13 +148,6 @@ class SamplingParams:
                                           f"likely tokens to return besides the chosen one), got {value!r}.")
 
     @property
-    def uses_logits_stage(self) -> bool:
-        """True when something must change this request's logits before sampling."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None or self.bad_words
-                    or self.structured_outputs is not None)
-
-    @property
     def greedy(self) -> bool:
         """Temperatures this close to 0 are greedy (as in vLLM): dividing logits by them overflows."""
         return self.temperature < GREEDY_BELOW

@@ -27,7 +27,8 @@ class LogitsStage:
         self.eos_token_ids = list(eos_token_ids)
         self.compiler = StructuredOutputCompiler(tokenizer, vocab_size)
         self._processors: dict[str, list[LogitsProcessor]] = {}     # request id -> its processors
-        self._raw_logprobs: dict[str, torch.Tensor] = {}            # this step's rows, until take_logprobs
+        self._users: set[str] = set()           # requests with processors or asking for log-probabilities
+        self._raw_logprobs: dict[str, tuple[torch.Tensor, int]] = {}   # this step's rows and top N, until taken
         self._constrained: dict[str, int] = {}      # this step: request id -> tokens its grammar allowed (first row)
 
     # ------------------------------------------------------------------ requests in and out
@@ -46,10 +47,17 @@ class LogitsStage:
         processors = build_processors(req.params, self.tokenizer, self.vocab_size, self.eos_token_ids, grammar)
         if processors:
             self._processors[req.request_id] = processors
+        if processors or req.params.logprobs is not None:
+            self._users.add(req.request_id)
 
     def forget(self, request_id: str) -> None:
         self._processors.pop(request_id, None)
         self._raw_logprobs.pop(request_id, None)
+        self._users.discard(request_id)
+
+    def needed_by(self, requests: Sequence[Request]) -> bool:
+        """Whether any of this step's requests has work here; with none in the engine, one set check."""
+        return bool(self._users) and any(r.request_id in self._users for r in requests)
 
     # ------------------------------------------------------------------ each step
     @torch.inference_mode()              # the forward pass's logits are inference tensors: edit them in that mode
@@ -59,7 +67,7 @@ class LogitsStage:
         request i's [1 + drafts, vocab] block of logits; its row j follows the output plus drafts[:j]."""
         for req, block in zip(requests, rows):
             if req.params.logprobs is not None:
-                self._raw_logprobs[req.request_id] = log_softmax_rows(block)
+                self._raw_logprobs[req.request_id] = (log_softmax_rows(block), req.params.logprobs)
             processors = self._processors.get(req.request_id)
             if not processors:
                 continue
@@ -80,12 +88,13 @@ class LogitsStage:
         constrained, self._constrained = self._constrained, {}
         return constrained
 
-    def take_logprobs(self, new_token_ids: dict[str, list[int]],
-                      params_of: dict[str, SamplingParams]) -> dict[str, list[TokenLogprobs]]:
+    def take_logprobs(self, new_token_ids: dict[str, list[int]]) -> dict[str, list[TokenLogprobs]]:
         """The raw log-probabilities of each request's new tokens (row j scored the j-th new token)."""
+        if not self._raw_logprobs:
+            return {}
         rows, self._raw_logprobs = self._raw_logprobs, {}
-        return {rid: token_logprobs(lp, new_token_ids[rid], params_of[rid].logprobs or 0)
-                for rid, lp in rows.items() if new_token_ids.get(rid)}
+        return {rid: token_logprobs(lp, new_token_ids[rid], num_top)
+                for rid, (lp, num_top) in rows.items() if new_token_ids.get(rid)}
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], first: int,
