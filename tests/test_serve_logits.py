@@ -178,3 +178,34 @@ def test_bad_values_are_openai_400s_while_a_stream_goes_on(server, client, model
     worker.join(60)
     assert got["n"] == 1800
     wait_until_idle(server)
+
+
+def test_streamed_echo_and_logprobs_match_the_whole_response(client, model_name):
+    args = dict(model=model_name, prompt=["first prompt", "second one"], echo=True, logprobs=3, max_tokens=4,
+                temperature=0, extra_body={**IDS, "ignore_eos": True})
+    whole = {c.index: c for c in client.completions.create(**args).choices}
+    tokens: dict[int, list] = {}
+    values: dict[int, list] = {}
+    text: dict[int, str] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+                values.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert sorted(whole) == sorted(text) == [0, 1]
+    for index, choice in whole.items():
+        assert text[index] == choice.text and tokens[index] == choice.logprobs.tokens
+        assert values[index][0] is None and values[index][1:] == pytest.approx(choice.logprobs.token_logprobs[1:],
+                                                                               abs=1e-6)
+
+
+def test_prompt_logprobs_and_n_samples_with_a_grammar(client, model_name):
+    response = client.completions.create(model=model_name, prompt="abc", max_tokens=5, n=3, temperature=1, seed=1,
+                                         extra_body={"prompt_logprobs": 2, "structured_outputs": {"regex": "[xy]{5}"}})
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    for c in response.choices:
+        assert len(c.text) == 5 and set(c.text) <= {"x", "y"}
+        prompt_logprobs = c.model_extra["prompt_logprobs"]
+        assert prompt_logprobs[0] is None and len(prompt_logprobs) == 3
+        assert all(entry["rank"] >= 1 for position in prompt_logprobs[1:] for entry in position.values())
