@@ -147,6 +147,7 @@ def test_json_schema_outputs_validate_under_chunking_caching_preemption_and_spec
 @pytest.mark.parametrize("structured, check", [
     ({"regex": "[ab]{3}-[0-9]"}, lambda t: len(t) == 5 and set(t[:3]) <= {"a", "b"} and t[3] == "-" and t[4].isdigit()),
     ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+    ({"choice": ["a.b", "(c)|d"]}, lambda t: t in ("a.b", "(c)|d")),           # metacharacters are literal
     ({"grammar": 'root ::= "x" ("y" | "z") "!"'}, lambda t: t in ("xy!", "xz!")),
     ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
 ])

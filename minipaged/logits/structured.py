@@ -29,6 +29,11 @@ def _library_message(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
 
 
+def regex_literal(text: str) -> str:
+    """``text`` as a regex that matches exactly it (only metacharacters escaped: xgrammar warns on ``\\ ``)."""
+    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
+
+
 class StructuredOutputCompiler:
     """Compiles structured-output requests for one tokenizer (xgrammar caches compiled grammars)."""
 
@@ -56,7 +61,7 @@ class StructuredOutputCompiler:
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
-                return compiler.compile_regex("|".join(re.escape(c) for c in params.choice))
+                return compiler.compile_regex("|".join(regex_literal(c) for c in params.choice))
             return compiler.compile_grammar(params.grammar)
         except StructuredOutputsError as exc:
             raise InvalidRequestError(str(exc)) from None
