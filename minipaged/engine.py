@@ -9,7 +9,9 @@ Follow a request from top to bottom:
   3. Swapped blocks are copied between the GPU and CPU pools.
   4. The ``ModelRunner`` lays all scheduled tokens end to end and runs ``CompactLlama`` once; attention
      reads and writes the paged cache through the block tables.
-  5. The ``Sampler`` picks a token for each request that reached the end of its known tokens.
+  5. The logits stage (``minipaged.logits``) applies each request's penalties, biases and masks (a
+     structured-output grammar among them) and keeps the log-probabilities asked for; then the ``Sampler``
+     picks a token for each request that reached the end of its known tokens.
   6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens and finishes
      requests that a token stops; finished ones free their blocks at once (continuous batching).
   7. The ``OutputProcessor`` turns tokens into text, applies stop strings and builds ``RequestOutput``s.
@@ -44,7 +46,7 @@ from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelRunner
+from .runner import ModelInput, ModelRunner
 from .sampling import Sampler
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .spec_decode.draft_model import load_draft_model
@@ -262,7 +264,8 @@ class Engine:
             sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
         return sampled, verified, time.perf_counter() - forward_start
 
-    def _logits_stage(self, model_input: Any, logits: torch.Tensor, drafts: dict[str, Sequence[int]]) -> torch.Tensor:
+    def _logits_stage(self, model_input: ModelInput, logits: torch.Tensor,
+                      drafts: dict[str, Sequence[int]]) -> torch.Tensor:
         """Score the prompt rows a request asked log-probabilities for, then let the logits stage process the
         sampled rows in place (penalties, biases, masks; raw log-probabilities kept first). A step where no
         request has anything for the stage skips it."""

@@ -4,7 +4,8 @@ For each scheduled chunk it emits the chunk's token ids and positions, the cache
 goes to (block id * block_size + offset, looked up in the block table the chunk carries), and, if the chunk
 reaches the end of the request's known tokens, the rows whose logits are sampled: the last token's, and one
 more per draft token a speculative decode carries (the target's verdict on each guess). A chunk in the
-middle of a long prompt samples nothing: its job is only to fill the cache.
+middle of a long prompt samples nothing: its job is only to fill the cache. A request that asks for prompt
+log-probabilities also gets the logits of its prompt rows, placed after all the sampled rows.
 
 Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
 reads the block manager, so the same runner could sit in another process (tensor parallelism).
@@ -40,7 +41,9 @@ class ModelRunner:
         self.backend = backend
         self.device = kv_cache.device
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
+        """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
+        (a draft model's forward pass does not need them)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -61,7 +64,7 @@ class ModelRunner:
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
-            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
+            if with_prompt_rows and req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
                 # every prompt position's logits score the prompt token after it (the last one samples)
                 first = query_start_loc[-1]
                 count = min(chunk.end, req.num_prompt_tokens - 1) - chunk.start
