@@ -128,9 +128,13 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"
           "required": ["ok", "size"], "additionalProperties": False}
 
 
-def test_json_schema_outputs_validate_under_chunking_caching_preemption_and_speculation(tiny_model):
-    eng = Engine(tiny_model, block_size=4, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=8,
-                 enable_prefix_caching=True, speculative_config=NGRAM)
+SELF_DRAFT = {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("speculation", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
+def test_json_schema_outputs_validate_under_chunking_caching_preemption_and_speculation(tiny_model, speculation):
+    eng = Engine(tiny_model, block_size=4, num_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
+                 enable_prefix_caching=True, speculative_config=speculation)
     prompt = "Answer in JSON about the weather today, please: "
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs={"json": SCHEMA})
               for seed in range(20)]
