@@ -161,7 +161,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body.sampling_params(asked or 1)
+        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here, before queueing
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             token_ids = eng.inputs.chat_prompt(messages)
