@@ -226,3 +226,41 @@ def test_events_carry_probabilities_and_mask_sizes_for_the_tui(engine):
     rendered = coloured_output(view.requests[rid_asked].text, spans)
     assert {span.style for span in rendered.spans} <= {probability_colour(p) for _n, p in spans}
     assert probability_colour(0.9) != probability_colour(0.001)
+
+
+def test_the_watch_app_colours_a_selected_requests_output_by_probability(engine, tmp_path):
+    """A replayed trace in the real TUI: the output panel of a request that asked for log-probabilities is
+    drawn in probability colours, and the event log has the mask line."""
+    import asyncio
+
+    from minipaged.events import read_trace, write_trace_event, write_trace_header
+    from minipaged.tui.app import WatchApp
+    from minipaged.tui.widgets.event_log import EventLog
+    from minipaged.tui.widgets.output import PROBABILITY_COLOURS, OutputPanel
+
+    trace = tmp_path / "trace.jsonl"
+    with open(trace, "w") as fp:
+        write_trace_header(fp, engine.info)
+        unsubscribe = engine.subscribe(lambda ev: write_trace_event(fp, ev))
+        try:
+            asked, _masked = engine.generate(["abcdef", "xyz"], [
+                SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]{3}"})])
+        finally:
+            unsubscribe()
+
+    async def run() -> tuple[set[str], str]:
+        app = WatchApp(replay=read_trace(str(trace)), paused=True)
+        async with app.run_test(size=(140, 44)) as pilot:
+            app.go_to(len(app.events))
+            app.select(asked.request_id)
+            await pilot.pause(0.1)
+            panel = app.query_one(OutputPanel)
+            styles = {str(seg.style.color.name) for y in range(panel.content_size.height)
+                      for seg in panel.render_line(y) if seg.style is not None and seg.style.color is not None}
+            log = app.query_one(EventLog)
+            return styles, str(log.render())
+
+    styles, log_text = asyncio.run(run())
+    assert styles & {colour for _bound, colour in PROBABILITY_COLOURS}, styles
+    assert "structured-output mask" in log_text
