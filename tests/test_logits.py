@@ -264,3 +264,12 @@ def test_the_watch_app_colours_a_selected_requests_output_by_probability(engine,
     styles, log_text = asyncio.run(run())
     assert styles & {colour for _bound, colour in PROBABILITY_COLOURS}, styles
     assert "structured-output mask" in log_text
+
+
+def test_without_xgrammar_a_structured_request_is_refused_with_the_fix(tiny_model, monkeypatch):
+    import sys
+    eng = Engine(tiny_model, block_size=4, num_blocks=64)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)        # as if it never installed
+    with pytest.raises(InvalidRequestError, match="pip install xgrammar"):
+        eng.add_request("q", SamplingParams(structured_outputs={"regex": "a"}))
+    assert eng.generate("q", SamplingParams(temperature=0, max_tokens=2))[0].finish_reason == "length"

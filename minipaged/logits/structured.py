@@ -44,7 +44,11 @@ class StructuredOutputCompiler:
 
     def _xgr(self) -> Any:
         if self._compiler is None:
-            import xgrammar as xgr                  # imported on the first structured request only
+            try:
+                import xgrammar as xgr              # imported on the first structured request only
+            except ImportError:
+                raise InvalidRequestError("structured outputs need the xgrammar package, which is not installed "
+                                          "here: pip install xgrammar (or send the request without them).") from None
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
