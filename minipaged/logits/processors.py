@@ -36,10 +36,15 @@ class LogitsProcessor(ABC):
 class RepetitionPenalty(LogitsProcessor):
     def __init__(self, penalty: float) -> None:
         self.penalty = penalty
+        self._prompt_ids: Optional[torch.Tensor] = None     # the prompt's distinct tokens, found once
 
     def apply(self, logits, prompt_token_ids, output_token_ids) -> None:
-        seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long,
-                            device=logits.device)
+        if self._prompt_ids is None:
+            self._prompt_ids = torch.unique(torch.tensor(list(prompt_token_ids), dtype=torch.long))
+        seen = self._prompt_ids
+        if output_token_ids:
+            seen = torch.unique(torch.cat([seen, torch.tensor(list(output_token_ids), dtype=torch.long)]))
+        seen = seen.to(logits.device)
         scores = logits[seen]
         logits[seen] = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
 
@@ -51,9 +56,10 @@ class PresenceFrequencyPenalty(LogitsProcessor):
     def apply(self, logits, prompt_token_ids, output_token_ids) -> None:
         if not output_token_ids:
             return
-        counts = torch.bincount(torch.tensor(list(output_token_ids), dtype=torch.long),
-                                minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.device, logits.dtype)
-        logits -= self.frequency * counts + self.presence * (counts > 0).to(logits.dtype)
+        # only the tokens that appeared: O(output), not O(vocabulary)
+        ids, counts = torch.unique(torch.tensor(list(output_token_ids), dtype=torch.long), return_counts=True)
+        ids = ids.to(logits.device)
+        logits[ids] -= self.frequency * counts.to(logits.device, logits.dtype) + self.presence
 
 
 class LogitBias(LogitsProcessor):
