@@ -13,12 +13,12 @@ only in that number (vLLM v1's unified view).
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from .config import is_int, is_number
-from .logits.params import StructuredOutputsError, StructuredOutputsParams
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +37,58 @@ class RequestStatus(enum.Enum):
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: a JSON schema (``json``, a dict or its JSON text), any JSON object (``json_object``),
+    a regular expression, a list of choices, or an EBNF grammar (xgrammar's GBNF dialect), as vLLM's
+    ``StructuredOutputsParams``."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured outputs take exactly one of json, regex, choice, grammar or json_object; got "
+                f"{given or 'none'}.")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured outputs 'choice' must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured outputs '{name}' must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+
+    def schema_text(self) -> str:
+        """The JSON schema as text (a dict is dumped; text is checked to be JSON)."""
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
+            return self.json
+        return json.dumps(self.json)
+
+    @staticmethod
+    def from_any(value: Any) -> Optional["StructuredOutputsParams"]:
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        if isinstance(value, dict):
+            return StructuredOutputsParams(**value)
+        raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict of its fields.")
 
 
 @dataclass(frozen=True)
@@ -98,7 +150,7 @@ class SamplingParams:
                 object.__setattr__(self, name, tuple(value))
         try:
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_any(self.structured_outputs))
-        except (StructuredOutputsError, TypeError) as exc:
+        except TypeError as exc:
             raise InvalidRequestError(str(exc)) from None
 
     def validate(self) -> None:

@@ -18,8 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..request import InvalidRequestError
-from .params import StructuredOutputsError, StructuredOutputsParams
+from ..request import InvalidRequestError, StructuredOutputsParams
 from .processors import LogitsProcessor
 
 
@@ -67,8 +66,8 @@ class StructuredOutputCompiler:
             if kind == "choice":
                 return compiler.compile_regex("|".join(regex_literal(c) for c in params.choice))
             return compiler.compile_grammar(params.grammar)
-        except StructuredOutputsError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        except InvalidRequestError:
+            raise
         except Exception as exc:                    # xgrammar raises RuntimeError (C++) or ValueError
             what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
             raise InvalidRequestError(f"invalid structured outputs {what}: {_library_message(exc)}") from None
