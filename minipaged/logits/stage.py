@@ -76,7 +76,7 @@ class LogitsStage:
             if grammar is not None:
                 grammar.num_allowed = None
             for j in range(block.shape[0]):
-                history = req.output_token_ids + draft[:j]
+                history = req.output_token_ids + draft[:j] if j else req.output_token_ids   # row 0: no copy
                 for processor in processors:
                     processor.apply(block[j], req.prompt_token_ids, history)
                 if grammar is not None and j == 0 and grammar.num_allowed is not None:
