@@ -283,7 +283,9 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            # Prompt log-probabilities need every prompt row's logits: a cached prefix has none (as in vLLM).
+            cached_blocks, num_cached = self.kv.find_cached_prefix(req) if req.params.prompt_logprobs is None \
+                else ([], 0)
             num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
             if num_new > budget:
                 if not chunked:
