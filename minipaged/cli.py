@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .options import add_engine_arguments, build_engine, engine_options
+from .options import HelpFormatter, add_engine_arguments, build_engine, engine_options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -66,7 +66,7 @@ def cmd_lessons(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(prog="minipaged", formatter_class=fmt,
                                      description="A compact LLM inference engine that shows how vLLM-style "
                                                  "serving works: paged KV cache, continuous batching, prefix "

@@ -38,6 +38,7 @@ from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
+from .policies import load_policy
 from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
@@ -99,7 +100,8 @@ class Engine:
         cpu_blocks = num_cpu_blocks(config, bytes_per_block)
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 load_policy("eviction_policy", config.eviction_policy))
         self.cpu_pool = CpuBlockPool(cpu_blocks)
 
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
@@ -194,6 +196,8 @@ class Engine:
     def step(self) -> StepEvent:
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
+        for req in plan.failed:                            # a policy raised deciding about it: aborted
+            self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
         self._copy_swapped_blocks(plan)

@@ -61,6 +61,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    priority: int = 0                  # vLLM's extension (extra_body): lower is admitted first under priority
     logprobs: Optional[Any] = None
     echo: bool = False
 
@@ -81,7 +82,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=0 if self.top_k is None else self.top_k, seed=self.seed, max_tokens=max_tokens,
-                              stop=self.stop or (), ignore_eos=self.ignore_eos)
+                              stop=self.stop or (), ignore_eos=self.ignore_eos, priority=self.priority)
 
 
 class CompletionRequest(SamplingFields):
