@@ -295,7 +295,8 @@ class Scheduler:
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:
-                self._fail(self.waiting[0], "scheduling_policy", self.order, e, out)
+                for culprit in self._keys_that_raise() or [self.waiting[0]]:
+                    self._fail(culprit, "scheduling_policy", self.order, e, out)
                 continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(req)
             num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
@@ -316,6 +317,16 @@ class Scheduler:
                                           cached_prefix_end=len(cached_blocks) * self.kv.block_size))
             budget -= num_new
         return budget
+
+    def _keys_that_raise(self) -> list[Request]:
+        """After the order policy raised: the waiting requests whose key raises (the ones it cannot order)."""
+        culprits = []
+        for req in self.waiting:
+            try:
+                self.order.key(req)
+            except Exception:
+                culprits.append(req)
+        return culprits
 
     def _take_waiting(self, req: Request) -> None:
         """Out of the waiting queue: O(1) for the head (FCFS always admits it), a scan otherwise."""
