@@ -155,3 +155,63 @@ def test_a_file_with_a_syntax_error_or_without_the_name_says_so(tmp_path):
     assert not result.passed and "SyntaxError" in result.message
     (result,) = check_file(lab, write(tmp_path, lab, "def hash_blocks(a, b, c): return b''\n"))
     assert not result.passed and "does not define hash_block_tokens" in result.message
+
+
+# The engine's own implementation, counting its calls: proof that watch --lab runs the student's code.
+COUNTING = {
+    1: """
+        from minipaged.policies import LRUFreeBlockQueue
+        CALLS = []
+        class LRUQueue(LRUFreeBlockQueue):
+            def pop_front(self):
+                CALLS.append(1)
+                return super().pop_front()
+        """,
+    2: """
+        from minipaged.block_manager import hash_block_tokens as engine_hash
+        CALLS = []
+        def hash_block_tokens(parent_hash, token_ids, extra_keys=()):
+            CALLS.append(1)
+            return engine_hash(parent_hash, token_ids, extra_keys)
+        """,
+    3: """
+        from minipaged.policies import PriorityOrder
+        CALLS = []
+        class MyPriority(PriorityOrder):
+            def key(self, request):
+                CALLS.append(1)
+                return super().key(request)
+        """,
+    4: """
+        from minipaged.lessons.labs.lab4_rejection_sampler import engine_verify
+        CALLS = []
+        def verify(p, q, draft_token_ids, generator):
+            CALLS.append(1)
+            return engine_verify(p, q, draft_token_ids, generator)
+        """,
+}
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 4])
+def test_watch_lab_runs_the_students_code_beside_the_engines_own(tmp_path, tiny_model, number, capsys):
+    import sys
+    lab = find_lab(number)
+    path = write(tmp_path, lab, COUNTING[number])
+    # --rate 4: everyone arrives at once, so lab 3's order has a queue to sort
+    code = main(["watch", "--lab", str(number), "--lab-file", str(path), "--no-tui", "--model", tiny_model,
+                 "--num-requests", "6", "--max-tokens", "6", "--rate", "4", "--max-num-seqs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    ours, theirs = [line.split(": ", 1) for line in out.splitlines()[1:3]]
+    assert ours[0].strip() == "the engine's own" and theirs[0].strip() == f"yours ({lab.file_name})"
+    # the same code gives the same run: steps, tokens per step, preemptions, hit rate (TTFT is wall time)
+    assert ours[1].split(", mean TTFT")[0] == theirs[1].split(", mean TTFT")[0]
+    # (a policy file is loaded once to check it and once more by the engine's option: count every copy)
+    calls = sum(len(m.CALLS) for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(path))
+    assert calls, "the engine never called the student's code"
+
+
+def test_watch_lab_without_the_file_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["watch", "--lab", "2", "--no-tui"]) == 2
+    assert "minipaged lab start" in capsys.readouterr().err

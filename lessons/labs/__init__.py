@@ -11,7 +11,7 @@ from .core import CheckResult, Lab, LabFailure, check_file, load_target, run_che
 
 
 def all_labs() -> list[Lab]:
-    """Imported on demand: lab 4 needs torch, and ``lab list`` should not wait for it."""
+    """Every lab, in order (imported here, on demand: lab 4 needs torch)."""
     from . import lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler
     return [m.LAB for m in (lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler)]
 

@@ -35,6 +35,7 @@ class Lab:
     watch_options: Optional[Callable[[str], dict]] = None
     reference_options: dict = field(default_factory=dict)
     install: Optional[Callable[[Any, Any], None]] = None   # (engine, student's object): hook it into the engine
+    adapt_workload: Optional[Callable[[Any], Any]] = None  # a Workload -> the one this lab shows best
 
     @property
     def file_name(self) -> str:

@@ -6,6 +6,8 @@ sampled token is made up) and watch the order in which requests are admitted to 
 """
 from __future__ import annotations
 
+import dataclasses
+import random
 from typing import Any, Sequence
 
 from minipaged.block_manager import CpuBlockPool, KVCacheManager
@@ -13,6 +15,7 @@ from minipaged.config import EngineConfig
 from minipaged.policies import PriorityOrder
 from minipaged.request import Request, SamplingParams
 from minipaged.scheduler import Scheduler
+from minipaged.workloads import Workload
 
 from .core import Lab, expect
 
@@ -111,7 +114,17 @@ def reference() -> Any:
     return PriorityOrder
 
 
+def with_priorities(workload: Workload) -> Workload:
+    """The watch workload with priorities -1 to 2 drawn per request (a preset has none), so the order shows."""
+    rng = random.Random(0)
+    arrivals = tuple(dataclasses.replace(a, params=dataclasses.replace(a.params, priority=rng.randint(-1, 2)))
+                     for a in workload.arrivals)
+    return dataclasses.replace(workload, arrivals=arrivals, description=workload.description
+                               + " Each request has a priority from -1 (first) to 2.")
+
+
 LAB = Lab(3, "lab3_priority", "A scheduling policy: vLLM's priority order", "MyPriority", STUB, reference,
           (lower_value_first, equal_priorities_first_come_first_served, late_urgent_request_overtakes),
           watch_options=lambda path: {"scheduling_policy": f"{path}:MyPriority"},
-          reference_options={"scheduling_policy": "priority"})
+          reference_options={"scheduling_policy": "priority", "preemption_victim": "lowest-priority"},
+          adapt_workload=with_priorities)
