@@ -125,6 +125,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
+            scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
+            eviction_policy=config.eviction_policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
             device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
