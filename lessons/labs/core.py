@@ -7,12 +7,12 @@ Checks run in order and each on its own, so one mistake does not hide the next.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from minipaged.policies.loading import import_file
 
 
 class LabFailure(AssertionError):
@@ -64,13 +64,8 @@ def load_target(path: Path, name: str) -> Any:
     """``name`` from the student's file; a missing file or name, or an import error, is a LabFailure."""
     if not path.is_file():
         raise LabFailure(f"no file {path}: run `minipaged lab start` for the stub, or give the path of your file.")
-    module_name = f"minipaged_lab_{path.stem}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_file(path, f"minipaged_lab_{path.stem}")
     except Exception as e:
         raise LabFailure(f"importing {path} raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=-1)}") from e
     if not hasattr(module, name):

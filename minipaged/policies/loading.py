@@ -12,6 +12,7 @@ import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from ..config import ConfigError
@@ -98,21 +99,30 @@ def load_policy(option: str, value: str) -> type:
     return cls
 
 
-def _class_from_file(kind: PolicyKind, path: Path, class_name: str) -> type:
-    if not path.is_file():
-        raise PolicyError(f"{kind.flag}: no file {str(path)!r}; give the path of your .py file, then ':ClassName'.")
-    module_name = f"minipaged_user_policy_{kind.option}_{abs(hash(str(path.resolve())))}"
+def import_file(path: Path, prefix: str) -> ModuleType:
+    """Import a user's .py file by its path as a module of its own (whatever its code raises propagates).
+
+    It is registered in ``sys.modules`` under a name made from ``prefix`` and the file's path, because
+    dataclasses and pickling look a class's module up by name."""
+    module_name = f"{prefix}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module          # dataclasses and pickling look the module up by name
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _class_from_file(kind: PolicyKind, path: Path, class_name: str) -> type:
+    if not path.is_file():
+        raise PolicyError(f"{kind.flag}: no file {str(path)!r}; give the path of your .py file, then ':ClassName'.")
     try:
-        spec.loader.exec_module(module)
+        module = import_file(path, f"minipaged_user_policy_{kind.option}")
     except Exception as e:
         raise PolicyError(f"{kind.flag}: importing {str(path)!r} raised {type(e).__name__}: {e}") from e
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
-        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module_name)
+        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__)
         raise PolicyError(f"{kind.flag}: {str(path)!r} has no class {class_name!r} (classes in it: "
                           f"{', '.join(found) or 'none'}).")
     return cls
