@@ -35,8 +35,9 @@ Memory
   * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
     for tokens that are not cached.
   * When a running request cannot get a block, a running request that has not yet been scheduled this step
-    is preempted (by default the most recently arrived, vLLM's rule): ``recompute`` frees its blocks and requeues it at the head of the
-    waiting queue (its generated tokens kept); ``swap`` copies its blocks to the CPU pool first.
+    is preempted (by default the most recently arrived, vLLM's rule): ``recompute`` frees its blocks and
+    requeues it at the head of the waiting queue (its generated tokens kept); ``swap`` copies its blocks to
+    the CPU pool first.
 """
 from __future__ import annotations
 
@@ -287,7 +288,8 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit new requests in arrival order while the budget, max_num_seqs and the pool allow."""
+        """Admit new requests in the scheduling policy's order (FCFS: arrival) while the budget, max_num_seqs and
+        the pool allow."""
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             try:
