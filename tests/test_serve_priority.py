@@ -29,11 +29,12 @@ def model_name(server) -> str:
     return openai.OpenAI(base_url=server + "/v1", api_key="none").models.list().data[0].id
 
 
-async def wait_for_waiting(url: str, count: int, timeout: float = 20.0) -> None:
+async def wait_for(url: str, field: str, count: int, timeout: float = 20.0) -> None:
+    """Poll /health until ``field`` (num_requests_running or num_requests_waiting) reaches ``count``."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as http:
-        while (await http.get(url + "/health")).json()["num_requests_waiting"] < count:
-            assert time.monotonic() < deadline, f"{count} requests never queued"
+        while (await http.get(url + "/health")).json()[field] < count:
+            assert time.monotonic() < deadline, f"{field} never reached {count}"
             await asyncio.sleep(0.01)
 
 
@@ -48,9 +49,9 @@ def test_a_late_high_priority_request_finishes_before_those_queued_earlier(serve
 
     async def scenario() -> None:
         head = asyncio.create_task(complete("head", 0, 600))            # holds the only seat for a while
-        await wait_for_waiting(server, 0)
+        await wait_for(server, "num_requests_running", 1)
         lows = [asyncio.create_task(complete(f"low{i}", 5, 8)) for i in range(4)]
-        await wait_for_waiting(server, 4)
+        await wait_for(server, "num_requests_waiting", 4)
         assert not head.done(), "the long request finished before the queue formed; make it longer"
         high = asyncio.create_task(complete("high", -5, 8))
         await asyncio.gather(head, high, *lows)
