@@ -215,3 +215,5 @@ def test_watch_lab_without_the_file_says_how_to_get_it(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     assert main(["watch", "--lab", "2", "--no-tui"]) == 2
     assert "minipaged lab start" in capsys.readouterr().err
+    assert main(["watch", "--lab", "2", "--no-tui", "--replay", "x.jsonl"]) == 2
+    assert "does not combine with --replay" in capsys.readouterr().err

@@ -212,6 +212,13 @@ def _flag_problem(args: argparse.Namespace) -> Optional[str]:
     if (getattr(args, "speed", None) or 0) < 0:
         return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
                f"not {args.speed}."
+    if getattr(args, "lab", None) is not None:
+        clashing = [flag for flag, name in (("--replay", "replay"), ("--attach", "attach"), ("--lesson", "lesson"),
+                                            ("--record", "record")) if getattr(args, name, None)]
+        clashing += ["--compare"] if getattr(args, "compare", None) is not None else []
+        if clashing:
+            return (f"--lab runs your code and the engine's own side by side, live; it does not combine with "
+                    f"{', '.join(clashing)}.")
     if getattr(args, "replay", None) and getattr(args, "attach", None):
         return "--replay shows a recorded run and --attach a live server: give one of them."
     if getattr(args, "replay", None) or getattr(args, "attach", None):
