@@ -42,6 +42,7 @@ from .model import CompactLlama, load_model
 from .model.families import sliding_window_problem
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
+from .policies import load_policy
 from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
@@ -105,7 +106,8 @@ class Engine:
         cpu_blocks = num_cpu_blocks(config, bytes_per_block)
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 load_policy("eviction_policy", config.eviction_policy))
         self.cpu_pool = CpuBlockPool(cpu_blocks)
 
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
@@ -131,6 +133,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
+            scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
+            eviction_policy=config.eviction_policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
             device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
@@ -205,6 +209,8 @@ class Engine:
     def step(self) -> StepEvent:
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
+        for req in plan.failed:                            # a policy raised deciding about it: aborted
+            self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
         self._copy_swapped_blocks(plan)

@@ -39,6 +39,9 @@ class EngineInfo:
     num_speculative_tokens: int = 0      # k: drafts per request per step
     speculative_config: Optional[dict] = None   # the whole configuration, vLLM's keys, defaults filled in
     parallel: Optional[str] = None       # the rank layout, "tp=3: 3 heads, 1 KV head per rank" (None: one rank)
+    scheduling_policy: str = "fcfs"      # minipaged.policies: a name, or path/to/file.py:ClassName
+    preemption_victim: str = "newest"
+    eviction_policy: str = "lru"
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ class SamplingParams:
     # Log-probabilities of the raw model (before the logits stage): top-N per generated / prompt token.
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    priority: int = 0              # --scheduling-policy priority: lower values are admitted first (vLLM's rule)
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):        # None is vLLM's default for both
@@ -165,6 +166,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not is_int(self.priority):
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {self.priority!r}.")
         if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -140,7 +140,7 @@ class SamplingFields(BaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: bool = False
-
+    priority: int = 0                  # vLLM's extension (extra_body): lower is admitted first under priority
 
     def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
         """A 400 for the first field the server cannot honour, or a value beyond its limits."""
@@ -196,7 +196,8 @@ class SamplingFields(BaseModel):
         return SamplingParams(n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=0 if self.top_k is None else self.top_k, seed=self.seed, max_tokens=max_tokens,
-                              stop=self.stop or (), ignore_eos=self.ignore_eos, **self.logits_params())
+                              stop=self.stop or (), ignore_eos=self.ignore_eos, priority=self.priority,
+                              **self.logits_params())
 
     def logits_params(self) -> dict[str, Any]:
         """The SamplingParams fields of the logits stage and log-probabilities."""
