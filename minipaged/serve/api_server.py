@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
-``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``).
+``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``), and
+``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
 checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
@@ -22,13 +23,15 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .. import web
 from ..metrics import EngineMetrics
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
+from .event_hub import Watcher, WatcherResponse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -122,11 +125,22 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                             "max_model_len": max_model_len}]}
 
     @app.get("/v1/events")
-    async def events() -> StreamingResponse:
-        async def lines() -> AsyncIterator[str]:
-            async for line in async_engine.watch():
-                yield sse(line)
-        return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS)
+    async def events(request: Request) -> WatcherResponse:
+        watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""))
+        async_engine.watch(watcher)
+        return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher))
+
+    # ---------------------------------------------------------------- the live view (static files)
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(web.index_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/web/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:
+        found = web.static_file(name)
+        if found is None:
+            raise p.ServerError(404, f"no file {name!r} in the live view; open / for the page.")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")

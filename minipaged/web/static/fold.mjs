@@ -40,7 +40,8 @@ export function newState(info) {
 }
 
 function newRequest(a) {
-  return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt: a.prompt,
+  const prompt = a.prompt ?? a.prompt_preview ?? "";     // traces recorded before prompts were kept whole
+  return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
     finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [] };
 }

@@ -1,0 +1,200 @@
+"""The ``/v1/events`` fan-out: each StepEvent is serialised and framed once, and the same bytes go to every
+watcher; each watcher has a bounded buffer, and one that falls behind is dropped.
+
+Why: a classroom is one engine and dozens of browsers. Serialising an event per watcher, or letting a stalled
+browser's backlog grow, would make the teacher's machine pay for every student; here a step costs one
+``json.dumps`` (in the engine thread), one framing, and one ``deque.append`` of the same ``bytes`` per
+watcher (on the event loop).
+
+A watcher whose unsent bytes pass ``limit_bytes`` loses its backlog at once (the memory goes back) and gets,
+if its connection can still be written, ``event: dropped`` with the reason; then its connection closes. It
+reconnects and starts again from a fresh snapshot (skipping events would corrupt its block map).
+
+Compression: with ``Accept-Encoding: gzip`` a watcher gets a gzip stream, still compressed once per event.
+Each event is deflated on its own (a fresh compressor, flushed to a byte boundary), and independent deflate
+blocks concatenate into one valid deflate stream, so the same compressed bytes serve every gzip watcher; each
+watcher only adds the 10-byte gzip header, keeps a running CRC-32, and ends with the trailer.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import zlib
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Optional
+
+logger = logging.getLogger("minipaged.serve")
+
+WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
+DROP_GRACE_S = 1.0                    # how long a dropped watcher's connection gets to take its last message
+GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"   # deflate, no name, no time, unknown OS
+DEFLATE_END = zlib.compressobj(wbits=-15).flush()            # an empty final block
+
+
+def deflate_alone(data: bytes) -> bytes:
+    """Raw deflate blocks of ``data`` that do not refer to anything before them and end on a byte."""
+    compressor = zlib.compressobj(6, zlib.DEFLATED, -15)
+    return compressor.compress(data) + compressor.flush(zlib.Z_SYNC_FLUSH)
+
+
+class Chunk:
+    """One framed SSE message, shared by all watchers; its compressed form is made once, when first asked."""
+
+    __slots__ = ("plain", "_deflated")
+
+    def __init__(self, plain: bytes) -> None:
+        self.plain = plain
+        self._deflated: Optional[bytes] = None
+
+    @classmethod
+    def data(cls, payload: str) -> "Chunk":
+        return cls(b"data: " + payload.encode() + b"\n\n")
+
+    @property
+    def deflated(self) -> bytes:
+        if self._deflated is None:
+            self._deflated = deflate_alone(self.plain)
+        return self._deflated
+
+
+class Watcher:
+    """One ``/v1/events`` client: a bounded queue of bytes ready to send, on the event loop."""
+
+    def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES) -> None:
+        self.gzip = gzip
+        self.limit_bytes = limit_bytes
+        self.queue: deque[bytes] = deque()
+        self.queued_bytes = 0
+        self.closed = False                      # nothing more will be queued (after the queue: the end)
+        self.dropped: Optional[str] = None       # why it was dropped, if it was
+        self.dropped_event = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._crc = 0
+        self._size = 0
+        self._started = False
+
+    def encode(self, chunk: Chunk) -> bytes:
+        """The bytes of ``chunk`` on this watcher's connection (per-watcher work: a CRC-32 when gzipped)."""
+        if not self.gzip:
+            return chunk.plain
+        self._crc = zlib.crc32(chunk.plain, self._crc)
+        self._size += len(chunk.plain)
+        if not self._started:
+            self._started = True
+            return GZIP_HEADER + chunk.deflated
+        return chunk.deflated
+
+    def offer(self, chunk: Chunk) -> None:
+        """Queue ``chunk``, or drop this watcher if that would pass its limit."""
+        if self.closed:
+            return
+        data = self.encode(chunk)
+        if self.queued_bytes + len(data) > self.limit_bytes:
+            self.drop(f"more than {self.limit_bytes // 1024} KiB of events waited to be sent to this watcher")
+            return
+        self.queue.append(data)
+        self.queued_bytes += len(data)
+        self._ready.set()
+
+    def say(self, text: str) -> None:
+        """Queue a message for this watcher alone (an SSE comment or a named event), whatever its backlog."""
+        if not self.closed:
+            self.queue.append(self.encode(Chunk(text.encode())))
+            self._ready.set()
+
+    def drop(self, reason: str) -> None:
+        self.queue.clear()                       # the backlog's memory goes back now
+        self.queued_bytes = 0
+        self.say(f"event: dropped\ndata: {json.dumps({'reason': reason})}\n\n")
+        self.dropped = reason
+        self.close()
+        self.dropped_event.set()
+        logger.warning("dropped an event-stream watcher: %s", reason)
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The bytes to send, as they come; ends once the watcher is closed and its queue is sent."""
+        while True:
+            while self.queue:
+                data = self.queue.popleft()
+                self.queued_bytes = max(0, self.queued_bytes - len(data))
+                yield data
+            if self.closed:
+                if self.gzip:
+                    yield (b"" if self._started else GZIP_HEADER) + DEFLATE_END + \
+                        (self._crc & 0xFFFFFFFF).to_bytes(4, "little") + (self._size & 0xFFFFFFFF).to_bytes(4, "little")
+                return
+            self._ready.clear()
+            await self._ready.wait()
+
+
+class EventHub:
+    """The watchers of one server, on the event loop. The engine thread calls ``publish`` (through the loop)
+    with each event's JSON, once."""
+
+    def __init__(self) -> None:
+        self.watchers: list[Watcher] = []
+
+    def add(self, watcher: Watcher, first: list[str]) -> None:
+        """Register ``watcher``, queueing ``first`` (the engine header and the snapshot) before any step."""
+        for payload in first:
+            watcher.offer(Chunk.data(payload))
+        self.watchers.append(watcher)
+
+    def publish(self, payload: str) -> None:
+        chunk = Chunk.data(payload)
+        for watcher in self.watchers:
+            watcher.offer(chunk)
+        if any(w.closed for w in self.watchers):
+            self.watchers = [w for w in self.watchers if not w.closed]
+
+    def remove(self, watcher: Watcher) -> None:
+        watcher.close()
+        if watcher in self.watchers:
+            self.watchers.remove(watcher)
+
+    def close_all(self) -> None:
+        for watcher in self.watchers:
+            watcher.close()
+        self.watchers = []
+
+
+class WatcherResponse:
+    """The ASGI response of one watcher. Unlike a plain streaming response it can end a connection whose client
+    stopped reading: a send to such a client never returns, so once the watcher is dropped (and a short grace
+    has passed) the sending task is cancelled and the connection closed."""
+
+    def __init__(self, watcher: Watcher, headers: dict[str, str], on_end: Callable[[], Any]) -> None:
+        self.watcher = watcher
+        self.headers = {"content-type": "text/event-stream", **headers}
+        if watcher.gzip:
+            self.headers.update({"content-encoding": "gzip", "vary": "Accept-Encoding"})
+        self.on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
+            async for data in self.watcher.stream():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        sending = asyncio.ensure_future(pump())
+        tasks = {sending, asyncio.ensure_future(client_left()), asyncio.ensure_future(self.watcher.dropped_event.wait())}
+        try:
+            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if sending not in done and self.watcher.dropped is not None:
+                await asyncio.wait({sending}, timeout=DROP_GRACE_S)   # time to send "dropped", if it can
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.on_end()
