@@ -26,6 +26,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
                    help="answer 503 with Retry-After when this many requests already wait for admission")
+    g.add_argument("--event-buffer-mb", type=float, default=4.0,
+                   help="a /v1/events watcher (a browser, watch --attach) with this much unsent is dropped; it "
+                        "reconnects from a fresh snapshot")
     add_engine_arguments(parser)
 
 
@@ -40,10 +43,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              max_waiting_requests=args.max_waiting_requests)
+                              max_waiting_requests=args.max_waiting_requests,
+                              event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
-          f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events)", file=sys.stderr, flush=True)
+          f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, the live view at /)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                 timeout_graceful_shutdown=2)
     return 0

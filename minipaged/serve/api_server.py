@@ -31,7 +31,7 @@ from ..metrics import EngineMetrics
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
-from .event_hub import Watcher, WatcherResponse
+from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -41,6 +41,7 @@ class ServerSettings:
     served_model_name: str
     api_key: Optional[str] = None
     max_waiting_requests: Optional[int] = None
+    event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -126,7 +127,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/events")
     async def events(request: Request) -> WatcherResponse:
-        watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""))
+        watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
+                          limit_bytes=settings.event_buffer_bytes)
         async_engine.watch(watcher)
         return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher))
 

@@ -24,10 +24,11 @@ import zlib
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional
 
+from starlette.responses import Response
+
 logger = logging.getLogger("minipaged.serve")
 
 WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
-DROP_GRACE_S = 1.0                    # how long a dropped watcher's connection gets to take its last message
 GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"   # deflate, no name, no time, unknown OS
 DEFLATE_END = zlib.compressobj(wbits=-15).flush()            # an empty final block
 
@@ -68,7 +69,6 @@ class Watcher:
         self.queued_bytes = 0
         self.closed = False                      # nothing more will be queued (after the queue: the end)
         self.dropped: Optional[str] = None       # why it was dropped, if it was
-        self.dropped_event = asyncio.Event()
         self._ready = asyncio.Event()
         self._crc = 0
         self._size = 0
@@ -109,7 +109,6 @@ class Watcher:
         self.say(f"event: dropped\ndata: {json.dumps({'reason': reason})}\n\n")
         self.dropped = reason
         self.close()
-        self.dropped_event.set()
         logger.warning("dropped an event-stream watcher: %s", reason)
 
     def close(self) -> None:
@@ -163,22 +162,24 @@ class EventHub:
         self.watchers = []
 
 
-class WatcherResponse:
-    """The ASGI response of one watcher. Unlike a plain streaming response it can end a connection whose client
-    stopped reading: a send to such a client never returns, so once the watcher is dropped (and a short grace
-    has passed) the sending task is cancelled and the connection closed."""
+class WatcherResponse(Response):
+    """The ASGI response of one watcher: its bytes as they come, until the watcher ends or the client leaves.
+
+    A dropped watcher's backlog is gone already, so even a client that never reads again holds only what the
+    connection had taken in; if it reads again it gets "dropped" and the end of the stream, and reconnects."""
 
     def __init__(self, watcher: Watcher, headers: dict[str, str], on_end: Callable[[], Any]) -> None:
-        self.watcher = watcher
-        self.headers = {"content-type": "text/event-stream", **headers}
+        super().__init__(media_type="text/event-stream", headers=headers)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]   # it streams
         if watcher.gzip:
-            self.headers.update({"content-encoding": "gzip", "vary": "Accept-Encoding"})
+            self.headers["content-encoding"] = "gzip"
+            self.headers["vary"] = "Accept-Encoding"
+        self.watcher = watcher
         self.on_end = on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def pump() -> None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for data in self.watcher.stream():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -187,12 +188,9 @@ class WatcherResponse:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        sending = asyncio.ensure_future(pump())
-        tasks = {sending, asyncio.ensure_future(client_left()), asyncio.ensure_future(self.watcher.dropped_event.wait())}
+        tasks = {asyncio.ensure_future(pump()), asyncio.ensure_future(client_left())}
         try:
-            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if sending not in done and self.watcher.dropped is not None:
-                await asyncio.wait({sending}, timeout=DROP_GRACE_S)   # time to send "dropped", if it can
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
