@@ -8,6 +8,7 @@ import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRe
 
 const MAX_BUFFER = 2000;          // steps kept for stepping back; older ones are folded into `base`
 const KEY_STORE = "minipaged-api-key";
+const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
 const $ = (id) => document.getElementById(id);
 const el = (tag, props = {}, ...children) => {
   const node = Object.assign(document.createElement(tag), props);
@@ -59,8 +60,9 @@ function authHeaders() {
 async function connect() {
   view.goodbye = false;
   let response;
+  const abort = new AbortController();
   try {
-    response = await fetch("v1/events", { headers: authHeaders(), cache: "no-store" });
+    response = await fetch("v1/events", { headers: authHeaders(), cache: "no-store", signal: abort.signal });
   } catch (err) {
     return lost(`cannot reach the server (${err.message})`);
   }
@@ -71,10 +73,13 @@ async function connect() {
   view.connected = true;
   banner(null);
   let dropped = null;
+  let heard = Date.now();
+  const watchdog = setInterval(() => { if (Date.now() - heard > SILENCE_MS) abort.abort(); }, 1000);
   try {
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
+      heard = Date.now();
       for (const msg of parser.feed(value)) {
         if (msg.event === "message") {
           const record = JSON.parse(msg.data);
@@ -90,6 +95,8 @@ async function connect() {
     }
   } catch (err) {
     dropped = dropped || `the connection broke (${err.message})`;
+  } finally {
+    clearInterval(watchdog);
   }
   view.connected = false;
   if (view.goodbye) return setStatus();
