@@ -18,14 +18,13 @@ import sys
 from typing import Any, Iterator, Optional
 
 from minipaged.options import add_engine_arguments, as_flag, build_engine, engine_options
+from minipaged.workloads import WORKLOAD_ARG_NAMES
 
 DEFAULT_SPEED = 4.0
 QUIT_WAIT_S = 10.0         # quitting waits this long at most for the engine's step in flight
 # argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
 # ".0s" prints it as nothing, so these flags read "(default: the workload's)" instead.
 FROM_WORKLOAD = " (default: the workload's)%(default).0s"
-# The flags that shape a workload (a lesson and a replay bring their own).
-WORKLOAD_ARG_NAMES = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
