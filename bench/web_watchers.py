@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,10 +27,12 @@ from pathlib import Path
 
 import httpx
 
-from common import machine_line, random_token_prompts, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.requests import random_token_prompts
 from minipaged.bench.servers import free_port, minipaged_serve_command, stop_process, wait_for_answer
 
-CLASSROOM_20 = {"rss_gb": 1.17, "ratio": 47.8 / 64.3}     # textual-serve classroom, 20 pages (issue 25)
+CLASSROOM_20 = {"pages": 20, "rss_gb": 1.17, "ratio": 47.8 / 64.3}   # textual-serve classroom (issue 25)
 
 
 class RssSampler:
@@ -213,7 +214,7 @@ def main() -> None:
             [f"{args.watchers} event-stream watchers", w["tok_s"], w["peak_rss_mb"],
              f"{w['watchers_complete']}/{args.watchers}"],
             ["no watchers (again)", results["none_again"]["tok_s"], results["none_again"]["peak_rss_mb"], "-"]]
-    record = {"model": args.model, "clients": args.clients, "max_tokens": args.max_tokens, "threads": args.threads,
+    record = {"model": args.model, "clients": args.clients, "pages": args.pages, "max_tokens": args.max_tokens, "threads": args.threads,
               "phases": results, "throughput_ratio": ratio, "extra_rss_mb": extra,
               "baseline_tok_s": base_tps, "classroom_20_pages": CLASSROOM_20}
     if "watchers_and_pages" in results:

@@ -173,7 +173,7 @@ def test_an_exported_trace_opens_offline_and_its_slider_reaches_the_last_step(ti
     assert 'src="' not in html and 'rel="stylesheet"' not in html
 
     async def run() -> dict:
-        async with open_page(page_file.as_uri(), offline=True) as page:
+        async with open_page(page_file.as_uri() + "?projector=1", offline=True) as page:
             deadline = time.monotonic() + 30
             while not await evaluate(page, "!!(window.minipaged && window.minipaged.state)"):
                 assert time.monotonic() < deadline, "the exported page never drew"
@@ -182,15 +182,23 @@ def test_an_exported_trace_opens_offline_and_its_slider_reaches_the_last_step(ti
             await evaluate(page, """(() => { const s = document.getElementById('slider');
                 s.value = s.max; s.dispatchEvent(new Event('input')); })()""")
             await asyncio.sleep(0.3)
-            return {"first": first, "max": await evaluate(page, "Number(document.getElementById('slider').max)"),
+            seen = {"first": first, "max": await evaluate(page, "Number(document.getElementById('slider').max)"),
                     "step": await evaluate(page, "window.minipaged.state.step"),
                     "used": await evaluate(page, "window.minipaged.usedBlocks()"),
-                    "label": await evaluate(page, "document.getElementById('step-label').textContent")}
+                    "label": await evaluate(page, "document.getElementById('step-label').textContent"),
+                    "projector": await evaluate(page, "document.body.classList.contains('projector')"),
+                    "cell": await evaluate(page, "getComputedStyle(document.querySelector('#map .cell')).width"),
+                    "log_shown": await evaluate(page, "getComputedStyle(document.getElementById('log-panel')).display")}
+            await evaluate(page, "document.getElementById('back').click()")       # the viewer steps back
+            await asyncio.sleep(0.3)
+            seen["after_back"] = await evaluate(page, "window.minipaged.state.step")
+            return seen
 
     seen = asyncio.run(run())
     assert seen["first"] == 1 and seen["max"] == num_steps - 1, seen
     assert seen["step"] == num_steps and seen["used"] == last_used, (seen, last_used)
-    assert f"step {num_steps}" in seen["label"]
+    assert f"step {num_steps}" in seen["label"] and seen["after_back"] == num_steps - 1
+    assert seen["projector"] and seen["cell"] == "44px" and seen["log_shown"] == "none"   # ?projector=1
 
 
 def test_watch_replay_web_serves_the_page_without_torch(tmp_path):
@@ -297,3 +305,14 @@ def test_a_watcher_that_stops_reading_is_dropped_and_nobody_else_waits(tiny_mode
     assert rss_after - rss_before < 30, (rss_before, rss_after)
     assert took < 60
     assert "dropped an event-stream watcher" in log.read_text()
+
+
+def test_web_view_md_is_its_template_filled_from_the_benchmark_json():
+    from minipaged.bench.docs import WEB_VIEW_DOC, WEB_VIEW_TEMPLATE, bench_results, rendered_web_view_doc
+    from minipaged.placeholders import hand_written_numbers
+
+    assert WEB_VIEW_DOC.read_text(encoding="utf-8") == rendered_web_view_doc(bench_results()), (
+        "docs/web-view.md is not docs/web-view.md.in filled from bench/out/web_watchers.json: run "
+        "python bench/render_docs.py")
+    typed = hand_written_numbers(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"), [r"\(target: [^)]*\)"])
+    assert not typed, f"numbers typed by hand in docs/web-view.md.in: {typed}"

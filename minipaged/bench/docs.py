@@ -28,6 +28,7 @@ RESULTS = DOCS / "tuning.json"
 TUNING_TEMPLATE, TUNING_DOC = DOCS / "tuning.md.in", DOCS / "tuning.md"
 PEER_TEMPLATE = DOCS / "peer.md.in"
 PERFORMANCE_TEMPLATE, PERFORMANCE_DOC = DOCS / "performance.md.in", DOCS / "performance.md"
+WEB_VIEW_TEMPLATE, WEB_VIEW_DOC = DOCS / "web-view.md.in", DOCS / "web-view.md"
 RENDER_COMMAND = "python bench/render_docs.py"
 # docs/performance.md's section between these lines is the rendered peer template.
 PEER_BEGIN = f"<!-- peer comparison: rendered by {RENDER_COMMAND} from docs/peer.md.in; do not edit by hand -->"
@@ -168,9 +169,28 @@ def parallel_table(r: dict[str, Any]) -> str:
                            "tok/s", "same tokens"], rows)
 
 
+def web_watchers_table(r: dict[str, Any]) -> str:
+    """bench/web_watchers.py's phases: throughput, the server's peak memory, watchers that got every step."""
+    phases, rows = r["phases"], []
+    for key, label in (("none", "no watchers"), ("watchers", "{watchers} event-stream watchers"),
+                       ("none_again", "no watchers (again)"),
+                       ("watchers_and_pages", "{watchers} watchers + {pages} Chromium pages (same cores)")):
+        if key not in phases:
+            continue
+        p = phases[key]
+        pages = p.get("pages", [])
+        got = f"{p['watchers_complete']}/{p['watchers']}" if p["watchers"] else "-"
+        if pages:
+            got += f", pages {p['pages_complete']}/{len(pages)}"
+        rows.append([label.format(watchers=p["watchers"], pages=len(pages)), f"{p['tok_s']:.1f}",
+                     f"{p['peak_rss_mb']:.0f}", got])
+    return markdown_table(["phase", "output tok/s", "server peak RSS MB", "watchers that got every step"], rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
-    "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table}
+    "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
+    "web_watchers": web_watchers_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
@@ -191,9 +211,18 @@ def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, A
             + render(PERFORMANCE_TEMPLATE.read_text(encoding="utf-8"), performance_values(results, tuning_values)))
 
 
+def rendered_web_view_doc(results: dict[str, Any]) -> str:
+    r = dict(results["web_watchers"])
+    r["pages_count"] = len(r["phases"].get("watchers_and_pages", {}).get("pages", []))
+    return (generated_note(WEB_VIEW_TEMPLATE, "bench/out/web_watchers.json")
+            + render(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"),
+                     {"web_watchers": r, "tables": {"web_watchers": web_watchers_table(r)}}))
+
+
 def write_all(values: dict[str, Any] | None = None) -> None:
     """Render both docs (``values``: docs/tuning.json's, when a caller has them at hand)."""
     values = load_values() if values is None else values
     TUNING_DOC.write_text(rendered_tuning_doc(values), encoding="utf-8")
     PERFORMANCE_DOC.write_text(rendered_performance_doc(bench_results(), values), encoding="utf-8")
+    WEB_VIEW_DOC.write_text(rendered_web_view_doc(bench_results()), encoding="utf-8")
     print(f"wrote {TUNING_DOC.relative_to(ROOT)} and {PERFORMANCE_DOC.relative_to(ROOT)}")
