@@ -69,3 +69,24 @@ def test_a_watcher_past_its_limit_loses_its_backlog_and_is_told_why():
     assert slow.dropped and "KiB" in slow.dropped
     assert got.startswith(b"event: dropped\ndata: ") and got.count(b"\n\n") == 1   # the backlog went
     assert slow not in hub.watchers and fine.dropped is None
+
+
+def test_a_quiet_stream_gets_heartbeats_and_a_closing_one_a_goodbye():
+    async def run() -> bytes:
+        hub = EventHub()
+        w = Watcher(gzip=True)
+        hub.add(w, ['{"type":"engine"}'])
+        chunks = []
+
+        async def read() -> None:
+            async for data in w.stream(heartbeat_s=0.05):
+                chunks.append(data)
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.18)
+        hub.close_all(goodbye="the server is shutting down")
+        await reader
+        return b"".join(chunks)
+
+    text = gzip.decompress(asyncio.run(run())).decode()
+    assert text.startswith('data: {"type":"engine"}\n\n: heartbeat\n\n') and text.count(": heartbeat") >= 2
+    assert text.endswith('event: goodbye\ndata: {"reason": "the server is shutting down"}\n\n')

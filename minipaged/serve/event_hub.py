@@ -115,8 +115,10 @@ class Watcher:
         self.closed = True
         self._ready.set()
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The bytes to send, as they come; ends once the watcher is closed and its queue is sent."""
+    async def stream(self, heartbeat_s: Optional[float] = None) -> AsyncIterator[bytes]:
+        """The bytes to send, as they come; ends once the watcher is closed and its queue is sent. With
+        ``heartbeat_s``, an SSE comment (``: heartbeat``) whenever nothing was sent for that long, so that a
+        client can tell a quiet engine from a lost server."""
         while True:
             while self.queue:
                 data = self.queue.popleft()
@@ -128,7 +130,10 @@ class Watcher:
                         (self._crc & 0xFFFFFFFF).to_bytes(4, "little") + (self._size & 0xFFFFFFFF).to_bytes(4, "little")
                 return
             self._ready.clear()
-            await self._ready.wait()
+            try:
+                await asyncio.wait_for(self._ready.wait(), heartbeat_s)
+            except asyncio.TimeoutError:
+                self.say(": heartbeat\n\n")
 
 
 class EventHub:
@@ -156,8 +161,11 @@ class EventHub:
         if watcher in self.watchers:
             self.watchers.remove(watcher)
 
-    def close_all(self) -> None:
+    def close_all(self, goodbye: Optional[str] = None) -> None:
+        """End every watcher's stream; with ``goodbye``, after ``event: goodbye`` and that reason."""
         for watcher in self.watchers:
+            if goodbye is not None:
+                watcher.say(f"event: goodbye\ndata: {json.dumps({'reason': goodbye})}\n\n")
             watcher.close()
         self.watchers = []
 

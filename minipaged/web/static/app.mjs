@@ -89,7 +89,8 @@ async function connect() {
           dropped = JSON.parse(msg.data).reason || "too far behind";
         } else if (msg.event === "goodbye") {
           view.goodbye = true;
-          banner(`the server stopped: ${JSON.parse(msg.data).reason || "shutting down"}`);
+          banner(`the server stopped: ${JSON.parse(msg.data).reason || "shutting down"}; this page will `
+            + "reconnect when it is back");
         }                               // other names: a newer server's; ignored
       }
     }
@@ -99,7 +100,7 @@ async function connect() {
     clearInterval(watchdog);
   }
   view.connected = false;
-  if (view.goodbye) return setStatus();
+  if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
   if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
   lost("lost the server; reconnecting");
 }
