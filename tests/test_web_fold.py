@@ -105,7 +105,7 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert drafts and any(s.num_accepted for s in drafts) and any(s.num_rejected for s in drafts)
 
 
-@pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs")
+@pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs (.ci/run installs it)")
 def test_the_pages_fold_equals_watch_state_at_every_step(traces, tmp_path):
     cases = [case(name, info, events) for name, (info, events) in traces.items()]
     # A watcher that joins mid-run folds the server's snapshot first, then the steps after it.

@@ -178,11 +178,11 @@ def web_watchers_table(r: dict[str, Any]) -> str:
         if key not in phases:
             continue
         p = phases[key]
-        pages = p.get("pages", [])
-        got = f"{p['watchers_complete']}/{p['watchers']}" if p["watchers"] else "-"
-        if pages:
-            got += f", pages {p['pages_complete']}/{len(pages)}"
-        rows.append([label.format(watchers=p["watchers"], pages=len(pages)), f"{p['tok_s']:.1f}",
+        num_pages = r.get("pages", len(p.get("pages", [])))
+        got = "-" if key.startswith("none") else f"{p['watchers_complete']}/{p['watchers']}"
+        if key == "watchers_and_pages":
+            got += f", pages {p['pages_complete']}/{num_pages}"
+        rows.append([label.format(watchers=p["watchers"], pages=num_pages), f"{p['tok_s']:.1f}",
                      f"{p['peak_rss_mb']:.0f}", got])
     return markdown_table(["phase", "output tok/s", "server peak RSS MB", "watchers that got every step"], rows)
 
@@ -202,7 +202,8 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
             "tables": {name: build(results[SOURCES.get(name, name)]) for name, build in TABLES.items()},
             "derived": {"throughput": throughput_derived(results["throughput"]),
                         "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
-                                                                   config["max_num_batched_tokens"])},
+                                                                   config["max_num_batched_tokens"]),
+                        "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"])},
             "peer_section": peer_section(tuning_values)}
 
 
@@ -211,9 +212,17 @@ def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, A
             + render(PERFORMANCE_TEMPLATE.read_text(encoding="utf-8"), performance_values(results, tuning_values)))
 
 
+def web_watchers_extra_rss_mb(r: dict[str, Any]) -> float:
+    """The server's peak memory with the watchers above the lower of its no-watcher peaks (the first phase
+    may still grow the allocator's pools, which would make the difference negative)."""
+    p = r["phases"]
+    return p["watchers"]["peak_rss_mb"] - min(p["none"]["peak_rss_mb"], p["none_again"]["peak_rss_mb"])
+
+
 def rendered_web_view_doc(results: dict[str, Any]) -> str:
     r = dict(results["web_watchers"])
-    r["pages_count"] = len(r["phases"].get("watchers_and_pages", {}).get("pages", []))
+    r["pages_count"] = r.get("pages", len(r["phases"].get("watchers_and_pages", {}).get("pages", [])))
+    r["extra_rss_mb"] = web_watchers_extra_rss_mb(r)
     return (generated_note(WEB_VIEW_TEMPLATE, "bench/out/web_watchers.json")
             + render(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"),
                      {"web_watchers": r, "tables": {"web_watchers": web_watchers_table(r)}}))
