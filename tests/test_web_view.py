@@ -314,5 +314,5 @@ def test_web_view_md_is_its_template_filled_from_the_benchmark_json():
     assert WEB_VIEW_DOC.read_text(encoding="utf-8") == rendered_web_view_doc(bench_results()), (
         "docs/web-view.md is not docs/web-view.md.in filled from bench/out/web_watchers.json: run "
         "python bench/render_docs.py")
-    typed = hand_written_numbers(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"), [r"\(target: [^)]*\)"])
+    typed = hand_written_numbers(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"), [r"target: [^)]*\)"])
     assert not typed, f"numbers typed by hand in docs/web-view.md.in: {typed}"
