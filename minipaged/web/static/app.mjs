@@ -6,6 +6,7 @@ import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
   FREE, CACHED, PALETTE } from "./fold.mjs";
 
+const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
 const MAX_BUFFER = 2000;          // steps kept for stepping back; older ones are folded into `base`
 const KEY_STORE = "minipaged-api-key";
 const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
@@ -21,7 +22,7 @@ const replay = Boolean(embedded);
 const params = new URLSearchParams(location.search);
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
-  cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(),
+  cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
   connected: false, goodbye: false, drops: 0, playing: null,
 };
 let drawPending = false;
@@ -37,7 +38,7 @@ function start(info) {
   $("engine-name").textContent = `${info.model} · ${info.device} ${info.dtype} · ${info.num_blocks} blocks of `
     + `${info.block_size} tokens · budget ${info.max_num_batched_tokens}` + (info.speculative ? ` · ${info.speculative}` : "");
   buildCells($("map"), info.num_blocks);
-  buildCells($("cpu-map"), info.num_cpu_blocks);
+  buildCells($("cpu-map"), info.num_cpu_blocks, MAX_CELLS / 4);
   $("cpu-title").hidden = $("cpu-map").hidden = info.num_cpu_blocks === 0;
 }
 
@@ -119,9 +120,12 @@ function askKey() {
 
 // ------------------------------------------------------------------------------------------ drawing
 
-function buildCells(container, n) {
+function buildCells(container, n, maxCells = MAX_CELLS) {
+  let group = 1;
+  while (Math.ceil(n / group) > maxCells) group *= 2;
+  container.dataset.group = String(group);
   container.replaceChildren();
-  for (let b = 0; b < n; b++) container.append(el("div", { className: "cell free" }));
+  for (let b = 0; b < n; b += group) container.append(el("div", { className: "cell free" }));
 }
 
 function schedule() {
@@ -133,8 +137,11 @@ function schedule() {
 /** The fold at the cursor: the head when live, else the base plus the buffered events up to the cursor. */
 function foldAtCursor() {
   if (view.cursor === view.events.length - 1) return view.head;
+  const at = view.events[view.cursor];
+  if (view.cached && view.cached.event === at) return view.cached.state;   // frozen: events still arrive
   const st = structuredClone(view.base);
   for (let i = 0; i <= view.cursor; i++) applyEvent(st, view.events[i]);
+  view.cached = { event: at, state: st };
   return st;
 }
 
@@ -175,35 +182,66 @@ function paint(cell, cls, background, text, title) {
   cell.title = title;
 }
 
-function drawMap(st, dim) {
-  const cells = $("map").children;
-  for (let b = 0; b < cells.length; b++) {
-    const kind = blockState(st, b);
-    const owners = st.blockOwners[b];
-    const title = `block #${b}: ${kind}` + (owners.length ? `, owners ${owners.join(", ")}, ref count ${owners.length}` : "")
-      + (st.blockCached[b] ? ", cached (its hash lets a later prompt reuse it)" : "");
-    if (!owners.length) { paint(cells[b], `cell ${kind}`, "", "", title); continue; }
-    const owner = view.selected && owners.includes(view.selected) ? view.selected : owners[0];
-    let cls = `cell ${kind}`;
-    if (owners.some(isMine)) cls += " mine";
-    if (dim && !owners.includes(view.selected)) cls += " dimmed";
-    paint(cells[b], cls, colour(st, owner), kind === "shared" ? `x${owners.length}` : "", title);
+/** One cell of ``group`` blocks from ``first``: owners of each block via ``ownersOf(b)``; drawn in the colour of
+ * the request holding most of them, partly filled when only some are in use (the TUI's grouped cells). */
+function drawCells(st, container, n, ownersOf, describe, dim) {
+  const cells = container.children;
+  const group = Number(container.dataset.group || 1);
+  for (let i = 0; i < cells.length; i++) {
+    const first = i * group, last = Math.min(n, first + group) - 1;
+    const counts = new Map();
+    let used = 0, refs = 0, cached = false, anySelected = false, anyMine = false;
+    for (let b = first; b <= last; b++) {
+      const owners = ownersOf(b);
+      if (owners.length) used += 1;
+      refs = Math.max(refs, owners.length);
+      cached = cached || (!owners.length && st.blockCached[b] && container.id === "map");
+      for (const rid of owners) {
+        counts.set(rid, (counts.get(rid) || 0) + 1);
+        anySelected = anySelected || rid === view.selected;
+        anyMine = anyMine || isMine(rid);
+      }
+    }
+    const title = describe(first, last);
+    if (!used) { paint(cells[i], `cell ${cached ? "cached" : "free"}`, "", "", title); continue; }
+    const owner = anySelected ? view.selected : [...counts].sort((a, b) => b[1] - a[1])[0][0];
+    const size = last - first + 1;
+    let cls = `cell ${refs > 1 ? "shared" : "used"}`;
+    if (anyMine) cls += " mine";
+    if (dim && !anySelected) cls += " dimmed";
+    const c = colour(st, owner);
+    const background = used < size ? `linear-gradient(to top, ${c} ${Math.round((100 * used) / size)}%, #1a1a1a 0)` : c;
+    const text = refs > 1 ? (size === 1 ? `x${refs}` : "+") : "";
+    paint(cells[i], cls, background, text, title);
   }
+}
+
+function drawMap(st, dim) {
+  const owners = (b) => st.blockOwners[b];
+  drawCells(st, $("map"), st.info.num_blocks, owners, (first, last) => {
+    if (first !== last) {
+      const used = st.blockOwners.slice(first, last + 1).filter((o) => o.length).length;
+      return `blocks #${first}-#${last}: ${used} in use`;
+    }
+    const o = owners(first);
+    return `block #${first}: ${blockState(st, first)}` + (o.length ? `, owners ${o.join(", ")}, ref count ${o.length}` : "")
+      + (st.blockCached[first] ? ", cached (its hash lets a later prompt reuse it)" : "");
+  }, dim);
+  const group = Number($("map").dataset.group || 1);
   $("map-title").textContent = `${poolName(st.info.device)}: ${usedBlocks(st)}/${st.info.num_blocks} in use, `
-    + `${st.blockOwners.filter((o, b) => !o.length && st.blockCached[b]).length} free but cached`;
+    + `${st.blockOwners.filter((o, b) => !o.length && st.blockCached[b]).length} free but cached`
+    + (group > 1 ? ` (1 cell = ${group} blocks)` : "");
 }
 
 function drawCpuMap(st, dim) {
-  const cells = $("cpu-map").children;
-  let held = 0;
-  for (let b = 0; b < cells.length; b++) {
-    const owner = st.cpuBlockOwner[b];
-    if (owner === null) { paint(cells[b], "cell free", "", "", `host block #${b}: free`); continue; }
-    held += 1;
-    const cls = "cell swapped" + (isMine(owner) ? " mine" : "") + (dim && owner !== view.selected ? " dimmed" : "");
-    paint(cells[b], cls, colour(st, owner), "", `host block #${b}: ${owner}'s KV, swapped out`);
-  }
-  $("cpu-title").textContent = `host pool (swap): ${held}/${cells.length} in use`;
+  const owners = (b) => (st.cpuBlockOwner[b] === null ? [] : [st.cpuBlockOwner[b]]);
+  drawCells(st, $("cpu-map"), st.info.num_cpu_blocks, owners, (first, last) => (first === last
+    ? `host block #${first}: ` + (st.cpuBlockOwner[first] === null ? "free" : `${st.cpuBlockOwner[first]}'s KV, swapped out`)
+    : `host blocks #${first}-#${last}`), dim);
+  const held = st.cpuBlockOwner.filter((o) => o !== null).length;
+  const group = Number($("cpu-map").dataset.group || 1);
+  $("cpu-title").textContent = `host pool (swap): ${held}/${st.info.num_cpu_blocks} in use`
+    + (group > 1 ? ` (1 cell = ${group} blocks)` : "");
 }
 
 function drawBatch(st) {
@@ -380,8 +418,8 @@ $("map").addEventListener("click", (e) => {
   const index = [...$("map").children].indexOf(e.target);
   if (index < 0 || !view.shown) return;
   $("block-info").textContent = e.target.title;
-  const owners = view.shown.blockOwners[index];
-  if (owners.length) select(owners[0]);
+  const owners = view.shown.blockOwners[index * Number($("map").dataset.group || 1)];
+  if (owners && owners.length) select(owners[0]);
 });
 $("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains("cell")) $("block-info").textContent = e.target.title; });
 
