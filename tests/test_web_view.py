@@ -316,3 +316,43 @@ def test_web_view_md_is_its_template_filled_from_the_benchmark_json():
         "python bench/render_docs.py")
     typed = hand_written_numbers(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"), [r"target: [^)]*\)"])
     assert not typed, f"numbers typed by hand in docs/web-view.md.in: {typed}"
+
+
+@needs_chromium
+def test_with_an_api_key_the_page_asks_once_and_a_frozen_view_keeps_buffering(tiny_model, tmp_path):
+    log = tmp_path / "server.log"
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--api-key", "class-secret",
+                        log_path=str(log)) as url:
+        async def run() -> dict:
+            async with open_page(url + "/") as page:
+                deadline = time.monotonic() + 40
+                while await evaluate(page, "(document.getElementById('key-form') || {hidden: true}).hidden") is not False:
+                    assert time.monotonic() < deadline, "the page never asked for the key"
+                    await asyncio.sleep(0.2)
+                await evaluate(page, """(() => { document.getElementById('key').value = 'class-secret';
+                    document.getElementById('key-form').requestSubmit(); })()""")
+                while not await evaluate(page, "window.minipaged.view.connected"):
+                    assert time.monotonic() < deadline, "the page did not connect with the key"
+                    await asyncio.sleep(0.2)
+                await evaluate(page, "window.minipaged.freeze(true)")
+                frozen_at = await evaluate(page, "window.minipaged.state.step")
+                answer = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer class-secret"},
+                                    json={"prompt": "while the view is frozen", "max_tokens": 12}, timeout=60)
+                assert answer.status_code == 200, answer.text
+                steps = httpx.get(url + "/health").json()["steps"]
+                while await evaluate(page, "window.minipaged.head.step") < steps:
+                    assert time.monotonic() < deadline, "the frozen page stopped buffering events"
+                    await asyncio.sleep(0.1)
+                seen = {"frozen_at": frozen_at, "shown": await evaluate(page, "window.minipaged.state.step"),
+                        "status": await evaluate(page, "document.getElementById('status').textContent"),
+                        "stored": await evaluate(page, "localStorage.getItem('minipaged-api-key')")}
+                await evaluate(page, "window.minipaged.live()")
+                await asyncio.sleep(0.3)
+                seen["live"] = await evaluate(page, "window.minipaged.state.step")
+                seen["steps"] = steps
+                return seen
+
+        seen = asyncio.run(run())
+    assert seen["stored"] == "class-secret"
+    assert seen["shown"] == seen["frozen_at"] and "frozen" in seen["status"]      # the view did not move ...
+    assert seen["live"] == seen["steps"] > seen["frozen_at"]                       # ... but the events came
