@@ -356,3 +356,16 @@ def test_with_an_api_key_the_page_asks_once_and_a_frozen_view_keeps_buffering(ti
     assert seen["stored"] == "class-secret"
     assert seen["shown"] == seen["frozen_at"] and "frozen" in seen["status"]      # the view did not move ...
     assert seen["live"] == seen["steps"] > seen["frozen_at"]                       # ... but the events came
+
+
+def test_bad_replay_and_export_requests_say_what_to_do(tmp_path, capsys):
+    from minipaged.cli import main
+
+    assert main(["watch", "--web"]) == 2
+    assert "--web serves one recorded run: give it with --replay FILE" in capsys.readouterr().err
+    not_a_trace = tmp_path / "notes.txt"
+    not_a_trace.write_text("hello\n")
+    assert main(["export-html", str(not_a_trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {not_a_trace}" in err and "not a minipaged trace line" in err
+    assert not (tmp_path / "notes.html").exists()
