@@ -36,6 +36,7 @@ from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_
 from .kernels import argmax_for, describe_backend, engine_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
+from .model.families import sliding_window_problem
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
 from .parallel.distributed_runner import DistributedRunner
@@ -81,6 +82,8 @@ class Engine:
                                                   load_progress)
         self.tokenizer = self.loaded.tokenizer
         config.finalize(self.loaded.config.max_position_embeddings)
+        if problem := sliding_window_problem(self.loaded.config, config.max_model_len, model):
+            raise ConfigError(problem)          # before any worker starts or any KV memory is taken
         try:
             self.backend = engine_backend(self.device, DTYPES[dtype_name], self.model.head_dim,
                                           config.attention_backend)
@@ -173,8 +176,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request (or all n samples of it) now and free its blocks. False if it is not running."""
         requests = self.outputs.unfinished(request_id)
+        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)   # O(samples), not O(samples^2)
         for req in requests:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self._record_finish(req, time.perf_counter())
         return bool(requests)
 

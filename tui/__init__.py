@@ -273,15 +273,21 @@ def _run_app(app: Any) -> int:
 
 def _run_attach(args: argparse.Namespace) -> int:
     """``watch --attach URL``: the live server's events, in the app (with a prompt box) or as plain text."""
-    from .attach import DEFAULT_PROMPT_MAX_TOKENS, AttachApp, AttachRun
+    from .attach import DEFAULT_PROMPT_MAX_TOKENS, AttachApp, AttachRun, ServerLost
 
     attach = AttachRun(args.attach, api_key=args.api_key)
     if not args.tui:
         try:
-            return _run_plain(None, attach, f"attached to {attach.url}")
+            code = _run_plain(None, attach, f"attached to {attach.url}")
+        except ServerLost as exc:                # the server died or froze: not a normal end
+            print(f"minipaged watch: {exc}", file=sys.stderr)
+            return 1
         except ConnectionError as exc:
             print(f"minipaged watch: {exc}", file=sys.stderr)
             return 2
+        if attach.goodbye is not None:
+            print(f"minipaged watch: the server said goodbye ({attach.goodbye})", file=sys.stderr)
+        return code
     return _run_app(AttachApp(attach, max_tokens=args.max_tokens or DEFAULT_PROMPT_MAX_TOKENS, paused=args.paused))
 
 

@@ -26,6 +26,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 
+from .liveness import HEARTBEAT, goodbye_event
+
 logger = logging.getLogger("minipaged.serve")
 
 WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
@@ -133,7 +135,7 @@ class Watcher:
             try:
                 await asyncio.wait_for(self._ready.wait(), heartbeat_s)
             except asyncio.TimeoutError:
-                self.say(": heartbeat\n\n")
+                self.say(HEARTBEAT)
 
 
 class EventHub:
@@ -165,7 +167,7 @@ class EventHub:
         """End every watcher's stream; with ``goodbye``, after ``event: goodbye`` and that reason."""
         for watcher in self.watchers:
             if goodbye is not None:
-                watcher.say(f"event: goodbye\ndata: {json.dumps({'reason': goodbye})}\n\n")
+                watcher.say(goodbye_event(goodbye))
             watcher.close()
         self.watchers = []
 
@@ -176,7 +178,9 @@ class WatcherResponse(Response):
     A dropped watcher's backlog is gone already, so even a client that never reads again holds only what the
     connection had taken in; if it reads again it gets "dropped" and the end of the stream, and reconnects."""
 
-    def __init__(self, watcher: Watcher, headers: dict[str, str], on_end: Callable[[], Any]) -> None:
+    def __init__(self, watcher: Watcher, headers: dict[str, str], on_end: Callable[[], Any],
+                 heartbeat_s: Optional[float] = None, goodbye: Optional[asyncio.Event] = None,
+                 reason: Callable[[], str] = lambda: "the server is shutting down") -> None:
         super().__init__(media_type="text/event-stream", headers=headers)
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]   # it streams
         if watcher.gzip:
@@ -184,11 +188,12 @@ class WatcherResponse(Response):
             self.headers["vary"] = "Accept-Encoding"
         self.watcher = watcher
         self.on_end = on_end
+        self.heartbeat_s, self.goodbye, self.reason = heartbeat_s, goodbye, reason
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for data in self.watcher.stream():
+            async for data in self.watcher.stream(self.heartbeat_s):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -196,9 +201,19 @@ class WatcherResponse(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        tasks = {asyncio.ensure_future(pump()), asyncio.ensure_future(client_left())}
+        async def say_goodbye() -> None:         # the server drains: the stream's last words, then its end
+            assert self.goodbye is not None
+            await self.goodbye.wait()
+            self.watcher.say(goodbye_event(self.reason()))
+            self.watcher.close()
+            await asyncio.Event().wait()         # the pump ends the stream
+
+        sending = asyncio.ensure_future(pump())
+        tasks = {sending, asyncio.ensure_future(client_left())}
+        if self.goodbye is not None:
+            tasks.add(asyncio.ensure_future(say_goodbye()))
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({sending, *tasks}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
