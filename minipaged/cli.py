@@ -116,6 +116,12 @@ def make_parser() -> argparse.ArgumentParser:
     from .plot import add_plot_arguments
     add_plot_arguments(plot)
 
+    export = sub.add_parser("export-html", help="write a recorded run (watch --record) as one web page that opens "
+                                                "offline, with a step slider", formatter_class=fmt)
+    export.add_argument("trace", help="the JSON-lines trace")
+    export.add_argument("-o", "--output", default=None,
+                        help="the HTML file to write (default: the trace's name with .html)%(default).0s")
+
     lessons = sub.add_parser("lessons", help="list the guided lessons, or print one", formatter_class=fmt)
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
@@ -176,6 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "lab":
             from minipaged.lessons.labs.cli import cmd_lab
             return cmd_lab(args)
+        if args.command == "export-html":
+            from .web.replay import export_html
+            return export_html(args.trace, args.output)
         if args.command == "plot":
             from .plot import run_plot
             return run_plot(args)

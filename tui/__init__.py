@@ -66,6 +66,11 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--replay", metavar="FILE", default=None, action="append",
                    help="replay a recorded trace (no model needed); step back with b or the left arrow; give it "
                         "two or three times with --compare to replay runs side by side%(default).0s")
+    v.add_argument("--web", action="store_true",
+                   help="with --replay: serve the trace as the browser view (a step slider) instead of the TUI; "
+                        "see also `minipaged export-html`%(default).0s")
+    v.add_argument("--web-host", default="127.0.0.1", help="with --web: the address to listen on (0.0.0.0: all)")
+    v.add_argument("--web-port", type=int, default=8000, help="with --web: the port to listen on")
     v.add_argument("--record", metavar="FILE", default=None, help="write the run's events to a JSON-lines trace%(default).0s")
     v.add_argument("--no-tui", dest="tui", action="store_false",
                    help="print one compact block per step instead of the full-screen app%(default).0s")
@@ -262,6 +267,12 @@ def run_watch(args: argparse.Namespace) -> int:
         return _run_attach(args)
     if getattr(args, "lab", None) is not None:
         return run_lab(args)
+    if getattr(args, "web", False):
+        if len(replay_files) != 1:
+            print("minipaged watch: --web serves one recorded run: give it with --replay FILE.", file=sys.stderr)
+            return 2
+        from minipaged.web.replay import serve_replay
+        return serve_replay(replay_files[0], args.web_host, args.web_port)
     if getattr(args, "compare", None) is not None:
         return run_compare(args, replay_files)
     args.replay = replay_files[0] if replay_files else None

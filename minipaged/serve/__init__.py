@@ -46,6 +46,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, how many seconds running requests may go on before they are ended with an "
                         "error (new requests get 503 meanwhile)")
+    g.add_argument("--event-buffer-mb", type=float, default=4.0,
+                   help="a /v1/events watcher (a browser, watch --attach) with this much unsent is dropped; it "
+                        "reconnects from a fresh snapshot")
     add_engine_arguments(parser)
 
 
@@ -56,7 +59,7 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1, not {value}."
-    for name in ("event_heartbeat_s", "shutdown_timeout"):
+    for name in ("event_heartbeat_s", "shutdown_timeout", "event_buffer_mb"):
         if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
     return None
@@ -78,10 +81,12 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests, limits=limits,
-                              event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout)
+                              event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
+                              event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
-          f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events)", file=sys.stderr, flush=True)
+          f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
+          f"the live view at /)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2)
     DrainingServer(config, drain=app.state.drain).run()

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
-``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``).
+``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``), and
+``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
 checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
@@ -31,18 +32,19 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import web
 from ..metrics import EngineMetrics
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
+from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
 from .http_guards import BodyLimit, HeadAsGet
-from .liveness import with_liveness
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
@@ -57,6 +59,7 @@ class ServerSettings:
     event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
     shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
     engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
+    event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -172,13 +175,25 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                             "max_model_len": max_model_len}]}
 
     @app.get("/v1/events")
-    async def events() -> StreamingResponse:
-        async def lines() -> AsyncIterator[str]:
-            async for line in async_engine.watch():
-                yield sse(line)
-        return StreamingResponse(with_liveness(lines(), settings.event_heartbeat_s, goodbye,
-                                               lambda: async_engine.draining or "the server is shutting down"),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    async def events(request: Request) -> WatcherResponse:
+        watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
+                          limit_bytes=settings.event_buffer_bytes)
+        async_engine.watch(watcher)
+        return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher),
+                               heartbeat_s=settings.event_heartbeat_s, goodbye=goodbye,
+                               reason=lambda: async_engine.draining or "the server is shutting down")
+
+    # ---------------------------------------------------------------- the live view (static files)
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(web.index_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/web/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:
+        found = web.static_file(name)
+        if found is None:
+            raise p.ServerError(404, f"no file {name!r} in the live view; open / for the page.")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")

@@ -9,7 +9,8 @@ handlers run on the asyncio event loop and talk to that thread through a command
 ``prepare`` runs in the engine thread (tokenising uses the engine's tokenizer, which the detokenizer uses
 there too; fast tokenizers must not be used from two threads at once). A handler whose client goes away
 sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
-The engine thread also fans every StepEvent out, as JSON, to ``/v1/events`` watchers.
+The engine thread also serialises every StepEvent, once, for ``/v1/events``; ``event_hub`` fans the bytes
+out to the watchers on the event loop.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from ..events import EngineView, KVChanges, RequestArrival, StepEvent
 from ..request import InvalidRequestError, SamplingParams
+from .event_hub import EventHub, Watcher
 from .protocol import ServerError
 
 logger = logging.getLogger("minipaged.serve")
@@ -31,7 +33,6 @@ logger = logging.getLogger("minipaged.serve")
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
-EVENT_QUEUE_LIMIT = 20_000      # a watcher this far behind is dropped (skipping events would corrupt its map)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only
         self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id
-        self._watchers: list[asyncio.Queue] = []        # engine thread only
+        self._num_watchers = 0                          # engine thread only: serialise events while > 0
+        self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -168,18 +170,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    async def watch(self) -> AsyncIterator[str]:
-        """Every StepEvent as a JSON line, after the engine header and a snapshot of the current state."""
-        q: asyncio.Queue = asyncio.Queue(EVENT_QUEUE_LIMIT)
-        self._commands.put(("watch", q))
-        try:
-            while True:
-                item = await q.get()
-                if item is None:
-                    return
-                yield item
-        finally:
-            self._commands.put(("unwatch", q))
+    def watch(self, watcher: Watcher) -> None:
+        """Register ``watcher``: it gets the engine header, a snapshot of the current state, then every
+        StepEvent (call ``unwatch`` when its connection ends)."""
+        self._commands.put(("watch", watcher))
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.hub.remove(watcher)
+        self._commands.put(("unwatch", watcher))
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -242,28 +240,22 @@ class AsyncEngine:
     def _do_fail_all(self, error: ServerError) -> None:
         self._fail_all(error)
 
-    def _do_watch(self, q: asyncio.Queue) -> None:
-        self._send(q, json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")))
-        self._send(q, snapshot_event(self._view).to_json())
-        self._watchers.append(q)
+    def _do_watch(self, watcher: Watcher) -> None:
+        first = [json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")),
+                 snapshot_event(self._view).to_json()]
+        self._num_watchers += 1
+        self._call_soon(self.hub.add, watcher, first)    # before any later event: the loop keeps the order
 
-    def _do_unwatch(self, q: asyncio.Queue) -> None:
-        if q in self._watchers:
-            self._watchers.remove(q)
+    def _do_unwatch(self, _watcher: Watcher) -> None:
+        self._num_watchers -= 1
 
     def _on_event(self, event: StepEvent) -> None:
         """Called by the engine after every step, in the engine thread."""
         self._view.apply(event)
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
-        if self._watchers:
-            line = event.to_json()
-            for q in list(self._watchers):
-                if q.qsize() >= EVENT_QUEUE_LIMIT - 1:
-                    self._watchers.remove(q)
-                    self._send(q, None)               # too far behind: end its stream; it may reconnect
-                else:
-                    self._send(q, line)
+        if self._num_watchers:
+            self._call_soon(self.hub.publish, event.to_json())   # once, whatever the number of watchers
         self._dispatch(event)
         self.stats = dict(event.counters)
 
@@ -304,14 +296,15 @@ class AsyncEngine:
             stream = self._streams[request_id]
             self._do_abort(request_id)
             self._send(stream.queue, error)
-        for q in self._watchers:
-            self._send(q, None)
-        self._watchers.clear()
+        self._call_soon(self.hub.close_all)
 
     def _send(self, q: asyncio.Queue, item: Any) -> None:
+        self._call_soon(q.put_nowait, item)
+
+    def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(q.put_nowait, item)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:                          # the event loop is closed: the server is going down
             pass
 
