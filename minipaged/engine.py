@@ -9,7 +9,9 @@ Follow a request from top to bottom:
   3. Swapped blocks are copied between the GPU and CPU pools.
   4. The ``ModelRunner`` lays all scheduled tokens end to end and runs ``CompactLlama`` once; attention
      reads and writes the paged cache through the block tables.
-  5. The ``Sampler`` picks a token for each request that reached the end of its known tokens.
+  5. The logits stage (``minipaged.logits``) applies each request's penalties, biases and masks (a
+     structured-output grammar among them) and keeps the log-probabilities asked for; then the ``Sampler``
+     picks a token for each request that reached the end of its known tokens.
   6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens and finishes
      requests that a token stops; finished ones free their blocks at once (continuous batching).
   7. The ``OutputProcessor`` turns tokens into text, applies stop strings and builds ``RequestOutput``s.
@@ -34,19 +36,22 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
+from .logits.stage import LogitsStage, prompt_logprobs
 from .kernels import argmax_for, describe_backend, engine_backend
 from .kernels.int8 import quantization_problem
 from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
                      return_freed_memory_to_the_os)
 from .model import CompactLlama, load_model
+from .model.families import sliding_window_problem
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
+from .policies import load_policy
 from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelRunner
+from .runner import ModelInput, ModelRunner
 from .sampling import Sampler
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .spec_decode.draft_model import load_draft_model
@@ -84,6 +89,8 @@ class Engine:
                                                   load_progress)
         self.tokenizer = self.loaded.tokenizer
         config.finalize(self.loaded.config.max_position_embeddings)
+        if problem := sliding_window_problem(self.loaded.config, config.max_model_len, model):
+            raise ConfigError(problem)          # before any worker starts or any KV memory is taken
         try:
             self.backend = engine_backend(self.device, DTYPES[dtype_name], self.model.head_dim,
                                           config.attention_backend)
@@ -104,7 +111,8 @@ class Engine:
         cpu_blocks = num_cpu_blocks(config, bytes_per_block)
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
         self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 load_policy("eviction_policy", config.eviction_policy))
         self.cpu_pool = CpuBlockPool(cpu_blocks)
 
         self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
@@ -119,6 +127,8 @@ class Engine:
                 config.distributed_timeout))
         self.sampler = Sampler(config.seed, argmax_for(self.backend, self.model.head_dim))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.logits = LogitsStage(self.tokenizer, self.model.embed.shape[0], self.loaded.eos_token_ids)
+        self.step_logprobs: dict[str, list] = {}          # the last step's new tokens' log-probabilities (streams)
         self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
             spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,
             block_table_of=self.kv.blocks_of, max_model_len=config.max_model_len, sampler=self.sampler)
@@ -128,6 +138,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
+            scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
+            eviction_policy=config.eviction_policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
             device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
@@ -180,11 +192,14 @@ class Engine:
 
     def validate_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
         """Raise InvalidRequestError if ``add_request`` would refuse this request; nothing is queued."""
-        self.inputs.process(prompt, params)
+        self.logits.compile(self.inputs.process(prompt, params).params)
 
     def _queue(self, prompt: ProcessedPrompt, request_id: Optional[str]) -> str:
+        grammar = self.logits.compile(prompt.params)      # a bad schema is refused here, before anything is queued
         request_id, requests = self.inputs.make_requests(prompt, request_id, self.outputs.id_in_use)
         self.outputs.add_requests(request_id, requests)
+        for req in requests:
+            self.logits.add(req, grammar)
         text = self.inputs.prompt_text(prompt)
         for req in requests:
             self.scheduler.add(req)
@@ -196,8 +211,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request (or all n samples of it) now and free its blocks. False if it is not running."""
         requests = self.outputs.unfinished(request_id)
+        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)   # O(samples), not O(samples^2)
         for req in requests:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self._record_finish(req, time.perf_counter())
         return bool(requests)
 
@@ -217,6 +232,8 @@ class Engine:
     def step(self) -> StepEvent:
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
+        for req in plan.failed:                            # a policy raised deciding about it: aborted
+            self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
         self._copy_swapped_blocks(plan)
@@ -225,7 +242,8 @@ class Engine:
         finished = self.scheduler.update_from_output(plan, sampled)
         new_token_ids = {c.request.request_id: c.request.output_token_ids[num_before[c.request.request_id]:]
                          for c in plan.chunks if c.request.request_id in sampled and sampled[c.request.request_id]}
-        for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter()):
+        logprobs = self.logits.take_logprobs(new_token_ids)
+        for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter(), logprobs):
             if surplus:                                    # accepted drafts after a stop string never happened
                 del req.output_token_ids[-surplus:]
                 del new_token_ids[req.request_id][-surplus:]
@@ -235,6 +253,7 @@ class Engine:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         for req in finished:
             self._record_finish(req, time.perf_counter())
+        self.step_logprobs = self.outputs.drain_logprobs()
         draft_s = 0.0
         if self.speculator is not None:                    # guesses for the next step
             draft_s = self.speculator.propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
@@ -257,6 +276,7 @@ class Engine:
         forward_start = time.perf_counter()
         logits = self.runner.execute(model_input)
         drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}
+        logits = self._logits_stage(model_input, logits, drafts)
         sampled: dict[str, Optional[list[int]]] = {}
         verified: dict[str, Verified] = {}
         plain: list[tuple[Request, torch.Tensor]] = []
@@ -276,12 +296,31 @@ class Engine:
             sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
         return sampled, verified, time.perf_counter() - forward_start
 
+    def _logits_stage(self, model_input: ModelInput, logits: torch.Tensor,
+                      drafts: dict[str, Sequence[int]]) -> torch.Tensor:
+        """Score the prompt rows a request asked log-probabilities for, then let the logits stage process the
+        sampled rows in place (penalties, biases, masks; raw log-probabilities kept first). A step where no
+        request has anything for the stage skips it."""
+        num_sampled_rows = sum(model_input.num_logits_rows)
+        if len(logits) > num_sampled_rows:
+            start = num_sampled_rows
+            for req, first, count in model_input.prompt_rows:
+                self.outputs.record_prompt_logprobs(req, first, prompt_logprobs(
+                    logits[start:start + count], req.prompt_token_ids, first, req.params.prompt_logprobs))
+                start += count
+            logits = logits[:num_sampled_rows]
+        requests = model_input.sampled_requests
+        if self.logits.needed_by(requests):
+            self.logits.process(requests, logits.split(model_input.num_logits_rows), drafts)
+        return logits
+
     def _drop_drafts(self, request_id: str) -> None:
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
     def _record_finish(self, req: Request, now: float) -> None:
         self.sampler.forget(req.request_id)
+        self.logits.forget(req.request_id)
         self._drop_drafts(req.request_id)
         self._counters.count_finish()
         self._pending_finishes.append(self.outputs.finish(req, now))
@@ -310,7 +349,11 @@ class Engine:
             num_total_blocks=stats["blocks_total"], num_free_cpu_blocks=stats["cpu_blocks_free"],
             num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
-            swapped=tuple(r.request_id for r in s.swapped), counters=stats)
+            swapped=tuple(r.request_id for r in s.swapped), counters=stats,
+            new_logprobs={rid: [position[token].logprob for position, token in zip(positions, new_token_ids[rid])]
+                          for rid, positions in self.step_logprobs.items() if rid in new_token_ids},
+            constrained={rid: (allowed, self.logits.vocab_size)
+                         for rid, allowed in self.logits.drain_constrained().items()})
         for callback in list(self._subscribers):
             try:
                 callback(event)
@@ -344,6 +387,8 @@ class Engine:
         if len(param_list) != len(prompts):
             raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts.")
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, param_list)]   # all or none are queued
+        for prompt in checked:
+            self.logits.compile(prompt.params)
         ids = [self._queue(prompt, None) for prompt in checked]
         results: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() and len(prompts) >= 4 if use_tqdm is None else use_tqdm

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
-MODEL_HELP = "'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama model"
+MODEL_HELP = ("'smollm2' (embedded default), 'tinyllama', a local HF folder, a .gguf file or a hub id of a Llama, "
+              "Mistral, Qwen2 or Qwen3 model")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ def engine_flags() -> list[EngineFlag]:
     return [_flag_of(f, hints) for f in fields(EngineConfig) if f.metadata.get("flag", True)]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's, but a line never breaks inside a hyphenated word: ``lowest-priority`` stays one word."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> None:
     """``--model`` and every engine option as a flag, in an "engine" group. The help shows the default the
     engine applies (the flag itself parses to None unless given)."""
@@ -108,7 +117,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
 SPECULATIVE_FLAGS = (
     ("--speculative-method", "method", str, "ngram or draft_model"),
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step (k)"),
-    ("--speculative-model", "model", str, "the draft model (a Llama checkpoint with the same vocabulary, or "
+    ("--speculative-model", "model", str, "the draft model (a checkpoint with the same vocabulary, or "
                                          "'self' for the target's first --num-draft-layers layers)"),
     ("--num-draft-layers", "num_draft_layers", int, "layers of a self-draft"),
     ("--prompt-lookup-min", "prompt_lookup_min", int, "ngram: shortest n-gram to match (default: 5)"),
@@ -162,5 +171,5 @@ def build_engine(model: str, options: dict[str, Any], progress: Optional[Progres
     return Engine(model, load_progress=progress, **options)
 
 
-__all__ = ["EngineFlag", "engine_flags", "add_engine_arguments", "engine_options", "as_flag", "as_command_line",
+__all__ = ["HelpFormatter", "EngineFlag", "engine_flags", "add_engine_arguments", "engine_options", "as_flag", "as_command_line",
            "build_engine"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import itertools
 import os
@@ -20,7 +21,7 @@ import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 
@@ -69,19 +70,19 @@ class DevTools:
                 return message["result"]
 
 
-async def screenshot_when(url: str, ready: Callable[[bytes], bool], timeout_s: float = 40.0,
-                          size: tuple[int, int] = (1400, 900), every_s: float = 1.0) -> tuple[bytes, bool]:
-    """Open ``url`` in a fresh headless Chromium; screenshot it every ``every_s`` until ``ready(png)``.
-
-    Returns the last PNG and whether it was ready. The browser's whole process group is always killed and
-    its profile removed.
-    """
+@contextlib.asynccontextmanager
+async def open_page(url: str, size: tuple[int, int] = (1400, 900), timeout_s: float = 40.0,
+                    offline: bool = False) -> AsyncIterator[DevTools]:
+    """A fresh headless Chromium showing ``url``; yields the page's DevTools session. ``offline``: the page
+    gets no network at all (DevTools' network emulation), as a file mailed to a class would open. The browser's
+    whole process group is always killed and its profile removed."""
     import aiohttp
 
     command = find_chromium()
     assert command is not None, f"no Chromium here: {INSTALL_HINT}"
     profile = Path(tempfile.mkdtemp(prefix="minipaged-chromium-"))
     browser = subprocess.Popen([*command, "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                "--disable-background-networking", "--disable-component-update",
                                 "--remote-debugging-port=0", f"--user-data-dir={profile}",
                                 f"--window-size={size[0]},{size[1]}", "about:blank"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -100,17 +101,44 @@ async def screenshot_when(url: str, ready: Callable[[bytes], bool], timeout_s: f
                 page = next(t for t in await answer.json() if t["type"] == "page")
             async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                 tools = DevTools(ws)
+                if offline:
+                    await tools.call("Network.enable")
+                    await tools.call("Network.emulateNetworkConditions", offline=True, latency=0,
+                                     downloadThroughput=-1, uploadThroughput=-1)
                 await tools.call("Page.navigate", url=url)
-                while True:
-                    await asyncio.sleep(every_s)
-                    shot = await tools.call("Page.captureScreenshot", format="png")
-                    png = base64.b64decode(shot["data"])
-                    if ready(png):
-                        return png, True
-                    if time.monotonic() > deadline:
-                        return png, False
+                yield tools
     finally:
         with suppress(ProcessLookupError):
             os.killpg(browser.pid, signal.SIGKILL)              # the launcher, the browser and its helpers
         browser.wait(10)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+async def evaluate(tools: DevTools, expression: str) -> Any:
+    """The value of a JavaScript expression in the page (awaited if it is a promise), as JSON."""
+    result = await tools.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+    if "exceptionDetails" in result:
+        raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+    return result["result"].get("value")
+
+
+async def screenshot(tools: DevTools) -> bytes:
+    shot = await tools.call("Page.captureScreenshot", format="png")
+    return base64.b64decode(shot["data"])
+
+
+async def screenshot_when(url: str, ready: Callable[[bytes], bool], timeout_s: float = 40.0,
+                          size: tuple[int, int] = (1400, 900), every_s: float = 1.0) -> tuple[bytes, bool]:
+    """Open ``url`` in a fresh headless Chromium; screenshot it every ``every_s`` until ``ready(png)``.
+
+    Returns the last PNG and whether it was ready.
+    """
+    deadline = time.monotonic() + timeout_s
+    async with open_page(url, size, timeout_s) as tools:
+        while True:
+            await asyncio.sleep(every_s)
+            png = await screenshot(tools)
+            if ready(png):
+                return png, True
+            if time.monotonic() > deadline:
+                return png, False

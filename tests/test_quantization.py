@@ -11,6 +11,7 @@ from minipaged import Engine, SamplingParams
 from minipaged.config import ConfigError
 from minipaged.kernels.int8 import Int8Linear, Int8Weight, int8_linear_torch, quantize_int8
 from tests.conftest import random_prompts
+from tests.test_model_families import family_model  # noqa: F401  (a fixture)
 from tests.test_model_vs_transformers import run_and_capture_logits
 
 # The tiny models' int8 logits against their fp32 logits on the same tokens, as a share of the largest fp32
@@ -49,17 +50,15 @@ def test_int8_linear_is_the_dequantized_matmul(rows, compiled):
     assert torch.equal(linear(x, plain), torch.nn.functional.linear(x, plain))
 
 
-@pytest.mark.parametrize("attention_backend", [None, "torch"], ids=["cpu-backend", "torch-backend"])
-@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_untied"])
-def test_int8_logits_are_the_dequantized_models_and_near_fp32(fixture, attention_backend, request):
+def check_int8_logits(path: str, options: dict, attention_backend) -> None:
     """Teacher-forced on the int8 engine's own greedy tokens: its logits are exactly (to float rounding) those of
     the fp32 model whose weights are the dequantized int8 values, and within TINY_FP32_RTOL of the fp32 model's.
-    A batch decoded together (many rows: torch's int8 matmul) and a request alone (the compiled loop)."""
+    A batch decoded together (many rows: the widening path) and a request alone (the compiled loop)."""
     from minipaged.model import load_model
     from minipaged.model.int8_reference import dequantized_hf_model
-    path = request.getfixturevalue(fixture)
     hf = load_model(path).hf_model
-    engine = Engine(path, block_size=4, num_blocks=128, quantization="int8", attention_backend=attention_backend)
+    engine = Engine(path, block_size=4, num_blocks=128, quantization="int8", attention_backend=attention_backend,
+                    **options)
     assert isinstance(engine.model.layers[0].qkv, Int8Weight) and isinstance(engine.model.lm_head, Int8Weight)
     dequantized = dequantized_hf_model(hf, engine.model)
     for prompts in (random_prompts(random.Random(7), 9, 3, 29), random_prompts(random.Random(8), 1, 5, 6)):
@@ -76,6 +75,18 @@ def test_int8_logits_are_the_dequantized_models_and_near_fp32(fixture, attention
             worst = max(worst, float((ours - fp32).abs().max()))
             scale = max(scale, float(fp32.abs().max()))
         assert 0 < worst <= TINY_FP32_RTOL * scale, (worst, scale)          # not exact, and not far
+
+
+@pytest.mark.parametrize("attention_backend", [None, "torch"], ids=["cpu-backend", "torch-backend"])
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_model_untied"])
+def test_int8_logits_are_the_dequantized_models_and_near_fp32(fixture, attention_backend, request):
+    check_int8_logits(request.getfixturevalue(fixture), {}, attention_backend)
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "qwen3-gqa-untied", "mistral-gqa-untied"])
+def test_int8_runs_every_family_with_its_extra_weights_in_fp32(family_model, name):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms stay fp32 beside the int8 matrices."""
+    check_int8_logits(*family_model(name), None)
 
 
 def test_refusals_name_the_problem_and_the_fix(tiny_model):

@@ -29,6 +29,7 @@ TUNING_TEMPLATE, TUNING_DOC = DOCS / "tuning.md.in", DOCS / "tuning.md"
 PEER_TEMPLATE = DOCS / "peer.md.in"
 PERFORMANCE_TEMPLATE, PERFORMANCE_DOC = DOCS / "performance.md.in", DOCS / "performance.md"
 QUANTIZATION_TEMPLATE, QUANTIZATION_DOC = DOCS / "quantization.md.in", DOCS / "quantization.md"
+WEB_VIEW_TEMPLATE, WEB_VIEW_DOC = DOCS / "web-view.md.in", DOCS / "web-view.md"
 RENDER_COMMAND = "python bench/render_docs.py"
 # docs/performance.md's section between these lines is the rendered peer template.
 PEER_BEGIN = f"<!-- peer comparison: rendered by {RENDER_COMMAND} from docs/peer.md.in; do not edit by hand -->"
@@ -169,9 +170,28 @@ def parallel_table(r: dict[str, Any]) -> str:
                            "tok/s", "same tokens"], rows)
 
 
+def web_watchers_table(r: dict[str, Any]) -> str:
+    """bench/web_watchers.py's phases: throughput, the server's peak memory, watchers that got every step."""
+    phases, rows = r["phases"], []
+    for key, label in (("none", "no watchers"), ("watchers", "{watchers} event-stream watchers"),
+                       ("none_again", "no watchers (again)"),
+                       ("watchers_and_pages", "{watchers} watchers + {pages} Chromium pages (same cores)")):
+        if key not in phases:
+            continue
+        p = phases[key]
+        num_pages = r.get("pages", len(p.get("pages", [])))
+        got = "-" if key.startswith("none") else f"{p['watchers_complete']}/{p['watchers']}"
+        if key == "watchers_and_pages":
+            got += f", pages {p['pages_complete']}/{num_pages}"
+        rows.append([label.format(watchers=p["watchers"], pages=num_pages), f"{p['tok_s']:.1f}",
+                     f"{p['peak_rss_mb']:.0f}", got])
+    return markdown_table(["phase", "output tok/s", "server peak RSS MB", "watchers that got every step"], rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
-    "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table}
+    "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
+    "web_watchers": web_watchers_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
@@ -192,7 +212,8 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
             "derived": {"throughput": throughput_derived(results["throughput"]),
                         "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
                                                                    config["max_num_batched_tokens"]),
-                        "quantization": quantization_derived(results["quantization"])},
+                        "quantization": quantization_derived(results["quantization"]),
+                        "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"])},
             "peer_section": peer_section(tuning_values)}
 
 
@@ -208,12 +229,29 @@ def rendered_quantization_doc(results: dict[str, Any]) -> str:
             + render(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"), values))
 
 
+def web_watchers_extra_rss_mb(r: dict[str, Any]) -> float:
+    """The server's peak memory with the watchers above the lower of its no-watcher peaks (the first phase
+    may still grow the allocator's pools, which would make the difference negative)."""
+    p = r["phases"]
+    return p["watchers"]["peak_rss_mb"] - min(p["none"]["peak_rss_mb"], p["none_again"]["peak_rss_mb"])
+
+
+def rendered_web_view_doc(results: dict[str, Any]) -> str:
+    r = dict(results["web_watchers"])
+    r["pages_count"] = r.get("pages", len(r["phases"].get("watchers_and_pages", {}).get("pages", [])))
+    r["extra_rss_mb"] = web_watchers_extra_rss_mb(r)
+    return (generated_note(WEB_VIEW_TEMPLATE, "bench/out/web_watchers.json")
+            + render(WEB_VIEW_TEMPLATE.read_text(encoding="utf-8"),
+                     {"web_watchers": r, "tables": {"web_watchers": web_watchers_table(r)}}))
+
+
 def write_all(values: dict[str, Any] | None = None) -> None:
     """Render both docs (``values``: docs/tuning.json's, when a caller has them at hand)."""
     values = load_values() if values is None else values
     TUNING_DOC.write_text(rendered_tuning_doc(values), encoding="utf-8")
     results = bench_results()
     PERFORMANCE_DOC.write_text(rendered_performance_doc(results, values), encoding="utf-8")
+    WEB_VIEW_DOC.write_text(rendered_web_view_doc(results), encoding="utf-8")
     QUANTIZATION_DOC.write_text(rendered_quantization_doc(results), encoding="utf-8")
-    print(f"wrote {TUNING_DOC.relative_to(ROOT)}, {PERFORMANCE_DOC.relative_to(ROOT)} and "
-          f"{QUANTIZATION_DOC.relative_to(ROOT)}")
+    print(f"wrote {TUNING_DOC.relative_to(ROOT)}, {PERFORMANCE_DOC.relative_to(ROOT)}, "
+          f"{WEB_VIEW_DOC.relative_to(ROOT)} and {QUANTIZATION_DOC.relative_to(ROOT)}")

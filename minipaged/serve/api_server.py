@@ -2,35 +2,52 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
-``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``).
+``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``), and
+``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
 checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
 context length and queues the request; from then on the handler relays what each step produced. A
 streamed choice gets ``finish_reason`` only in its last chunk; with ``stream_options.include_usage`` a
 last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the stream, as OpenAI's and
-vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON.
+vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON, parse errors, unknown paths and wrong
+methods included.
+
+Staying healthy under abuse: each request is bounded (``protocol.ServerLimits``, bodies by ``http_guards``),
+admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine thread
+is stuck or the server drains, and ``drain`` (on SIGTERM, see ``shutdown``) lets running requests finish for
+a while before ending the rest with an error event. There are no ``/docs``: Swagger's page would load its
+scripts from a CDN; ``/openapi.json`` describes the API (behind the key when one is set).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import web
 from ..metrics import EngineMetrics
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
+from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
+from .http_guards import BodyLimit, HeadAsGet
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,11 @@ class ServerSettings:
     served_model_name: str
     api_key: Optional[str] = None
     max_waiting_requests: Optional[int] = None
+    limits: p.ServerLimits = field(default_factory=p.ServerLimits)
+    event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
+    shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
+    engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
+    event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -64,8 +86,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         yield
         async_engine.stop()
 
-    app = FastAPI(title="minipaged", lifespan=lifespan)
+    app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
+    goodbye = asyncio.Event()                # set when the server drains: every event stream says goodbye
+    app.state.drain = lambda: drain(async_engine, goodbye, settings.shutdown_timeout_s)
     app.state.metrics = metrics
     max_model_len = engine.config.max_model_len
 
@@ -81,16 +105,40 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = loc[0] if loc else ""                     # the field, not pydantic's union branch names
+        if first.get("type") == "json_invalid":           # its loc is a character offset, not a field
+            offset = next((x for x in first.get("loc", ()) if isinstance(x, int)), None)
+            detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+            where = f" at character {offset}" if offset is not None else ""
+            return JSONResponse(p.error_body(400, f"the body is not valid JSON ({detail}{where}): send a JSON "
+                                                  f"object."), status_code=400)
+        where = field_path(first.get("loc", ()))
         message = f"invalid '{where}': {first.get('msg', 'invalid value')}" if where else str(first.get("msg", exc))
         return JSONResponse(p.error_body(400, message, where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404 and 405 as OpenAI's JSON (FastAPI's own is ``{"detail": ...}``)."""
+        if exc.status_code == 404:
+            routes = [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                      for method in sorted(route.methods)]
+            message = (f"{request.method} {request.url.path} does not exist on this server; its routes: "
+                       f"{', '.join(routes)}, GET /openapi.json.")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}."
+        else:
+            message = str(exc.detail)
+        return JSONResponse(p.error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next: Any) -> Response:
         """With --api-key, every /v1 route wants ``Authorization: Bearer KEY`` (health and metrics stay open,
         as in vLLM)."""
-        if settings.api_key and request.url.path.startswith("/v1"):
+        if settings.api_key and (request.url.path.startswith("/v1") or request.url.path == "/openapi.json"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return JSONResponse(p.error_body(401, "missing or wrong API key: send the header "
@@ -105,11 +153,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     # ---------------------------------------------------------------- plain routes
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
+        """200 when the server can take a request; 503 with the reason when a load balancer should look
+        elsewhere (the queue is full, the engine thread is stuck, the server is draining)."""
         s = async_engine.stats
-        return {"status": "ok", "num_requests_running": int(s.get("requests_running", 0)),
-                "num_requests_waiting": async_engine.num_waiting, "blocks_total": int(s.get("blocks_total", 0)),
-                "blocks_free": int(s.get("blocks_free", 0)), "steps": int(s.get("steps", 0))}
+        reason = not_ready_reason(async_engine, settings)
+        return JSONResponse({"status": "ok" if reason is None else "unavailable", "reason": reason,
+                             "num_requests_running": int(s.get("requests_running", 0)),
+                             "num_requests_waiting": async_engine.num_waiting,
+                             "blocks_total": int(s.get("blocks_total", 0)), "blocks_free": int(s.get("blocks_free", 0)),
+                             "steps": int(s.get("steps", 0))}, status_code=200 if reason is None else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -122,37 +175,66 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                             "max_model_len": max_model_len}]}
 
     @app.get("/v1/events")
-    async def events() -> StreamingResponse:
-        async def lines() -> AsyncIterator[str]:
-            async for line in async_engine.watch():
-                yield sse(line)
-        return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS)
+    async def events(request: Request) -> WatcherResponse:
+        watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
+                          limit_bytes=settings.event_buffer_bytes)
+        async_engine.watch(watcher)
+        return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher),
+                               heartbeat_s=settings.event_heartbeat_s, goodbye=goodbye,
+                               reason=lambda: async_engine.draining or "the server is shutting down")
+
+    # ---------------------------------------------------------------- the live view (static files)
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(web.index_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/web/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:
+        found = web.static_file(name)
+        if found is None:
+            raise p.ServerError(404, f"no file {name!r} in the live view; open / for the page.")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
+        body.refuse_unsupported(settings.limits)
         check_model(body.model)
-        prompt = body.single_prompt()
-        max_tokens = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        body.sampling_params(max_tokens)                  # bad values fail here, before queueing
+        asked = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        # echo with max_tokens=0 (how evaluation harnesses score a text): one token is generated and dropped
+        echo_only = body.echo and asked == 0
+        max_tokens = 1 if echo_only else asked
+        params = body.sampling_params(max_tokens)         # bad values fail here, before queueing
+        if body.echo and body.logprobs is not None:       # echo scores the prompt's tokens too
+            params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
+        echo = Echo(echo_only) if body.echo else None
 
-        def prepare(eng: Any) -> tuple[list[int], Any]:
-            token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
-            check_context(len(token_ids), max_tokens, max_model_len)
-            return token_ids, body.sampling_params(max_tokens)
-        return await respond("completion", body, prepare, request)
+        def prepare_for(index: int, prompt: Union[str, list[int]]) -> Any:
+            def prepare(eng: Any) -> tuple[list[int], Any]:
+                token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+                check_context(len(token_ids), max_tokens, max_model_len)
+                if echo is not None:                      # the engine thread decodes (the tokenizer lives there)
+                    echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else eng.tokenizer.decode(
+                        token_ids))
+                return token_ids, params
+            return prepare
+        return await respond("completion", body, [prepare_for(i, pr) for i, pr in enumerate(body.prompts())],
+                             request, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
+        body.refuse_unsupported(settings.limits)
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body.sampling_params(asked or 1)
+        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here, before queueing
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
-            token_ids = eng.inputs.chat_prompt(messages)
+            try:
+                token_ids = eng.inputs.chat_prompt(messages)
+            except TemplateError as exc:                  # e.g. roles that the template does not take
+                raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
+                                    "messages") from None
             if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
                 if len(token_ids) >= max_model_len:
                     raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
@@ -164,17 +246,26 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 max_tokens = asked
                 check_context(len(token_ids), max_tokens, max_model_len)
             return token_ids, body.sampling_params(max_tokens)
-        return await respond("chat", body, prepare, request)
+        return await respond("chat", body, [prepare], request)
 
-    async def respond(kind: p.Kind, body: p.SamplingFields, prepare: Any, request: Request) -> Response:
+    async def respond(kind: p.Kind, body: p.SamplingFields, prepares: list[Any], request: Request,
+                      echo: Optional[Echo] = None) -> Response:
+        """Queue one engine request per prompt (all accepted, or none), then answer: choice i * n + j is prompt
+        i's sample j, as OpenAI numbers them."""
         request_id = p.new_id(p.ID_PREFIX[kind])
-        updates = async_engine.generate(request_id, prepare)
-        accepted = await updates.__anext__()              # raises the refusal (400/503) before any byte is sent
-        assert isinstance(accepted, Accepted)
+        async_engine.check_admission(body.num_samples())  # all the prompts' samples, or none of them
+        all_updates = [async_engine.generate(request_id if len(prepares) == 1 else f"{request_id}-{i}", prepare,
+                                             body.n) for i, prepare in enumerate(prepares)]
+        try:
+            accepted = [await updates.__anext__() for updates in all_updates]   # a refusal raises (400/503) here
+        except BaseException:
+            for updates in all_updates:                   # the ones already queued are aborted
+                await updates.aclose()
+            raise
         if body.stream:
-            return StreamingResponse(stream(kind, request_id, body, accepted, updates), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        collect = asyncio.ensure_future(final_output(updates))
+            return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        collect = asyncio.ensure_future(asyncio.gather(*[final_output(updates) for updates in all_updates]))
         gone = asyncio.ensure_future(disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():                            # the client left: cancelling aborts the request
@@ -183,16 +274,24 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 await collect
             return Response(status_code=499)
         gone.cancel()
-        output = collect.result()
-        make_choice = p.completion_choice if kind == "completion" else p.chat_choice
-        return JSONResponse({
-            "id": request_id, "object": p.OBJECT[kind], "created": p.now_s(), "model": settings.served_model_name,
-            "choices": [make_choice(c.index, c.text, c.finish_reason, c.stop_reason) for c in output.outputs],
-            "usage": output_usage(output)})
+        outputs = collect.result()
+        n = accepted[0].params.n
+        choices = [choice_json(kind, body, i * n + c.index, c, echo and echo.prompts.get(i), out.prompt_logprobs,
+                               echo.only if echo else False)
+                   for i, out in enumerate(outputs) for c in out.outputs]
+        response = {"id": request_id, "object": p.OBJECT[kind], "created": p.now_s(),
+                    "model": settings.served_model_name, "choices": choices,
+                    "usage": outputs_usage(outputs, echo is not None and echo.only)}
+        if kind == "chat" and body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = p.prompt_logprobs_json(outputs[0].prompt_logprobs,
+                                                                 body.return_tokens_as_token_ids)
+        return JSONResponse(response)
 
     async def stream(kind: p.Kind, request_id: str, body: p.SamplingFields, accepted: Accepted,
-                     updates: AsyncIterator[Any]) -> AsyncIterator[str]:
+                     all_updates: list[AsyncIterator[Any]], echo: Optional[Echo]) -> AsyncIterator[str]:
         created, include_usage = p.now_s(), body.include_usage
+        n, as_ids = accepted.params.n, body.return_tokens_as_token_ids
+        text_offsets: dict[int, int] = {}                 # completions' text_offset runs on per choice
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             data = {"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
@@ -201,26 +300,165 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 data["usage"] = None
             return sse(data)
 
+        def completion_logprobs(index: int, positions: list[p.Position]) -> dict[str, Any]:
+            out = p.completion_logprobs(positions, body.logprobs or 0, as_ids, text_offsets.get(index, 0))
+            text_offsets[index] = text_offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+            return out
+
         if kind == "chat":                                # the role first, as OpenAI sends it
-            for i in range(accepted.params.n):
+            for i in range(n):
                 yield chunk([p.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
-        output = None
-        async for update in updates:
-            assert isinstance(update, Update)
-            for d in update.deltas:
-                if not d.text and d.finish_reason is None:
-                    continue                              # a token that is not text yet (held back, half a char)
-                if kind == "chat":
-                    yield chunk([p.chat_chunk_choice(d.index, {"content": d.text} if d.text else {}, d.finish_reason)])
-                else:
-                    yield chunk([p.completion_choice(d.index, d.text, d.finish_reason)])
-            output = update.output or output
-        if include_usage and output is not None:
+        outputs: dict[int, Any] = {}
+        echoed: set[int] = set()
+        try:
+            async for prompt_index, update in merged(all_updates):
+                assert isinstance(update, Update)
+                if echo is not None and prompt_index not in echoed:   # the prompt first, with its log-probabilities
+                    echoed.add(prompt_index)
+                    token_ids, text = echo.prompts[prompt_index]
+                    for j in range(n):
+                        scored = list(zip(token_ids, update.prompt_logprobs or [None] * len(token_ids)))
+                        logprobs = None if body.logprobs is None else completion_logprobs(prompt_index * n + j, scored)
+                        yield chunk([p.completion_choice(prompt_index * n + j, text, None, logprobs=logprobs)])
+                for d in update.deltas:
+                    index = prompt_index * n + d.index
+                    text = "" if echo is not None and echo.only else d.text
+                    with_logprobs = bool(d.logprobs) and not (echo is not None and echo.only)
+                    if not text and d.finish_reason is None and not with_logprobs:
+                        continue                              # a token that is not text yet (held back, half a char)
+                    positions = list(zip(d.token_ids, d.logprobs)) if with_logprobs else []
+                    if kind == "chat":
+                        yield chunk([p.chat_chunk_choice(index, {"content": text} if text else {}, d.finish_reason,
+                                                         p.chat_logprobs(positions, body.num_logprobs or 0, as_ids)
+                                                         if with_logprobs else None)])
+                    else:
+                        yield chunk([p.completion_choice(index, text, d.finish_reason, logprobs=completion_logprobs(
+                            index, positions) if with_logprobs else None)])
+                if update.output is not None:
+                    outputs[prompt_index] = update.output
+        except p.ServerError as exc:                      # the server ended it (shutdown): say so, as vLLM does
+            yield sse(exc.body())
+            yield sse("[DONE]")
+            return
+        if include_usage and len(outputs) == len(all_updates):
             yield sse({"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
-                       "model": settings.served_model_name, "choices": [], "usage": output_usage(output)})
+                       "model": settings.served_model_name, "choices": [],
+                       "usage": outputs_usage([outputs[i] for i in sorted(outputs)], echo is not None and echo.only)})
         yield sse("[DONE]")
 
+    def choice_json(kind: p.Kind, body: p.SamplingFields, index: int, c: Any, echoed: Optional[tuple[list[int], str]],
+                    prompt_logprobs: Optional[list], echo_only: bool) -> dict[str, Any]:
+        """One non-streamed choice, with the echoed prompt and the log-probabilities the request asked for."""
+        as_ids = body.return_tokens_as_token_ids
+        generated = [] if echo_only else list(zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)))
+        if kind == "chat":
+            logprobs = None if c.logprobs is None else p.chat_logprobs(generated, body.num_logprobs or 0, as_ids)
+            return p.chat_choice(index, c.text, c.finish_reason, c.stop_reason, logprobs)
+        text = ("" if echo_only else c.text) if echoed is None else echoed[1] + ("" if echo_only else c.text)
+        logprobs = None
+        if body.logprobs is not None:
+            prompt_positions = [] if echoed is None else list(zip(echoed[0],
+                                                                  prompt_logprobs or [None] * len(echoed[0])))
+            logprobs = p.completion_logprobs(prompt_positions + generated, body.logprobs, as_ids)
+        choice = p.completion_choice(index, text, c.finish_reason, c.stop_reason, logprobs)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = p.prompt_logprobs_json(prompt_logprobs, as_ids)
+        return choice
+
     return app
+
+
+def field_path(loc: Any) -> str:
+    """pydantic's error location as a field path: ("body", "messages", 0, "role") -> "messages[0].role"
+    (pydantic's names of union branches, such as "list[int]", are left out)."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not str(part).isidentifier() or part in PYDANTIC_TYPE_TAGS:
+            break
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def not_ready_reason(async_engine: AsyncEngine, settings: ServerSettings) -> Optional[str]:
+    """Why the server should not be sent requests now (None: it should)."""
+    if async_engine.draining:
+        return f"draining: {async_engine.draining}"
+    if not async_engine.engine_thread_alive:
+        return "the engine thread has stopped"
+    silent_s = time.monotonic() - async_engine.last_alive
+    if silent_s > settings.engine_stall_s:
+        return (f"the engine thread has been busy for {silent_s:.0f} s without finishing a step or command "
+                f"(more than {settings.engine_stall_s:g} s)")
+    limit = settings.max_waiting_requests
+    if limit is not None and async_engine.num_waiting >= limit:
+        return (f"the queue is full: {async_engine.num_waiting} samples wait for admission, the limit "
+                f"(--max-waiting-requests) is {limit}")
+    return None
+
+
+async def drain(async_engine: AsyncEngine, goodbye: asyncio.Event, timeout_s: float) -> None:
+    """A graceful shutdown: refuse new requests (503), let those in flight finish for up to ``timeout_s``, then
+    end the rest with an error (an error event in a stream), and say goodbye on every event stream."""
+    async_engine.draining = "the server is shutting down"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while async_engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    goodbye.set()
+    if async_engine.num_in_flight:
+        async_engine.fail_all(p.ServerError(503, f"the server shut down before this request finished (it waited "
+                                                 f"{timeout_s:g} s: minipaged serve --shutdown-timeout)."))
+        deadline = loop.time() + 5.0
+        while async_engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)                              # the last events and error chunks go out
+
+
+@dataclass
+class Echo:
+    """Completions' ``echo``: each prompt's token ids and text (filled in the engine thread), and whether the
+    request generates nothing (``max_tokens=0``)."""
+
+    only: bool
+    prompts: dict[int, tuple[list[int], str]] = field(default_factory=dict)
+
+
+async def merged(all_updates: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The updates of several requests as they come, each with its request's position; leaving early (or one
+    failing) cancels the rest, which aborts them."""
+    if len(all_updates) == 1:
+        async for update in all_updates[0]:
+            yield 0, update
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, updates: AsyncIterator[Any]) -> None:
+        try:
+            async for update in updates:
+                await queue.put((index, update))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, updates)) for i, updates in enumerate(all_updates)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def final_output(updates: AsyncIterator[Any]) -> Any:
@@ -236,5 +474,7 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def output_usage(output: Any) -> dict[str, int]:
-    return p.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+def outputs_usage(outputs: list[Any], echo_only: bool = False) -> dict[str, int]:
+    """Usage over every prompt of a request; echo with max_tokens=0 generated nothing the caller sees."""
+    return p.usage(sum(len(o.prompt_token_ids) for o in outputs),
+                   0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs))

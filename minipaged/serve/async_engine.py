@@ -9,7 +9,8 @@ handlers run on the asyncio event loop and talk to that thread through a command
 ``prepare`` runs in the engine thread (tokenising uses the engine's tokenizer, which the detokenizer uses
 there too; fast tokenizers must not be used from two threads at once). A handler whose client goes away
 sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
-The engine thread also fans every StepEvent out, as JSON, to ``/v1/events`` watchers.
+The engine thread also serialises every StepEvent, once, for ``/v1/events``; ``event_hub`` fans the bytes
+out to the watchers on the event loop.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from ..events import EngineView, KVChanges, RequestArrival, StepEvent
 from ..request import InvalidRequestError, SamplingParams
+from .event_hub import EventHub, Watcher
 from .protocol import ServerError
 
 logger = logging.getLogger("minipaged.serve")
@@ -30,7 +33,6 @@ logger = logging.getLogger("minipaged.serve")
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
-EVENT_QUEUE_LIMIT = 20_000      # a watcher this far behind is dropped (skipping events would corrupt its map)
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,15 @@ class ChoiceDelta:
     text: str
     num_tokens: int
     finish_reason: Optional[str] = None      # set only in the choice's last delta
+    token_ids: tuple[int, ...] = ()          # the new tokens, and their log-probabilities when the request asked
+    logprobs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class Update:
     deltas: tuple[ChoiceDelta, ...]
     output: Any = None                       # the RequestOutput, in the update where the last sample finishes
+    prompt_logprobs: Optional[list] = None   # in a request's first update, when it asked for them
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Stream:
     queue: asyncio.Queue
     samples: dict[str, int]                  # engine sub-request id -> choice index
     finished: set[str] = field(default_factory=set)
+    updates_sent: int = 0
 
 
 class AsyncEngine:
@@ -74,13 +80,17 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only
         self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id
-        self._watchers: list[asyncio.Queue] = []        # engine thread only
+        self._num_watchers = 0                          # engine thread only: serialise events while > 0
+        self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._num_submitted_not_added = 0               # guarded by _lock
+        self._num_submitted_not_added = 0               # guarded by _lock: samples, like requests_waiting
+        self.num_in_flight = 0                          # event-loop side: generate() calls not ended yet
+        self.draining: Optional[str] = None             # set on shutdown: why new requests are refused
+        self.last_alive = time.monotonic()              # the engine thread's last loop (/health: is it stuck?)
         self._aborts_unpublished = False                # engine thread only
         self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
         engine.subscribe(self._on_event)
@@ -97,25 +107,50 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def engine_thread_alive(self) -> bool:
+        return self._thread is None or self._thread.is_alive()
+
+    def fail_all(self, error: ServerError) -> None:
+        """End every request in flight with ``error`` (the server drains and its grace period is over)."""
+        self._commands.put(("fail_all", error))
+
+    @property
     def num_waiting(self) -> int:
-        """Requests waiting for admission, counting those not yet handed to the engine."""
+        """Samples waiting for admission (a request with n=8 is 8), counting those not yet handed to the
+        engine."""
         with self._lock:
             pending = self._num_submitted_not_added
         return pending + int(self.stats.get("requests_waiting", 0))
 
     # ------------------------------------------------------------------ requests (event-loop side)
-    async def generate(self, request_id: str, prepare: Prepare) -> AsyncIterator[Union[Accepted, Update]]:
+    def check_admission(self, num_samples: int) -> None:
+        """Refuse (503 while draining or busy, 400 when it could never fit) a request of ``num_samples`` samples.
+        Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
+        if self.draining:
+            raise ServerError(503, f"{self.draining}: it takes no new requests; send them to another server.",
+                              headers={"Retry-After": "1"})
+        limit = self.max_waiting_requests
+        if limit is not None and num_samples > limit:
+            raise ServerError(400, f"this request asks for {num_samples} samples (n x prompts), more than may ever "
+                                   f"wait at once on this server (--max-waiting-requests {limit}): lower n.", "n")
+        if limit is not None and self.num_waiting + num_samples > limit:
+            raise ServerError(503, f"the server is busy: {self.num_waiting} samples are waiting, and {num_samples} "
+                                   f"more would pass the limit (--max-waiting-requests) of {limit}; retry shortly.",
+                              headers={"Retry-After": "1"})
+
+    async def generate(self, request_id: str, prepare: Prepare,
+                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, Update]]:
         """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
         last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
-        Leaving early (the client went away, the task was cancelled) aborts the request."""
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise ServerError(503, f"the server is busy: {self.num_waiting} requests are waiting, the limit "
-                                   f"(--max-waiting-requests) is {self.max_waiting_requests}; retry shortly.",
-                              headers={"Retry-After": "1"})
+        Leaving early (the client went away, the task was cancelled) aborts the request.
+
+        Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
+        self.check_admission(num_samples)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._num_submitted_not_added += 1
-        self._commands.put(("add", request_id, prepare, q))
+            self._num_submitted_not_added += num_samples
+        self._commands.put(("add", request_id, prepare, q, num_samples))
+        self.num_in_flight += 1
         done = False
         try:
             while True:
@@ -128,28 +163,26 @@ class AsyncEngine:
                     done = True
                     return
         finally:
+            self.num_in_flight -= 1
             if not done:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    async def watch(self) -> AsyncIterator[str]:
-        """Every StepEvent as a JSON line, after the engine header and a snapshot of the current state."""
-        q: asyncio.Queue = asyncio.Queue(EVENT_QUEUE_LIMIT)
-        self._commands.put(("watch", q))
-        try:
-            while True:
-                item = await q.get()
-                if item is None:
-                    return
-                yield item
-        finally:
-            self._commands.put(("unwatch", q))
+    def watch(self, watcher: Watcher) -> None:
+        """Register ``watcher``: it gets the engine header, a snapshot of the current state, then every
+        StepEvent (call ``unwatch`` when its connection ends)."""
+        self._commands.put(("watch", watcher))
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.hub.remove(watcher)
+        self._commands.put(("unwatch", watcher))
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self.last_alive = time.monotonic()
             self._handle_commands(wait=not self.engine.has_unfinished_requests())
             if not (self.engine.has_unfinished_requests() or self._aborts_unpublished):
                 continue
@@ -176,9 +209,9 @@ class AsyncEngine:
                 break
         self.stats = dict(self.engine.stats())
 
-    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue) -> None:
+    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1) -> None:
         with self._lock:
-            self._num_submitted_not_added -= 1
+            self._num_submitted_not_added -= num_samples
         try:
             prompt, params = prepare(self.engine)
             self.engine.add_request(prompt, params, request_id=request_id)
@@ -204,28 +237,25 @@ class AsyncEngine:
         self._aborts_unpublished = True
         self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
 
-    def _do_watch(self, q: asyncio.Queue) -> None:
-        self._send(q, json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")))
-        self._send(q, snapshot_event(self._view).to_json())
-        self._watchers.append(q)
+    def _do_fail_all(self, error: ServerError) -> None:
+        self._fail_all(error)
 
-    def _do_unwatch(self, q: asyncio.Queue) -> None:
-        if q in self._watchers:
-            self._watchers.remove(q)
+    def _do_watch(self, watcher: Watcher) -> None:
+        first = [json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")),
+                 snapshot_event(self._view).to_json()]
+        self._num_watchers += 1
+        self._call_soon(self.hub.add, watcher, first)    # before any later event: the loop keeps the order
+
+    def _do_unwatch(self, _watcher: Watcher) -> None:
+        self._num_watchers -= 1
 
     def _on_event(self, event: StepEvent) -> None:
         """Called by the engine after every step, in the engine thread."""
         self._view.apply(event)
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
-        if self._watchers:
-            line = event.to_json()
-            for q in list(self._watchers):
-                if q.qsize() >= EVENT_QUEUE_LIMIT - 1:
-                    self._watchers.remove(q)
-                    self._send(q, None)               # too far behind: end its stream; it may reconnect
-                else:
-                    self._send(q, line)
+        if self._num_watchers:
+            self._call_soon(self.hub.publish, event.to_json())   # once, whatever the number of watchers
         self._dispatch(event)
         self.stats = dict(event.counters)
 
@@ -243,30 +273,38 @@ class AsyncEngine:
                 stream.finished.add(sub)
             deltas.setdefault(parent, []).append(ChoiceDelta(
                 stream.samples[sub], event.new_text.get(sub, ""), len(event.new_token_ids.get(sub, ())),
-                finish.finish_reason if finish is not None else None))
+                finish.finish_reason if finish is not None else None, tuple(event.new_token_ids.get(sub, ())),
+                tuple(self.engine.step_logprobs.get(sub, ()))))
         for parent, parent_deltas in deltas.items():
             stream = self._streams[parent]
             output = None
+            first_sample = next(iter(stream.samples))
+            prompt_logprobs = None if stream.updates_sent else self.engine.outputs.prompt_logprobs_of(first_sample)
             if len(stream.finished) == len(stream.samples):
                 output = self.engine.outputs.pop_finished(parent)[0]
                 del self._streams[parent]
                 for sub in stream.samples:
                     self._sample_parent.pop(sub, None)
-            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output))
+                if not stream.updates_sent:
+                    prompt_logprobs = output.prompt_logprobs
+            stream.updates_sent += 1
+            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output,
+                                            prompt_logprobs))
 
     def _fail_all(self, error: ServerError) -> None:
         for request_id in list(self._streams):
             stream = self._streams[request_id]
             self._do_abort(request_id)
             self._send(stream.queue, error)
-        for q in self._watchers:
-            self._send(q, None)
-        self._watchers.clear()
+        self._call_soon(self.hub.close_all)
 
     def _send(self, q: asyncio.Queue, item: Any) -> None:
+        self._call_soon(q.put_nowait, item)
+
+    def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(q.put_nowait, item)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:                          # the event loop is closed: the server is going down
             pass
 

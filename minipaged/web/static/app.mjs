@@ -1,0 +1,514 @@
+// The live view: reads the engine's StepEvents (GET /v1/events, or a trace embedded in the page by
+// `minipaged export-html` / `watch --replay --web`), folds them with fold.mjs and draws. Everything is drawn
+// here, in each browser; the server only streams events. Viewer controls (freeze, step, slider, projector)
+// act on the buffered events and never touch the engine.
+import { SSEParser } from "./sse.mjs";
+import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
+  FREE, CACHED, PALETTE } from "./fold.mjs";
+
+const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
+const MAX_BUFFER = 2000;          // steps kept for stepping back; older ones are folded into `base`
+const KEY_STORE = "minipaged-api-key";
+const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
+const $ = (id) => document.getElementById(id);
+const el = (tag, props = {}, ...children) => {
+  const node = Object.assign(document.createElement(tag), props);
+  for (const c of children) node.append(c);
+  return node;
+};
+
+const embedded = $("trace");
+const replay = Boolean(embedded);
+const params = new URLSearchParams(location.search);
+const view = {
+  info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
+  cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
+  connected: false, goodbye: false, drops: 0, playing: null,
+};
+let drawPending = false;
+
+// ------------------------------------------------------------------------------------------ events in
+
+function start(info) {
+  view.info = info;
+  view.base = newState(info);
+  view.head = newState(info);
+  view.events = [];
+  view.cursor = -1;
+  $("engine-name").textContent = `${info.model} · ${info.device} ${info.dtype} · ${info.num_blocks} blocks of `
+    + `${info.block_size} tokens · budget ${info.max_num_batched_tokens}` + (info.speculative ? ` · ${info.speculative}` : "");
+  buildCells($("map"), info.num_blocks);
+  buildCells($("cpu-map"), info.num_cpu_blocks, MAX_CELLS / 4);
+  $("cpu-title").hidden = $("cpu-map").hidden = info.num_cpu_blocks === 0;
+}
+
+function receive(ev) {
+  view.events.push(ev);
+  applyEvent(view.head, ev);
+  if (view.events.length > MAX_BUFFER) {
+    applyEvent(view.base, view.events.shift());
+    if (view.frozen) view.cursor = Math.max(0, view.cursor - 1);
+  }
+  if (!view.frozen) view.cursor = view.events.length - 1;
+  schedule();
+}
+
+function authHeaders() {
+  const key = localStorage.getItem(KEY_STORE);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+async function connect() {
+  view.goodbye = false;
+  let response;
+  const abort = new AbortController();
+  try {
+    response = await fetch("v1/events", { headers: authHeaders(), cache: "no-store", signal: abort.signal });
+  } catch (err) {
+    return lost(`cannot reach the server (${err.message})`);
+  }
+  if (response.status === 401) { askKey(); return; }
+  if (!response.ok) return lost(`the event stream answered ${response.status}`);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  const parser = new SSEParser();
+  view.connected = true;
+  banner(null);
+  let dropped = null;
+  let heard = Date.now();
+  const watchdog = setInterval(() => { if (Date.now() - heard > SILENCE_MS) abort.abort(); }, 1000);
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      heard = Date.now();
+      for (const msg of parser.feed(value)) {
+        if (msg.event === "message") {
+          const record = JSON.parse(msg.data);
+          if (record.type === "engine") start(record);
+          else if (record.type === "step") receive(record);
+        } else if (msg.event === "dropped") {
+          dropped = JSON.parse(msg.data).reason || "too far behind";
+        } else if (msg.event === "goodbye") {
+          view.goodbye = true;
+          banner(`the server stopped: ${JSON.parse(msg.data).reason || "shutting down"}; this page will `
+            + "reconnect when it is back");
+        }                               // other names: a newer server's; ignored
+      }
+    }
+  } catch (err) {
+    dropped = dropped || `the connection broke (${err.message})`;
+  } finally {
+    clearInterval(watchdog);
+  }
+  view.connected = false;
+  if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
+  if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
+  lost("lost the server; reconnecting");
+}
+
+function lost(message, delay = 2000) {
+  view.connected = false;
+  banner(message);
+  setStatus();
+  setTimeout(connect, delay);
+}
+
+function askKey() {
+  $("key-form").hidden = false;
+  banner("this server wants an API key (asked once, kept in this browser)");
+}
+
+// ------------------------------------------------------------------------------------------ drawing
+
+function buildCells(container, n, maxCells = MAX_CELLS) {
+  let group = 1;
+  while (Math.ceil(n / group) > maxCells) group *= 2;
+  container.dataset.group = String(group);
+  container.replaceChildren();
+  for (let b = 0; b < n; b += group) container.append(el("div", { className: "cell free" }));
+}
+
+function schedule() {
+  if (drawPending) return;
+  drawPending = true;
+  requestAnimationFrame(() => { drawPending = false; draw(); });
+}
+
+/** The fold at the cursor: the head when live, else the base plus the buffered events up to the cursor. */
+function foldAtCursor() {
+  if (view.cursor === view.events.length - 1) return view.head;
+  const at = view.events[view.cursor];
+  if (view.cached && view.cached.event === at) return view.cached.state;   // frozen: events still arrive
+  const st = structuredClone(view.base);
+  for (let i = 0; i <= view.cursor; i++) applyEvent(st, view.events[i]);
+  view.cached = { event: at, state: st };
+  return st;
+}
+
+const isMine = (rid) => view.mine.has(rid) || view.mine.has(rid.replace(/\.\d+$/, ""));
+
+function draw() {
+  if (!view.info) return;
+  const st = view.shown = foldAtCursor();
+  const selected = view.selected && st.requests.has(view.selected) ? st.requests.get(view.selected) : null;
+  const dim = selected && (selected.blocks.length || selected.cpu_blocks.length);
+  drawMap(st, dim);
+  drawCpuMap(st, dim);
+  drawBatch(st);
+  drawGauges(st);
+  drawQueues(st);
+  drawTable(st);
+  drawLog(st);
+  drawOutput(st);
+  const slider = $("slider");
+  slider.max = String(Math.max(0, view.events.length - 1));
+  slider.value = String(Math.max(0, view.cursor));
+  $("step-label").textContent = `step ${st.step}` + (view.events.length ? ` (${view.cursor + 1}/${view.events.length} buffered)` : "");
+  setStatus();
+}
+
+function poolName(device) {
+  return device.startsWith("cuda") ? "GPU KV blocks" : `KV blocks (${device.split(":")[0].toUpperCase()} memory)`;
+}
+
+function paint(cell, cls, background, text, title) {
+  const look = cls + background + text;
+  if (cell.dataset.look !== look) {
+    cell.dataset.look = look;
+    cell.className = cls;
+    cell.style.background = background;
+    cell.textContent = text;
+  }
+  cell.title = title;
+}
+
+/** One cell of ``group`` blocks from ``first``: owners of each block via ``ownersOf(b)``; drawn in the colour of
+ * the request holding most of them, partly filled when only some are in use (the TUI's grouped cells). */
+function drawCells(st, container, n, ownersOf, describe, dim) {
+  const cells = container.children;
+  const group = Number(container.dataset.group || 1);
+  for (let i = 0; i < cells.length; i++) {
+    const first = i * group, last = Math.min(n, first + group) - 1;
+    const counts = new Map();
+    let used = 0, refs = 0, cached = false, anySelected = false, anyMine = false;
+    for (let b = first; b <= last; b++) {
+      const owners = ownersOf(b);
+      if (owners.length) used += 1;
+      refs = Math.max(refs, owners.length);
+      cached = cached || (!owners.length && st.blockCached[b] && container.id === "map");
+      for (const rid of owners) {
+        counts.set(rid, (counts.get(rid) || 0) + 1);
+        anySelected = anySelected || rid === view.selected;
+        anyMine = anyMine || isMine(rid);
+      }
+    }
+    const title = describe(first, last);
+    if (!used) { paint(cells[i], `cell ${cached ? "cached" : "free"}`, "", "", title); continue; }
+    const owner = anySelected ? view.selected : [...counts].sort((a, b) => b[1] - a[1])[0][0];
+    const size = last - first + 1;
+    let cls = `cell ${refs > 1 ? "shared" : "used"}`;
+    if (anyMine) cls += " mine";
+    if (dim && !anySelected) cls += " dimmed";
+    const c = colour(st, owner);
+    const background = used < size ? `linear-gradient(to top, ${c} ${Math.round((100 * used) / size)}%, #1a1a1a 0)` : c;
+    const text = refs > 1 ? (size === 1 ? `x${refs}` : "+") : "";
+    paint(cells[i], cls, background, text, title);
+  }
+}
+
+function drawMap(st, dim) {
+  const owners = (b) => st.blockOwners[b];
+  drawCells(st, $("map"), st.info.num_blocks, owners, (first, last) => {
+    if (first !== last) {
+      const used = st.blockOwners.slice(first, last + 1).filter((o) => o.length).length;
+      return `blocks #${first}-#${last}: ${used} in use`;
+    }
+    const o = owners(first);
+    return `block #${first}: ${blockState(st, first)}` + (o.length ? `, owners ${o.join(", ")}, ref count ${o.length}` : "")
+      + (st.blockCached[first] ? ", cached (its hash lets a later prompt reuse it)" : "");
+  }, dim);
+  const group = Number($("map").dataset.group || 1);
+  $("map-title").textContent = `${poolName(st.info.device)}: ${usedBlocks(st)}/${st.info.num_blocks} in use, `
+    + `${st.blockOwners.filter((o, b) => !o.length && st.blockCached[b]).length} free but cached`
+    + (group > 1 ? ` (1 cell = ${group} blocks)` : "");
+}
+
+function drawCpuMap(st, dim) {
+  const owners = (b) => (st.cpuBlockOwner[b] === null ? [] : [st.cpuBlockOwner[b]]);
+  drawCells(st, $("cpu-map"), st.info.num_cpu_blocks, owners, (first, last) => (first === last
+    ? `host block #${first}: ` + (st.cpuBlockOwner[first] === null ? "free" : `${st.cpuBlockOwner[first]}'s KV, swapped out`)
+    : `host blocks #${first}-#${last}`), dim);
+  const held = st.cpuBlockOwner.filter((o) => o !== null).length;
+  const group = Number($("cpu-map").dataset.group || 1);
+  $("cpu-title").textContent = `host pool (swap): ${held}/${st.info.num_cpu_blocks} in use`
+    + (group > 1 ? ` (1 cell = ${group} blocks)` : "");
+}
+
+function drawBatch(st) {
+  const ev = st.lastEvent;
+  const bar = $("batch-bar");
+  bar.replaceChildren();
+  if (!ev) return;
+  const limit = ev.budget_limit || 1;
+  const width = (n) => `${(100 * n) / limit}%`;
+  for (const s of ev.scheduled || []) {
+    const c = colour(st, s.request_id);
+    const drafts = (s.draft_token_ids || []).length;
+    const span = s.end - s.start;
+    if (!drafts) {
+      const what = s.kind === "prefill" ? `prefill ${s.start}→${s.end}` : "decode";
+      bar.append(el("div", { className: `seg ${s.kind}`, title: `${s.request_id}: ${what}, ${span} tokens`,
+        style: `width:${width(span)};background-color:${c}` }));
+      continue;
+    }
+    const rejected = drafts - s.num_accepted;
+    const parts = [["", span - drafts, "the last token"], ["accepted", s.num_accepted, "drafts accepted"],
+      ["rejected", rejected, "drafts rejected"]];
+    for (const [cls, n, what] of parts) {
+      if (n > 0) bar.append(el("div", { className: `seg decode ${cls}`, title: `${s.request_id}: ${n} ${what}`,
+        style: `width:${width(n)};background-color:${c}` }));
+    }
+  }
+  const [verified, drafted, accepted] = verificationTotals(ev);
+  const prefill = (ev.scheduled || []).filter((s) => s.kind === "prefill").reduce((n, s) => n + s.end - s.start, 0);
+  $("batch-title").textContent = `step ${ev.step}: ${ev.budget_used}/${ev.budget_limit} tokens of the budget, `
+    + `${(ev.scheduled || []).length}/${ev.max_num_seqs} sequences`;
+  $("batch-text").textContent = `prefill ${prefill} tokens (striped), decode ${ev.budget_used - prefill}`
+    + (verified ? `; drafts ${accepted}/${drafted} accepted (green) / rejected (red)` : "")
+    + `; ${(ev.duration_s * 1e3).toFixed(1)} ms`;
+}
+
+const GAUGES = [["kv_usage", "KV used", (x) => `${(x * 100).toFixed(0)}%`],
+  ["hit_rate", "prefix-cache hit rate", (x) => `${(x * 100).toFixed(0)}%`],
+  ["tokens_per_s", "generation tok/s", (x) => x.toFixed(1)], ["step_ms", "step ms", (x) => x.toFixed(1)],
+  ["ttft_ms", "TTFT ms", (x) => x.toFixed(0)], ["itl_ms", "ITL ms", (x) => x.toFixed(1)]];
+
+function sparkline(history) {
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("viewBox", "0 0 120 28");
+  svg.setAttribute("preserveAspectRatio", "none");
+  if (history.length > 1) {
+    const top = Math.max(...history) || 1;
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", history.map((v, i) => `${(i * 120) / (history.length - 1)},${27 - (v / top) * 26}`).join(" "));
+    svg.append(line);
+  }
+  return svg;
+}
+
+function drawGauges(st) {
+  const panel = $("gauges");
+  panel.replaceChildren();
+  const gauges = st.metrics.acceptance_rate.length
+    ? [...GAUGES, ["acceptance_rate", "drafts accepted", (x) => `${(x * 100).toFixed(0)}%`]] : GAUGES;
+  for (const [name, label, format] of gauges) {
+    const history = st.metrics[name];
+    const last = history.length ? format(history[history.length - 1]) : "–";
+    panel.append(el("div", { className: "gauge" }, el("div", { className: "dim", textContent: label }),
+      el("div", { className: "value", textContent: last }), sparkline(history)));
+  }
+}
+
+function chip(st, rid) {
+  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: rid });
+  node.style.background = colour(st, rid);
+  node.onclick = () => select(rid);
+  return node;
+}
+
+function drawQueues(st) {
+  const q = queues(st);
+  $("queues").replaceChildren(...["running", "waiting", "swapped", "finished"].map((name) =>
+    el("div", {}, el("h3", { textContent: `${name} (${q[name].length})` }), ...q[name].slice(0, 40).map((rid) => chip(st, rid)))));
+}
+
+function preview(prompt) {
+  return prompt.replace(/<\|im_start\|>\w+|<\|[^|>]{1,20}\|>|<\/?s>|\[\/?INST\]/g, " ").split(/\s+/).join(" ").trim();
+}
+
+function drawTable(st) {
+  const table = $("requests");
+  const head = el("tr", {}, ...["request", "state", "prompt", "computed", "output", "cached", "preempted", "finish"]
+    .map((h) => el("th", { textContent: h })));
+  const rows = orderedRequests(st).slice(0, 200).map((rid) => {
+    const r = st.requests.get(rid);
+    const row = el("tr", { className: rid === view.selected ? "selected" : "" }, el("td", {}, chip(st, rid)),
+      el("td", { textContent: r.state }), el("td", { className: "prompt", textContent: preview(r.prompt), title: r.prompt }),
+      el("td", { textContent: `${r.num_computed}/${r.prompt_len}` }), el("td", { textContent: `${r.num_output_tokens}/${r.max_tokens}` }),
+      el("td", { textContent: String(r.num_cached_tokens) }), el("td", { textContent: String(r.num_preemptions) }),
+      el("td", { textContent: r.finish_reason || "" }));
+    row.dataset.request = rid;
+    if (isMine(rid)) row.dataset.mine = "true";
+    row.onclick = () => select(rid);
+    return row;
+  });
+  table.replaceChildren(head, ...rows);
+}
+
+function drawLog(st) {
+  $("log").replaceChildren(...st.log.slice(-150).reverse().map((line) =>
+    el("li", { className: line.kind, textContent: `${String(line.step).padStart(5)}  ${line.text}` })));
+}
+
+function drawOutput(st) {
+  let rid = view.selected;
+  if (!rid || !st.requests.has(rid)) {
+    const order = orderedRequests(st);
+    rid = order.find(isMine) || order[0];
+  }
+  const r = rid && st.requests.get(rid);
+  $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
+  $("output").textContent = r ? r.text : "";
+}
+
+function select(rid) { view.selected = view.selected === rid ? null : rid; schedule(); }
+
+function setStatus() {
+  const status = $("status");
+  let text = replay ? "replay" : view.connected ? "live" : view.goodbye ? "server stopped" : "disconnected";
+  let cls = view.connected || replay ? "live" : "lost";
+  if (view.frozen && !replay) { text = "frozen (events keep buffering)"; cls = "frozen"; }
+  status.textContent = text;
+  status.className = `status ${cls}`;
+  $("freeze").classList.toggle("on", view.frozen);
+}
+
+function banner(message) {
+  $("banner").hidden = !message;
+  $("banner").textContent = message || "";
+}
+
+// ------------------------------------------------------------------------------------ viewer controls
+
+function goto(index) {
+  view.cursor = Math.max(0, Math.min(view.events.length - 1, index));
+  view.frozen = replay || view.cursor < view.events.length - 1 || view.frozen;
+  schedule();
+}
+function freeze(on = !view.frozen) { view.frozen = on || replay; if (!view.frozen) view.cursor = view.events.length - 1; schedule(); }
+function live() { if (replay) goto(view.events.length - 1); else freeze(false); }
+function play() {
+  if (view.playing) { clearInterval(view.playing); view.playing = null; return; }
+  if (view.cursor >= view.events.length - 1) goto(0);
+  view.playing = setInterval(() => {
+    if (view.cursor >= view.events.length - 1) { clearInterval(view.playing); view.playing = null; return; }
+    goto(view.cursor + 1);
+  }, 250);
+}
+function projector(on = !document.body.classList.contains("projector")) {
+  document.body.classList.toggle("projector", on);
+  $("projector").classList.toggle("on", on);
+}
+
+$("freeze").onclick = () => freeze();
+$("back").onclick = () => { view.frozen = true; goto(view.cursor - 1); };
+$("forward").onclick = () => goto(view.cursor + 1);
+$("live").onclick = () => live();
+$("play").onclick = () => play();
+$("slider").oninput = (e) => { view.frozen = true; goto(Number(e.target.value)); };
+$("projector").onclick = () => projector();
+document.addEventListener("keydown", (e) => {
+  if (e.target.tagName === "TEXTAREA" || e.target.tagName === "INPUT") return;
+  if (e.key === " ") { e.preventDefault(); freeze(); } else if (e.key === "ArrowLeft") { view.frozen = true; goto(view.cursor - 1); }
+  else if (e.key === "ArrowRight") goto(view.cursor + 1);
+  else if (e.key === "l" || e.key === "L") live();
+  else if (e.key === "p" || e.key === "P") projector();
+});
+$("map").addEventListener("click", (e) => {
+  const index = [...$("map").children].indexOf(e.target);
+  if (index < 0 || !view.shown) return;
+  $("block-info").textContent = e.target.title;
+  const owners = view.shown.blockOwners[index * Number($("map").dataset.group || 1)];
+  if (owners && owners.length) select(owners[0]);
+});
+$("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains("cell")) $("block-info").textContent = e.target.title; });
+
+// ------------------------------------------------------------------------------------------ the prompt box
+
+async function send(text) {
+  const status = $("prompt-status");
+  status.textContent = "sending ...";
+  let response;
+  try {
+    response = await fetch("v1/chat/completions", { method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      body: JSON.stringify({ messages: [{ role: "user", content: text }], max_tokens: 64, stream: true }) });
+  } catch (err) { status.textContent = `cannot reach the server (${err.message})`; return; }
+  if (response.status === 401) { askKey(); status.textContent = "needs the API key"; return; }
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({}));
+    status.textContent = `refused (${response.status}): ${(body.error && body.error.message) || response.statusText}`;
+    return;
+  }
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  const parser = new SSEParser();
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    for (const msg of parser.feed(value)) {
+      if (msg.data === "[DONE]") continue;
+      const chunk = JSON.parse(msg.data);
+      if (chunk.id && !view.mine.has(chunk.id)) {
+        view.mine.add(chunk.id);
+        view.selected = chunk.id;
+        status.textContent = `your request ${chunk.id} is in the engine`;
+        schedule();
+      }
+    }
+  }
+  status.textContent = `your request finished; its blocks and rows are marked ★`;
+}
+
+$("prompt-form").onsubmit = (e) => {
+  e.preventDefault();
+  const text = $("prompt").value.trim();
+  if (text) { $("prompt").value = ""; send(text); }
+};
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("prompt-form").requestSubmit(); }
+});
+$("key-form").onsubmit = (e) => {
+  e.preventDefault();
+  localStorage.setItem(KEY_STORE, $("key").value);
+  $("key-form").hidden = true;
+  banner(null);
+  connect();
+};
+
+function legend() {
+  const swatch = (cls, background, text = "") => {
+    const c = el("span", { className: `cell ${cls}`, textContent: text });
+    c.style.background = background;
+    return c;
+  };
+  $("legend").replaceChildren(
+    el("span", {}, swatch("used", PALETTE[0]), "request's block"), el("span", {}, swatch("shared", PALETTE[0], "x2"), "shared by 2"),
+    el("span", {}, swatch("cached", ""), "free, cached prefix"), el("span", {}, swatch("free", ""), "free"),
+    el("span", {}, swatch("used mine", PALETTE[1]), "mine"));
+}
+
+// ------------------------------------------------------------------------------------------ start
+
+// What tests read over the DevTools protocol (and a curious student in the console).
+window.minipaged = {
+  get state() { return view.shown; }, get head() { return view.head; }, view,
+  usedBlocks: () => (view.shown ? usedBlocks(view.shown) : null), draw, goto, freeze, live, projector, colour: (rid) => colour(view.shown, rid),
+  FREE, CACHED,
+};
+
+legend();
+projector(params.get("projector") === "1" || params.get("projector") === "true");
+if (replay) {
+  $("prompt-panel").hidden = true;
+  $("play").hidden = false;
+  $("freeze").hidden = true;
+  const lines = embedded.textContent.split("\n").filter((line) => line.trim());
+  const records = lines.map((line) => JSON.parse(line));
+  const header = records.find((r) => r.type === "engine");
+  start(header);
+  for (const r of records) if (r.type === "step") { view.events.push(r); applyEvent(view.head, r); }
+  view.cursor = params.has("step") ? Number(params.get("step")) : 0;
+  schedule();
+} else {
+  connect();
+}

@@ -1,0 +1,92 @@
+"""The /v1/events fan-out (minipaged/serve/event_hub.py): one serialisation and one compression per event
+whatever the number of watchers, valid gzip streams made of shared pieces, bounded buffers."""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+from minipaged.serve.event_hub import Chunk, EventHub, Watcher
+
+
+async def drain(watcher: Watcher) -> bytes:
+    return b"".join([data async for data in watcher.stream()])
+
+
+def test_every_watcher_gets_the_same_bytes_and_gzip_ones_a_valid_stream():
+    async def run() -> tuple[list[bytes], int]:
+        hub = EventHub()
+        watchers = [Watcher(gzip=g) for g in (False, True, True)]
+        for w in watchers:
+            hub.add(w, ['{"type":"engine"}'])
+        compressions = 0
+        original = Chunk.deflated.fget
+
+        def counting(chunk: Chunk) -> bytes:
+            nonlocal compressions
+            if chunk._deflated is None:
+                compressions += 1
+            return original(chunk)
+        Chunk.deflated = property(counting)
+        try:
+            for step in range(50):
+                hub.publish(json.dumps({"type": "step", "step": step, "pad": "x" * step}))
+            watchers[2].say(": heartbeat\n\n")               # a message to one watcher alone
+        finally:
+            Chunk.deflated = property(original)
+        hub.close_all()
+        return [await drain(w) for w in watchers], compressions
+
+    (plain, zipped, zipped_hb), compressions = asyncio.run(run())
+    assert compressions == 51                                    # the header and 50 events, once each
+    assert gzip.decompress(zipped) == plain                      # the trailer's CRC and length check out
+    assert gzip.decompress(zipped_hb) == plain + b": heartbeat\n\n"
+    assert plain.count(b"data: ") == 51 and plain.startswith(b'data: {"type":"engine"}\n\n')
+
+
+def test_a_watcher_past_its_limit_loses_its_backlog_and_is_told_why():
+    async def run() -> tuple[bytes, Watcher, Watcher, EventHub]:
+        hub = EventHub()
+        slow, fine = Watcher(limit_bytes=10_000), Watcher(limit_bytes=10_000)
+        hub.add(slow, [])
+        hub.add(fine, [])
+        sent = b""
+        for step in range(400):
+            hub.publish(json.dumps({"step": step, "pad": "y" * 100}))
+            assert slow.queued_bytes <= 10_000
+            sent += await fine_take(fine)                        # this one keeps up
+        hub.close_all()
+        return await drain(slow), slow, fine, hub
+
+    async def fine_take(w: Watcher) -> bytes:
+        out = b""
+        while w.queue:
+            out += w.queue.popleft()
+        w.queued_bytes = 0
+        return out
+
+    got, slow, fine, hub = asyncio.run(run())
+    assert slow.dropped and "KiB" in slow.dropped
+    assert got.startswith(b"event: dropped\ndata: ") and got.count(b"\n\n") == 1   # the backlog went
+    assert slow not in hub.watchers and fine.dropped is None
+
+
+def test_a_quiet_stream_gets_heartbeats_and_a_closing_one_a_goodbye():
+    async def run() -> bytes:
+        hub = EventHub()
+        w = Watcher(gzip=True)
+        hub.add(w, ['{"type":"engine"}'])
+        chunks = []
+
+        async def read() -> None:
+            async for data in w.stream(heartbeat_s=0.05):
+                chunks.append(data)
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.18)
+        hub.close_all(goodbye="the server is shutting down")
+        await reader
+        return b"".join(chunks)
+
+    text = gzip.decompress(asyncio.run(run())).decode()
+    assert text.startswith('data: {"type":"engine"}\n\n: heartbeat\n\n') and text.count(": heartbeat") >= 2
+    assert text.endswith('event: goodbye\ndata: {"reason": "the server is shutting down"}\n\n')

@@ -1,0 +1,123 @@
+"""The web page's event fold (minipaged/web/static/fold.mjs) equals Python's WatchState at every step.
+
+Traces are recorded here on the tiny model with prefix hits, chunked prefill, recompute and swap
+preemption, an abort, speculative drafts and a late watcher's snapshot; Python folds them step by step and
+node's built-in test runner folds the same events with the page's JavaScript and compares (tests/web/).
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minipaged import SamplingParams
+from minipaged.events import StepEvent
+from minipaged.serve.async_engine import snapshot_event
+from minipaged.tui.state import WatchState
+
+NODE = shutil.which("node")
+HERE = Path(__file__).parent
+METRICS = ("kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms", "acceptance_rate",
+           "acceptance_length")
+
+
+def comparable(state: WatchState) -> dict[str, Any]:
+    """Python's fold in the JSON shape of fold.mjs's ``comparable``."""
+    view = state.view
+    return {
+        "step": view.step, "num_events": state.num_events,
+        "block_owners": [sorted(o) for o in view.block_owners], "block_cached": list(view.block_cached),
+        "cpu_block_owner": list(view.cpu_block_owner),
+        "requests": {rid: asdict(r) for rid, r in view.requests.items()},
+        "colours": dict(state.colours), "arrival_order": list(state.arrival_order), "queues": state.queues(),
+        "ordered_requests": state.ordered_requests(),
+        "used_blocks": sum(1 for o in view.block_owners if o),
+        "log": [[line.step, line.kind, line.text, line.request_id] for line in state.log],
+        "metrics": {name: list(getattr(state, name).history) for name in METRICS},
+    }
+
+
+def prompts(seed: int, n: int, shared: int = 24) -> list[list[int]]:
+    """Half the prompts share a system prefix (prefix hits); lengths vary (uneven chunks)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(shared)]
+    return [(system if i % 2 == 0 else []) + [rng.randrange(256) for _ in range(rng.randint(3, 30))]
+            for i in range(n)]
+
+
+def record(engine, workload: list[list[int]], params: SamplingParams, abort_at: int = -1) -> list[StepEvent]:
+    """Run ``workload``, two new requests a step; abort the second one at step ``abort_at``."""
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    pending, ids = list(workload), []
+    while pending or engine.has_unfinished_requests():
+        for _ in range(2):
+            if pending:
+                ids.append(engine.add_request(pending.pop(0), params))
+        if len(events) == abort_at:
+            engine.abort(ids[1])
+        engine.step()
+    return events
+
+
+def case(name: str, info, events: list[StepEvent]) -> dict[str, Any]:
+    state = WatchState(info)
+    expected = []
+    for ev in events:
+        state.apply(ev)
+        expected.append(comparable(state))
+    return {"name": name, "info": asdict(info), "events": [json.loads(ev.to_json()) for ev in events],
+            "expected": expected}
+
+
+@pytest.fixture(scope="module")
+def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = {}
+    engine = tiny_engine_factory(num_blocks=24, preemption_mode="recompute", max_num_batched_tokens=16)
+    out["prefix-chunked-recompute-abort"] = engine.info, record(engine, prompts(0, 10), greedy, abort_at=3)
+    engine = tiny_engine_factory(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, max_num_batched_tokens=20)
+    out["swap"] = engine.info, record(engine, prompts(1, 10), greedy)
+    engine = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    repetitive = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [9, 10], [1, 2, 3, 1, 2, 3, 4, 1, 2]]
+    out["speculative"] = engine.info, record(engine, repetitive, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                                 ignore_eos=True))
+    return out
+
+
+def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
+    events = [ev for _info, evs in traces.values() for ev in evs]
+    assert any(s.num_cached_tokens for ev in events for s in ev.scheduled), "no prefix hit"
+    assert any(s.kind == "prefill" and s.start > s.num_cached_tokens for ev in events for s in ev.scheduled), \
+        "no chunked prefill"
+    modes = {p.mode for ev in events for p in ev.preempted}
+    assert modes == {"swap", "recompute"}, modes
+    assert any(ev.swapped_in for ev in events), "nothing swapped back in"
+    assert any(f.finish_reason == "abort" for ev in events for f in ev.finished), "no abort"
+    drafts = [s for ev in events for s in ev.scheduled if s.draft_token_ids]
+    assert drafts and any(s.num_accepted for s in drafts) and any(s.num_rejected for s in drafts)
+
+
+@pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs (.ci/run installs it)")
+def test_the_pages_fold_equals_watch_state_at_every_step(traces, tmp_path):
+    cases = [case(name, info, events) for name, (info, events) in traces.items()]
+    # A watcher that joins mid-run folds the server's snapshot first, then the steps after it.
+    info, events = traces["swap"]
+    state = WatchState(info)
+    for ev in events[:9]:
+        state.apply(ev)
+    cases.append(case("late-join-snapshot", info, [snapshot_event(state.view), *events[9:]]))
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    result = subprocess.run([NODE, "--test", str(HERE / "web" / "fold.test.mjs"), str(HERE / "web" / "sse.test.mjs")],
+                            env={"MINIPAGED_FOLD_CASES": str(path), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "# pass 3" in result.stdout and "# skipped 0" in result.stdout, result.stdout[-2000:]
