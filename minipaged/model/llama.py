@@ -150,6 +150,9 @@ class CompactLlama:
     Mistral, Qwen2 and Qwen3 too: what their layers add (q/k/v biases, a q/k norm) is declared in
     ``families.py`` and collected here as optional weights that the one layer loop applies when present."""
 
+    # "int8" once quantize_int8 ran (a class attribute: shards built without __init__ have it too)
+    quantization: Optional[str] = None
+
     def __init__(self, hf_model: torch.nn.Module) -> None:
         cfg = hf_model.config
         self.config = cfg
@@ -190,7 +193,6 @@ class CompactLlama:
         self.dtype = self.embed.dtype
         self._cos: Optional[torch.Tensor] = None
         self._sin: Optional[torch.Tensor] = None          # signed: [-sin, sin] (see apply_rope)
-        self.quantization: Optional[str] = None            # "int8" once quantize_int8 ran
 
     def quantize_int8(self) -> None:
         """Weight-only int8 (kernels/int8.py): every layer's matrices and the LM head become ``Int8Weight``; the
