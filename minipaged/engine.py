@@ -182,7 +182,8 @@ class Engine:
         """The start-up line on the weights' memory, beside the KV cache's."""
         kind = ("int8 matrices with fp32 scales, fp32 embedding and norms (not exact: docs/quantization.md)"
                 if self.model.quantization else str(self.model.dtype).removeprefix("torch."))
-        return f"Weights: {self.model.weight_bytes() / 2**20:.1f} MiB ({kind})"
+        where = " on rank 0" if self.layout.world_size > 1 else ""
+        return f"Weights{where}: {self.model.weight_bytes() / 2**20:.1f} MiB ({kind})"
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,

@@ -212,10 +212,13 @@ class CompactLlama:
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this model computes with (a tied LM head counted once)."""
-        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        lm_head = getattr(self, "lm_head", None)
+        if lm_head is None:                                   # a tensor-parallel shard holds its rows of it
+            lm_head = getattr(self, "lm_head_rows", None)
+        tensors = [self.embed, self.final_norm] + ([] if lm_head is self.embed else [lm_head])
         tensors += [t for w in self.layers for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down,
-                                                      w.qkv_bias, w.q_norm, w.k_norm) if t is not None]
-        return sum(weight_bytes(t) for t in tensors)
+                                                      w.qkv_bias, w.q_norm, w.k_norm)]
+        return sum(weight_bytes(t) for t in tensors if t is not None)
 
     def linear_for(self, backend: Optional[str]) -> Callable:
         """The step's linear layer: the backend's, made int8-aware when the weights are quantized."""
