@@ -33,7 +33,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
 from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .kernels import argmax_for, describe_backend, engine_backend
+from .kernels import select_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
 from .output_processor import OutputProcessor
@@ -82,10 +82,11 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         config.finalize(self.loaded.config.max_position_embeddings)
         try:
-            self.backend = engine_backend(self.device, DTYPES[dtype_name], self.model.head_dim,
+            self.backend = select_backend(self.device, DTYPES[dtype_name], self.model.shapes(),
                                           config.attention_backend)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.model.store_weights_for(self.backend)
         spec = config.speculative
         self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
                                             load_progress) if spec and spec.uses_draft_model else None
@@ -97,7 +98,7 @@ class Engine:
         bytes_per_block = kv_bytes_per_token * config.block_size
         num_blocks = num_kv_blocks(config, self.device, bytes_per_block)
         cpu_blocks = num_cpu_blocks(config, bytes_per_block)
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, backend=self.backend)
         self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cpu_pool = CpuBlockPool(cpu_blocks)
@@ -112,7 +113,7 @@ class Engine:
             self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
                 model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
                 config.distributed_timeout))
-        self.sampler = Sampler(config.seed, argmax_for(self.backend, self.model.head_dim))
+        self.sampler = Sampler(config.seed, self.backend.argmax)
         self.outputs = OutputProcessor(self.tokenizer)
         self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
             spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,
@@ -124,7 +125,7 @@ class Engine:
             max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
             preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
+            device=str(self.device), dtype=dtype_name, attention_backend=self.backend.name, num_threads=num_threads,
             speculative=spec.describe() if spec else None,
             speculative_config=spec.as_dict() if spec else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -139,8 +140,7 @@ class Engine:
         logger.info(capacity)
         if load_progress is not None:
             load_progress(capacity)
-            load_progress("Attention: " + describe_backend(self.backend, self.device, DTYPES[dtype_name],
-                                                           self.model.head_dim, config.attention_backend))
+            load_progress("Attention: " + self.backend.describe())
 
         self._pending_arrivals: list[RequestArrival] = []   # what happened between steps goes in the next event
         self._pending_finishes: list[RequestFinish] = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import Backend
 from .model.llama import AttentionMetadata, CompactLlama
 from .request import Request
 from .scheduler import ScheduledChunk
@@ -31,11 +32,11 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CompactLlama, kv_cache: torch.Tensor, block_size: int, backend: str) -> None:
+    def __init__(self, model: CompactLlama, kv_cache: torch.Tensor, block_size: int, backend: Backend) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_cache = kv_cache
-        self.backend = backend
+        self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:

@@ -14,6 +14,7 @@ import torch
 
 from minipaged import SamplingParams
 from minipaged.events import KVChanges
+from minipaged.kernels.backends import TORCH_BACKEND
 from minipaged.request import Request
 from minipaged.runner import ModelRunner
 from minipaged.scheduler import ScheduledChunk
@@ -23,7 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minipaged"
 
 def test_the_runner_builds_slots_and_tables_from_the_chunks_alone():
     """No block manager in sight: a runner built on a model and a cache reads everything from the chunks."""
-    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend="torch")
+    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend=TORCH_BACKEND)
     prefill = Request("p", list(range(10, 16)), SamplingParams(), 0, 0.0)              # 6 prompt tokens
     decode = Request("d", [1, 2, 3, 4, 5], SamplingParams(), 1, 0.0, output_token_ids=[6, 7])
     decode.num_computed_tokens = 6
