@@ -10,7 +10,7 @@ import torch
 
 from ..build import cpu_kernel_problem
 from .base import Backend, ModelShapes
-from .calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice, Timer, calibrated_choice, wall_clock
+from .calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice, Timer, calibrated_choice
 from .cpu_backend import CpuBackend
 from .torch_backend import TORCH_BACKEND, TorchBackend
 from .triton_backend import TritonBackend
@@ -31,14 +31,14 @@ def triton_available() -> bool:
     return True
 
 
-def cpu_backend_for(shapes: ModelShapes, timer: Timer = wall_clock) -> CpuBackend:
+def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None) -> CpuBackend:
     """The cpu backend for a model of ``shapes``, each op from the side that measured faster here."""
     choice, source = calibrated_choice(shapes, shapes.head_dim, timer)
     return CpuBackend(shapes.head_dim, choice, source)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, shapes: ModelShapes, asked: Optional[str] = None,
-                   timer: Timer = wall_clock) -> Backend:
+                   timer: Optional[Timer] = None) -> Backend:
     """The backend of an engine on ``device`` with ``dtype`` weights: ``asked`` when given (checked, with a
     message that says what to do instead), else Triton on CUDA when installed, the compiled kernels on a CPU
     in float32 when they build here, torch otherwise. Raises ValueError."""

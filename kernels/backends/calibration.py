@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -115,15 +116,20 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     matvec, compiled_ops = small_batch_linear(head_dim), cpu_layer_ops(head_dim)
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = shapes.hidden_size, shapes.vocab_size
-    buffer = torch.full((max(STREAM_BYTES // 4, vocab * hidden),), 0.01)
+    buffer = torch.randn(max(STREAM_BYTES // 4, vocab * hidden), generator=gen)
     windows = [_Windows(buffer, *shape) for shape in shapes.matrices().values()]
-    few = {rows: torch.randn(rows, max(s.shape[1] for s in windows), generator=gen) for rows in (*FEW_ROWS, MANY_ROWS)}
+    few = {(rows, width): torch.randn(rows, width, generator=gen)
+           for rows in (*FEW_ROWS, MANY_ROWS) for width in {w.shape[1] for w in windows}}
+
+    # Each sample reads as many layers' weights as STREAM_BYTES holds: long enough (milliseconds) that a busy
+    # machine's hiccups do not decide the race, as a decode step reads them.
+    layers_per_sample = max(1, STREAM_BYTES // (4 * sum(w.n for w in windows)))
 
     def layer_matmuls(rows_set: tuple[int, ...], how: str) -> Callable[[], None]:
         def run() -> None:
-            for rows in rows_set:
+            for rows, _layer in itertools.product(rows_set, range(layers_per_sample)):
                 for w in windows:
-                    x = few[rows][:, :w.shape[1]]
+                    x = few[rows, w.shape[1]]
                     if how == COMPILED:
                         matvec(x, w.take())
                     else:
@@ -213,8 +219,9 @@ def cache_folder() -> Path:
     return cache_root() / "calibration"
 
 
-def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> tuple[CpuChoice, str]:
-    """The verdict for these shapes on this machine (cached, else measured now) and where it came from."""
+def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer] = None) -> tuple[CpuChoice, str]:
+    """The verdict for these shapes on this machine (cached, else measured now with ``timer``, by default the
+    wall clock) and where it came from."""
     forced = os.environ.get("MINIPAGED_CPU_OPS", "measure")
     if forced == COMPILED:
         return CpuChoice(), "every op compiled: MINIPAGED_CPU_OPS=compiled"
@@ -228,7 +235,7 @@ def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Timer = wall_cl
     except (OSError, ValueError, TypeError, KeyError):
         pass                                    # not measured yet (or an unreadable file): measure
     start = time.perf_counter()
-    choice, medians_ms = calibrate(shapes, head_dim, timer)
+    choice, medians_ms = calibrate(shapes, head_dim, timer or wall_clock)
     seconds = time.perf_counter() - start
     record = {"choice": dataclasses.asdict(choice), "median_ms": medians_ms, "seconds": round(seconds, 2),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "shapes": dataclasses.asdict(shapes)}
