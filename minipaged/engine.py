@@ -10,9 +10,10 @@ Follow a request from top to bottom:
   4. The ``ModelRunner`` lays all scheduled tokens end to end and runs ``CompactLlama`` once; attention
      reads and writes the paged cache through the block tables.
   5. The ``Sampler`` picks a token for each request that reached the end of its known tokens.
-  6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens and finishes
-     requests that a token stops; finished ones free their blocks at once (continuous batching).
-  7. The ``OutputProcessor`` turns tokens into text, applies stop strings and builds ``RequestOutput``s.
+  6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens, finishes requests
+     on EOS, stop ids and lengths, and returns each one's new tokens; finished ones free their blocks at once.
+  7. The ``OutputProcessor`` turns tokens into text and builds ``RequestOutput``s; a stop string it finds
+     ends its request through the scheduler (``finish_on_stop_string``). The engine writes no request field.
   8. With speculative decoding on, a proposer guesses each decoding request's next k tokens; the next
      step schedules them with the request's last token and the rejection sampler keeps those the target
      agrees with (``minipaged.spec_decode``).
@@ -22,34 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from .block_manager import CpuBlockPool, KVCacheManager
-from .config import ConfigError, EngineConfig
-from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
-from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .kernels import select_backend
-from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
-from .model import CompactLlama, load_model
-from .output_processor import OutputProcessor
-from .parallel import ParallelLayout, rank0_shard
-from .parallel.distributed_runner import DistributedRunner
-from .parallel.launch import serve_torchrun_worker, started_by_torchrun
-from .parallel.worker import WorkerSpec
+from .engine_builder import build_engine_parts
+from .events import RequestArrival, RequestFinish, StepEvent
+from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelRunner
-from .sampling import Sampler
-from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from .spec_decode.draft_model import load_draft_model
+from .scheduler import SchedulerOutput
 from .spec_decode.rejection_sampler import Verified
-from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineCounters
+from .step_records import preemption_records, scheduled_record
 
 logger = logging.getLogger("minipaged")
 
@@ -59,89 +47,8 @@ class Engine:
 
     def __init__(self, model: str = "smollm2", *, load_progress: Optional[Callable[[str], None]] = None,
                  **options: Any) -> None:
-        unknown = set(options) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {sorted(unknown)}; valid options: "
-                              f"{sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
-        self.config = config = EngineConfig(model=model, **options)
-        config.validate()
-        if started_by_torchrun() and int(os.environ["RANK"]) > 0:
-            serve_torchrun_worker()            # a worker rank under torchrun: serve rank 0 until it closes
-            raise SystemExit(0)
-        self.device = choose_device(config)
-        num_threads = apply_num_threads(config)
-        dtype_name = choose_dtype(config, self.device)
-        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
-        if self.layout.world_size == 1:
-            self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device),
-                                     progress=load_progress)
-            self.model = CompactLlama(self.loaded.hf_model)
-        else:                                  # rank 0's shard only: the whole model never stays in memory
-            self.model, self.loaded = rank0_shard(model, self.layout, DTYPES[dtype_name], self.device,
-                                                  load_progress)
-        self.tokenizer = self.loaded.tokenizer
-        config.finalize(self.loaded.config.max_position_embeddings)
-        try:
-            self.backend = select_backend(self.device, DTYPES[dtype_name], self.model.shapes(),
-                                          config.attention_backend)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.model.store_weights_for(self.backend)
-        spec = config.speculative
-        self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
-                                            load_progress) if spec and spec.uses_draft_model else None
-
-        # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
-        # A draft model keeps its own KV in the same blocks, so a block costs both models' bytes.
-        kv_bytes_per_token = self.model.kv_bytes_per_token() + (self.draft_model.kv_bytes_per_token()
-                                                                if self.draft_model else 0)
-        bytes_per_block = kv_bytes_per_token * config.block_size
-        num_blocks = num_kv_blocks(config, self.device, bytes_per_block)
-        cpu_blocks = num_cpu_blocks(config, bytes_per_block)
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, backend=self.backend)
-        self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cpu_pool = CpuBlockPool(cpu_blocks)
-
-        self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
-                                     self.kv.blocks_needed, num_blocks)
-        lookahead = spec.num_speculative_tokens if self.draft_model is not None else 0
-        self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids, lookahead)
-        if self.layout.world_size == 1:
-            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
-        else:          # starts the workers; each builds its own shard and caches from the spec
-            self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
-                model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
-                config.distributed_timeout))
-        self.sampler = Sampler(config.seed, self.backend.argmax)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
-            spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,
-            block_table_of=self.kv.blocks_of, max_model_len=config.max_model_len, sampler=self.sampler)
-
-        self.info = EngineInfo(
-            model=model, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
-            preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend.name, num_threads=num_threads,
-            speculative=spec.describe() if spec else None,
-            speculative_config=spec.as_dict() if spec else None,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            parallel=None if self.layout.world_size == 1 else self.layout.describe(
-                self.model.config.num_attention_heads, self.model.config.num_key_value_heads,
-                self.model.config.num_hidden_layers))
-        per_rank, layout_text = (" per rank", f"; {self.info.parallel}") if self.info.parallel else ("", "")
-        capacity = (f"KV cache{per_rank}: {num_blocks} blocks x {config.block_size} tokens = "
-                    f"{num_blocks * config.block_size} tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
-                    f"{kv_bytes_per_token / 1024:.1f} KiB per token"
-                    f"{', draft model included' if self.draft_model else ''}){layout_text}")
-        logger.info(capacity)
-        if load_progress is not None:
-            load_progress(capacity)
-            load_progress("Attention: " + self.backend.describe())
-
+        # config, model, backend, kv, scheduler, runner, sampler, outputs, ... (engine_builder.EngineParts)
+        vars(self).update(vars(build_engine_parts(model, options, load_progress)))
         self._pending_arrivals: list[RequestArrival] = []   # what happened between steps goes in the next event
         self._pending_finishes: list[RequestFinish] = []
         self._subscribers: list[Callable[[StepEvent], None]] = []
@@ -196,38 +103,22 @@ class Engine:
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
-        self._copy_swapped_blocks(plan)
+        self.runner.swap_blocks(self.cpu_kv_cache, plan.swap_out, plan.swap_in)   # before the model reads the cache
         sampled, verified, model_s = self._execute(plan)   # request id -> its new tokens (None: sampling failed)
-        num_before = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks}
-        finished = self.scheduler.update_from_output(plan, sampled)
-        new_token_ids = {c.request.request_id: c.request.output_token_ids[num_before[c.request.request_id]:]
-                         for c in plan.chunks if c.request.request_id in sampled and sampled[c.request.request_id]}
-        for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter()):
-            if surplus:                                    # accepted drafts after a stop string never happened
-                del req.output_token_ids[-surplus:]
-                del new_token_ids[req.request_id][-surplus:]
-            if not req.is_finished:                        # a stop string, found in the text
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                finished.append(req)
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        for req in finished:
+        update = self.scheduler.update_from_output(plan, sampled)     # appended; finished on EOS, stop ids, length
+        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter()):
+            self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
+        for req in update.finished:
             self._record_finish(req, time.perf_counter())
         draft_s = 0.0
         if self.speculator is not None:                    # guesses for the next step
-            draft_s = self.speculator.propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
-        return self._emit(plan, new_token_ids, verified, start, model_s, draft_s)
-
-    def _copy_swapped_blocks(self, plan: SchedulerOutput) -> None:
-        """The data movement of swapping, before the forward pass reads the cache."""
-        if plan.swap_out:
-            self.runner.copy_blocks(self.kv_cache, self.cpu_kv_cache, plan.swap_out)
-        if plan.swap_in:
-            self.runner.copy_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
+            draft_s = self.speculator.propose([c.request for c in plan.chunks
+                                               if c.request.request_id in update.new_token_ids])
+        return self._emit(plan, update.new_token_ids, verified, start, model_s, draft_s)
 
     def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
-        """Run the model on every scheduled token and pick the new tokens: a sample from each finished
-        prefill's or decode's last row, or the rejection sampler's verdict on a decode's drafts. Returns the
-        tokens, the verdicts and the seconds it took."""
+        """Run the model on every scheduled token and pick the new tokens (a sample from a last row, or the
+        rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and the seconds it took."""
         if not plan.chunks:
             return {}, {}, 0.0
         model_input = self.runner.prepare(plan.chunks)
@@ -265,22 +156,19 @@ class Engine:
 
     def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], verified: dict[str, Verified],
               start: float, model_s: float, draft_s: float) -> StepEvent:
-        """Count the step, build its StepEvent and hand it to every subscriber."""
-        end = time.perf_counter()
-        self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, end - start, verified)
+        """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
+        and hand it to every subscriber."""
+        self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
         s, stats = self.scheduler, self.stats()
         event = StepEvent(
-            step=self._step_index, time_s=end - self._start_time, duration_s=end - start,
-            schedule_s=(end - start) - model_s - draft_s, model_s=model_s, draft_s=draft_s,
-            budget_limit=self.config.max_num_batched_tokens,
-            budget_used=plan.num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
-            scheduled=tuple(self._scheduled_record(ch, verified) for ch in plan.chunks),
-            arrivals=tuple(arrivals),
-            preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
-                                       "not enough free KV blocks for a running request") for p in plan.preempted),
+            step=self._step_index, time_s=0.0, duration_s=0.0, schedule_s=0.0, model_s=model_s, draft_s=draft_s,
+            budget_limit=self.config.max_num_batched_tokens, budget_used=plan.num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, arrivals=tuple(arrivals), preempted=preemption_records(plan),
+            scheduled=tuple(scheduled_record(ch, verified.get(ch.request.request_id), self.tokenizer.decode)
+                            for ch in plan.chunks),
             swapped_in=tuple(r.request_id for r in plan.swapped_in), finished=tuple(finishes),
             new_token_ids=new_token_ids, new_text=self.outputs.drain_text(), kv=self.kv.drain_changes(),
             num_free_blocks=stats["blocks_free"], num_cached_free_blocks=stats["blocks_cached_free"],
@@ -288,25 +176,16 @@ class Engine:
             num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
             swapped=tuple(r.request_id for r in s.swapped), counters=stats)
+        end = time.perf_counter()
+        stats["step_seconds"] = self._counters.add_step_seconds(end - start)
+        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
+                                    schedule_s=(end - start) - model_s - draft_s)
         for callback in list(self._subscribers):
             try:
                 callback(event)
             except Exception:                         # an observer must never take the engine down
                 logger.exception("a StepEvent subscriber raised; it stays subscribed")
         return event
-
-    def _scheduled_record(self, chunk: ScheduledChunk, verified: dict[str, Verified]) -> ScheduledRequest:
-        """The event's record of one chunk; a verified decode also says what was guessed and kept, as text."""
-        req = chunk.request
-        record = ScheduledRequest(req.request_id, chunk.kind, chunk.start, chunk.end, req.num_prompt_tokens,
-                                  chunk.num_cached_tokens, len(req.output_token_ids))
-        verdict = verified.get(req.request_id)
-        if verdict is None:
-            return record
-        piece = self.tokenizer.decode
-        return dataclasses.replace(record, draft_token_ids=chunk.spec_token_ids, num_accepted=verdict.num_accepted,
-                                   draft_pieces=tuple(piece([t]) for t in chunk.spec_token_ids),
-                                   target_piece=piece(verdict.token_ids[-1:]))
 
     # ------------------------------------------------------------------ results out
     def pop_finished(self) -> list[RequestOutput]:
@@ -357,13 +236,12 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""
-        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler), **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
+        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler),
+                **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
 
     def close(self) -> None:
         """Stop the worker processes of a parallel engine (a single-process engine has nothing to stop)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self) -> "Engine":
         return self

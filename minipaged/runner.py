@@ -12,6 +12,7 @@ reads the block manager, so the same runner could sit in another process (tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -82,6 +83,17 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
                                   self.kv_cache, model_input.logits_indices)
+
+    def close(self) -> None:
+        """Nothing to stop in this process (a parallel runner stops its workers)."""
+
+    def swap_blocks(self, cpu_kv_cache: Optional[torch.Tensor], swap_out: list[tuple[int, int]],
+                    swap_in: list[tuple[int, int]]) -> None:
+        """The data movement of a step's swapping, before the forward pass reads the cache."""
+        if swap_out:
+            self.copy_blocks(self.kv_cache, cpu_kv_cache, swap_out)
+        if swap_in:
+            self.copy_blocks(cpu_kv_cache, self.kv_cache, swap_in)
 
     def copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V) between pools: the data movement of swapping."""

@@ -17,7 +17,7 @@ import torch
 from minipaged.kernels import Backend, ModelShapes
 from minipaged.kernels.backends import TORCH_BACKEND
 # The small ops' torch specification lives beside the kernels that replace it; re-exported for the model's readers.
-from minipaged.kernels.torch_ops import (LM_HEAD_SLICE_ROWS, TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
+from minipaged.kernels.torch_ops import (TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
                                          apply_rope, rms_norm, vocab_sliced_linear)
 
 
