@@ -230,7 +230,8 @@ def main() -> None:
                           attention_backend="torch") if backend.name != "torch" and args.torch_path else None
     side_by_side = torch_engine is not None
     rows, record = [], {"context": args.context, "attention_backend": backend.name,
-                        "backend": next((line for line in lines if line.startswith("Attention:")), backend.describe()),
+                        "backend": next((line.removeprefix("Attention: ") for line in lines if line.startswith("Attention:")),
+                                    backend.describe()),
                         "batches": {}}
     # Three floors, in turns with the engine: the engine's own matmul code and layout, and torch's two layouts
     # (the better of which is torch's best). The torch-path engine, if any, is measured against torch's best too.
