@@ -102,6 +102,7 @@ def serve(rank: int, device: torch.device) -> None:
     error = None
     try:
         shard = build_shard(spec, rank, device)
+        shard.store_weights_for(spec.attention_backend)         # the layout rank 0's backend measured fastest
         kv_cache = shard.allocate_kv_cache(spec.num_blocks, spec.block_size, backend=spec.attention_backend)
         cpu_cache = shard.allocate_kv_cache(spec.num_cpu_blocks, spec.block_size, "cpu") if spec.num_cpu_blocks else None
     except Exception as exc:                  # tell rank 0 why, instead of leaving it to time out
