@@ -32,8 +32,9 @@ bench: $(VENV)/.installed
 	$(PY) bench/prefix_cache.py
 	$(PY) bench/chunked_prefill.py
 	$(PY) bench/preemption.py
+	$(PY) bench/render_docs.py
 
-# The seed guide's tuning walkthrough and the peer comparison: docs/tuning.md, docs/tuning.json, the README's
+# The seed guide's tuning walkthrough and the peer comparison: docs/tuning.md, docs/tuning.json, docs/performance.md's
 # peer section (~10 minutes on a quiet 2-core machine).
 tuning: $(VENV)/.installed
 	$(PY) bench/tuning.py

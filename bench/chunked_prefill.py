@@ -17,7 +17,10 @@ import random
 import statistics
 import time
 
-from common import OUT, drive, machine_line, percentile, save, table
+from minipaged.bench.report import BENCH_OUT as OUT
+from minipaged.bench.report import machine_line, percentile, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.run import drive
 from minipaged import Engine, SamplingParams
 
 
@@ -101,7 +104,7 @@ def main() -> None:
                   [[r["budget"], r["itl_mean_ms"], r["itl_p99_ms"], r["itl_max_ms"], r["ttft_long_s"],
                     r["ttft_long_steps"], r["throughput_tok_s"], r["steps"]] for r in results])
           + "\n\nGreedy outputs identical across all rows: yes. Plot: bench/out/chunked_prefill.png")
-    save("chunked_prefill", {"results": results}, md)
+    save("chunked_prefill", {"args": vars(args), "results": results}, md)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import argparse
 import tempfile
 import time
 
-from common import machine_line, random_token_prompts, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.requests import random_token_prompts
 from minipaged import Engine, SamplingParams
 from minipaged.model.testing import build_tiny_llama
 
@@ -69,7 +71,7 @@ def main() -> None:
              f"{100 * r['comm_share']:.0f}%", r["tok_s"], r["same_outputs_as_first"]] for r in results]
     markdown = (f"{machine_line()}; 1 thread per rank; {args.requests} requests, prompts 20-120 tokens, "
                 f"{args.max_tokens} new tokens; KV budget {BUDGET_GIB} GiB per rank\n\n" + table(headers, rows))
-    save("parallel", {"machine": machine_line(), "results": results}, markdown)
+    save("parallel", {"machine": machine_line(), "args": vars(args), "results": results}, markdown)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import argparse
 import random
 import time
 
-from common import machine_line, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
 from minipaged import Engine, SamplingParams
 
 
@@ -60,7 +61,7 @@ def main() -> None:
                     r["blocks_copied"], r["steps"]] for r in results])
           + f"\n\nThroughput ratio swap / recompute: **{results[2]['throughput_tok_s'] / results[1]['throughput_tok_s']:.2f}x**."
           " Greedy outputs identical in all three: yes.")
-    save("preemption", {"results": results}, md)
+    save("preemption", {"args": vars(args), "results": results}, md)
 
 
 if __name__ == "__main__":

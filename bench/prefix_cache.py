@@ -13,7 +13,8 @@ import random
 import statistics
 import time
 
-from common import machine_line, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
 from minipaged import Engine, SamplingParams
 
 
@@ -64,7 +65,7 @@ def main() -> None:
           f" Greedy outputs identical: yes.")
     for r in (off, on):
         r.pop("tokens")
-    save("prefix_cache", {"off": off, "on": on} | {
+    save("prefix_cache", {"args": vars(args), "off": off, "on": on} | {
         "saved": saved, "ideal_saved": ideal, "ttft_ratio": off["mean_ttft_s"] / on["mean_ttft_s"]}, md)
 
 

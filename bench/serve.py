@@ -22,7 +22,9 @@ import time
 
 import httpx
 
-from common import machine_line, random_token_prompts, save, table
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.requests import random_token_prompts
 from minipaged import Engine, SamplingParams
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
 

@@ -1,7 +1,7 @@
 """Output tokens/s: minipaged vs transformers' padded batched generate, same model, same workload, one run.
 
 A preset of ``minipaged bench throughput --baseline transformers`` (the command does the measuring; this
-script fixes the workload the README quotes and keeps its table in bench/out/):
+script fixes the workload docs/performance.md quotes and keeps its table in bench/out/):
 
     minipaged bench throughput --num-prompts 64 --input-len 40:400 --output-len 16:128 \\
         --baseline transformers --baseline-batch-size 16
@@ -23,8 +23,10 @@ import tempfile
 from pathlib import Path
 import numpy
 
-from common import machine_line, random_token_prompts, save, table
-from decode_floor import matmul_floor_ms, random_weights_like
+from minipaged.bench.report import machine_line, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.requests import random_token_prompts
+from minipaged.bench.floor import matmul_floor_ms, random_weights_like
 from minipaged import Engine, SamplingParams
 from minipaged.cli import main as minipaged_main
 from minipaged.events import StepEvent, read_trace

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+from minipaged import placeholders
 from minipaged.events import EngineInfo, EngineView, StepEvent
 from minipaged.request import SamplingParams
 
@@ -357,23 +358,11 @@ class CheckpointTracker:
 SOURCE_PACKAGES = {"minipaged": "minipaged", "kernels": "minipaged.kernels", "tui": "minipaged.tui",
                    "lessons": "minipaged.lessons"}
 
-PLACEHOLDER = re.compile(r"\{\{\s*(measured|config|smollm2)\.([A-Za-z0-9_]+)(?::([^}]*))?\s*\}\}")
-
-
 def fill(template: str, measured: dict[str, Any], options: dict[str, Any],
          smollm2: Optional[dict[str, Any]] = None) -> str:
-    """Replace ``{{measured.key:fmt}}``, ``{{config.key:fmt}}`` and ``{{smollm2.key:fmt}}``; an unknown key
-    raises KeyError."""
-    def sub(m: re.Match) -> str:
-        space, key, spec = m.group(1), m.group(2), m.group(3) or ""
-        source = {"measured": measured, "config": options, "smollm2": smollm2 or {}}[space]
-        if key not in source:
-            raise KeyError(f"{space}.{key} is not known (have: {sorted(source)})")
-        value = source[key]
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return format(value, spec)
-    return PLACEHOLDER.sub(sub, template)
+    """Replace ``{{measured.key:fmt}}``, ``{{config.key:fmt}}`` and ``{{smollm2.key:fmt}}`` (the docs' renderer
+    fills its templates the same way, ``minipaged.placeholders``); an unknown key raises KeyError."""
+    return placeholders.fill(template, {"measured": measured, "config": options, "smollm2": smollm2 or {}})
 
 
 @dataclass

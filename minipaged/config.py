@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
+from .validation import ConfigError, is_int, is_number
+
 if TYPE_CHECKING:
     from .spec_decode.config import SpeculativeConfig
 
@@ -25,19 +27,6 @@ def suggestions_left(suggested: dict, typed: dict) -> dict:
     """The suggested options that none of the user's typed options sets, directly or another way."""
     return {name: value for name, value in suggested.items()
             if name not in typed and not any(other in typed for other in SET_ANOTHER_WAY.get(name, ()))}
-
-
-def is_int(value: object) -> bool:
-    """An integer that is not a bool (True would otherwise pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class ConfigError(ValueError):
-    """An engine option has a value the engine cannot work with; the message names the fix."""
 
 
 @dataclass

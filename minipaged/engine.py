@@ -80,8 +80,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request (or all n samples of it) now and free its blocks. False if it is not running."""
         requests = self.outputs.unfinished(request_id)
+        self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)   # O(samples), not O(samples^2)
         for req in requests:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self._record_finish(req, time.perf_counter())
         return bool(requests)
 

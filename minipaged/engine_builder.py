@@ -20,6 +20,7 @@ from .input_processor import InputProcessor
 from .kernels import Backend, select_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
+from .model.families import sliding_window_problem
 from .output_processor import OutputProcessor
 from .parallel import ParallelLayout, rank0_shard
 from .parallel.distributed_runner import DistributedRunner
@@ -83,6 +84,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         model, loaded = rank0_shard(model_name, layout, DTYPES[dtype_name], device, load_progress)
     tokenizer = loaded.tokenizer
     config.finalize(loaded.config.max_position_embeddings)
+    if problem := sliding_window_problem(loaded.config, config.max_model_len, model_name):
+        raise ConfigError(problem)          # before any worker starts or any KV memory is taken
     try:
         backend = select_backend(device, DTYPES[dtype_name], model.shapes(), config.attention_backend)
     except ValueError as e:

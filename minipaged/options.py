@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
-MODEL_HELP = "'smollm2' (embedded default), 'tinyllama', a local HF folder or a hub id of a Llama model"
+MODEL_HELP = ("'smollm2' (embedded default), 'tinyllama', a local HF folder, a .gguf file or a hub id of a Llama, "
+              "Mistral, Qwen2 or Qwen3 model")
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
 SPECULATIVE_FLAGS = (
     ("--speculative-method", "method", str, "ngram or draft_model"),
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step (k)"),
-    ("--speculative-model", "model", str, "the draft model (a Llama checkpoint with the same vocabulary, or "
+    ("--speculative-model", "model", str, "the draft model (a checkpoint with the same vocabulary, or "
                                          "'self' for the target's first --num-draft-layers layers)"),
     ("--num-draft-layers", "num_draft_layers", int, "layers of a self-draft"),
     ("--prompt-lookup-min", "prompt_lookup_min", int, "ngram: shortest n-gram to match (default: 5)"),

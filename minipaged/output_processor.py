@@ -45,11 +45,13 @@ class OutputProcessor:
         self._states: dict[str, RequestState] = {}       # sub-request id -> its state, until its parent is done
         self._children: dict[str, list[str]] = {}        # user-visible id -> sub-request ids (n > 1)
         self._finished: dict[str, RequestOutput] = {}    # user-visible id -> output, until collected
+        self._num_running: dict[str, int] = {}           # user-visible id -> its samples not finished yet
         self._new_text: dict[str, str] = {}              # stream deltas since the last step's event
 
     # ------------------------------------------------------------------ bookkeeping
     def add_requests(self, parent_id: str, requests: list[Request]) -> None:
         self._children[parent_id] = [r.request_id for r in requests]
+        self._num_running[parent_id] = len(requests)
         for req in requests:
             self._states[req.request_id] = RequestState(req, IncrementalDetokenizer(self.tokenizer))
 
@@ -114,6 +116,7 @@ class OutputProcessor:
         """Record a finished (or aborted) request: flush its held-back text, and once all samples of its
         prompt are done, build the caller's ``RequestOutput``. Returns the event's record of it."""
         state = self._states[req.request_id]
+        first_finish = state.finished_time is None
         state.finished_time = now
         self._stream(state, finished=True)
         times = state.token_times
@@ -123,12 +126,13 @@ class OutputProcessor:
             max(req.num_cached_tokens, 0), None if not times else times[0] - req.arrival_time,
             now - req.arrival_time, sum(itls) / len(itls) if itls else None)
         parent = req.parent_id or req.request_id
-        samples = [self._states[rid] for rid in self._children[parent]]
-        if all(s.finished_time is not None for s in samples):
+        self._num_running[parent] -= first_finish       # a count, not a walk over the samples: aborting
+        if self._num_running[parent] == 0:              # n samples stays O(n), not O(n^2)
+            samples = [self._states[rid] for rid in self._children[parent]]
             self._finished[parent] = self._build_output(parent, samples)
             for s in samples:
                 del self._states[s.request.request_id]
-            del self._children[parent]
+            del self._children[parent], self._num_running[parent]
         return record
 
     def drain_text(self) -> dict[str, str]:

@@ -95,9 +95,12 @@ class SamplingParams:
 GREEDY_BELOW = 1e-5
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """Mutable state of one request inside the engine (plain data; the scheduler and cache act on it)."""
+    """Mutable state of one request inside the engine (plain data; the scheduler and cache act on it).
+
+    Compared by identity (``eq=False``): finding one in a queue must not compare every field of every
+    request it passes, token lists included."""
 
     request_id: str
     prompt_token_ids: list[int]

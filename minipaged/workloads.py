@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence
 from .request import SamplingParams
 
 DEFAULT_WORKLOAD = "shared-system-prompt"
+# The `watch` flags that shape a workload (a lesson and a replay bring their own workload, so they refuse these).
+WORKLOAD_ARG_NAMES = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 SYSTEM_PROMPT = (
     "You are a patient teaching assistant at a workshop about how large language models are served. "
@@ -87,6 +89,44 @@ SENTENCES = (
     "Rent for the city-centre shop will rise by a tenth in January.",
     "Volunteers from the staff cleaned up the park beside the head office.",
 )
+
+
+# Speculative decoding's two workloads (bench/spec_decode.py, the tuning walkthrough): answers that quote
+# their prompt (a passage to repeat or correct: n-gram drafts find it) and open questions (they find little).
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He polished the great lens, "
+    "trimmed the wick and wrote the weather in a leather book. Ships passed far out at sea, and none of "
+    "them knew his name, but every one of them saw his light.",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide into "
+    "sugar and oxygen. It takes place in the chloroplasts, which contain a green pigment called chlorophyll. "
+    "Almost all life on Earth depends on it.",
+    "To make a simple tomato sauce, warm olive oil in a pan, add a chopped onion and cook it slowly until it "
+    "is soft. Add two cloves of garlic, a tin of tomatoes and a pinch of salt, then let it simmer for twenty "
+    "minutes, stirring now and then.",
+    "The city library opens at nine in the morning and closes at eight in the evening. Members may borrow up "
+    "to ten books at a time for three weeks. Late returns cost ten cents a day, and lost books must be "
+    "replaced or paid for.",
+    "Mount Everest is the highest mountain above sea level, on the border between Nepal and China. Its summit "
+    "is 8,849 metres high. The first confirmed ascent was made in 1953 by Edmund Hillary and Tenzing Norgay.",
+    "Dear team, the quarterly review will take place on Thursday at ten o'clock in the large meeting room. "
+    "Please bring your project updates and a list of open questions. Coffee and sandwiches will be provided.",
+    "A binary search finds an item in a sorted list by comparing it with the middle element. If the item is "
+    "smaller, the search continues in the left half; if it is larger, in the right half. Each step halves "
+    "the remaining list.",
+    "The river rises in the hills, flows through green valleys and small villages, and reaches the sea after "
+    "two hundred kilometres. In spring the melting snow makes it wide and fast; in late summer it is slow "
+    "and shallow.",
+]
+INSTRUCTIONS = ["Repeat the following passage exactly, word for word:\n\n{}",
+                "Rewrite the following passage, keeping every sentence but fixing any mistakes:\n\n{}"]
+OPEN_ENDED = [
+    "Write a short story about a robot who learns to paint.", "Explain why the sky is blue.",
+    "Give me three ideas for a birthday party.", "What are the benefits of learning a second language?",
+    "Describe your perfect weekend.", "How do airplanes stay in the air?", "Write a poem about the ocean.",
+    "What should I pack for a hiking trip?", "Explain what a computer virus is.", "Tell me about the moon.",
+    "Why do cats purr?", "How can I sleep better?", "Write a letter to a friend about a holiday.",
+    "What is the water cycle?", "Suggest a plan for learning to cook.", "Why is exercise good for you?",
+]
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,23 @@ def running_classroom(attach: str, *, log_path: str) -> Iterator[str]:
         # them when it is terminated; whatever is left of the group goes with it.
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextmanager
+def server_process(model: str, *flags: str, log_path: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Like ``running_server``, but yields (URL, process) for tests that signal the server themselves; a process
+    still running at the end is killed."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(minipaged_serve_command(model, port, ["--threads", "1", *flags]), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_answer(proc, url + "/health", "the server", log_path)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)          # a frozen one cannot die of SIGTERM
+            stop_process(proc, grace_s=5.0)

@@ -522,7 +522,8 @@ async def test_s_saves_the_screen_as_svg_and_png_in_the_working_folder(tmp_path,
 def test_the_png_has_text_drawn_not_only_boxes():
     """Without a font resvg knows, the PNG shows coloured boxes and no text: the same screen with its text
     made invisible must differ from it."""
-    from minipaged.tui.screenshots import render, svg_to_png
+    from minipaged.tui.pictures import svg_to_png
+    from minipaged.tui.screenshots import render
 
     svg = asyncio.run(render(str(TRACE), 2, None, (80, 24)))
     no_text = svg.replace("<text ", '<text visibility="hidden" ')

@@ -1,4 +1,4 @@
-"""docs/tuning.md and the README's peer section are their templates filled from docs/tuning.json, exactly.
+"""docs/tuning.md and docs/performance.md's peer section are their templates filled from docs/tuning.json, exactly.
 
 Editing a template without re-rendering, or the JSON without the text, fails here; so does a placeholder the
 measuring script (bench/tuning.py) does not produce. Nothing is measured: these tests take milliseconds.
@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))       # tuning_doc, tuning
-import tuning_doc  # noqa: E402
-from tuning_doc import (DOCS, PEER_TEMPLATE, README, TUNING_DOC, TUNING_TEMPLATE, peer_section,  # noqa: E402
-                        placeholders, readme_with_peer_section, render, rendered_tuning_doc)
+from minipaged.bench.docs import (DOCS, PEER_TEMPLATE, PERFORMANCE_DOC, ROOT, TUNING_DOC, TUNING_TEMPLATE,
+                                  load_values, peer_section, render, rendered_tuning_doc, with_peer_section)
+from minipaged.placeholders import placeholders
 
 TEMPLATES = (TUNING_TEMPLATE, PEER_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def values() -> dict:
-    return tuning_doc.load_values()
+    return load_values()
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda t: t.name)
@@ -35,15 +34,15 @@ def test_every_placeholder_has_a_measured_value(template, values):
 
 def test_docs_tuning_md_is_its_template_filled_with_the_json(values):
     assert TUNING_DOC.read_text(encoding="utf-8") == rendered_tuning_doc(values), (
-        "docs/tuning.md is not docs/tuning.md.in filled from docs/tuning.json: run python bench/tuning_doc.py "
+        "docs/tuning.md is not docs/tuning.md.in filled from docs/tuning.json: run python bench/render_docs.py "
         "(after editing the template) or python bench/tuning.py (to measure again)")
 
 
-def test_the_readmes_peer_section_is_its_template_filled_with_the_json(values):
-    readme = README.read_text(encoding="utf-8")
-    assert peer_section(values) in readme, ("README's peer section is not docs/peer.md.in filled from "
-                                            "docs/tuning.json: run python bench/tuning_doc.py")
-    assert readme_with_peer_section(readme, values) == readme
+def test_the_performance_docs_peer_section_is_its_template_filled_with_the_json(values):
+    performance = PERFORMANCE_DOC.read_text(encoding="utf-8")
+    assert peer_section(values) in performance, ("docs/performance.md's peer section is not docs/peer.md.in "
+                                                 "filled from docs/tuning.json: run python bench/render_docs.py")
+    assert with_peer_section(performance, values) == performance
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -68,13 +67,13 @@ def test_render_fills_with_a_format_and_names_a_missing_key():
         render("text {{nope}}", {"x": 1})
 
 
-def test_a_readme_without_the_markers_is_refused_with_the_fix():
+def test_a_doc_without_the_markers_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="markers"):
-        readme_with_peer_section("# a readme\n", {})
+        with_peer_section("# a doc\n", {})
 
 
 def test_change_puts_a_ratio_in_words_so_the_text_follows_the_numbers():
-    from tuning import change
+    from minipaged.bench.walkthrough import change
     assert change(2.0, 1.0) == "2.00x higher"
     assert change(1.0, 4.0) == "4.00x lower"
     assert change(1.02, 1.0) == "about the same"
@@ -86,7 +85,7 @@ def test_one_step_runs_end_to_end_on_a_tiny_model_and_leaves_the_docs_alone(tiny
     import json
     import os
     import subprocess
-    script = Path(tuning_doc.__file__).with_name("tuning.py")
+    script = ROOT / "bench" / "tuning.py"
     before = TUNING_DOC.read_bytes() if TUNING_DOC.exists() else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(script), "--model", tiny_model, "--quick", "--threads", "1",

@@ -18,14 +18,13 @@ import sys
 from typing import Any, Iterator, Optional
 
 from minipaged.options import add_engine_arguments, as_flag, build_engine, engine_options
+from minipaged.workloads import WORKLOAD_ARG_NAMES
 
 DEFAULT_SPEED = 4.0
 QUIT_WAIT_S = 10.0         # quitting waits this long at most for the engine's step in flight
 # argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" unless the help mentions %(default);
 # ".0s" prints it as nothing, so these flags read "(default: the workload's)" instead.
 FROM_WORKLOAD = " (default: the workload's)%(default).0s"
-# The flags that shape a workload (a lesson and a replay bring their own).
-WORKLOAD_ARG_NAMES = ("workload", "prompts", "num_requests", "rate", "max_tokens")
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,15 +262,21 @@ def _run_app(app: Any) -> int:
 
 def _run_attach(args: argparse.Namespace) -> int:
     """``watch --attach URL``: the live server's events, in the app (with a prompt box) or as plain text."""
-    from .attach import DEFAULT_PROMPT_MAX_TOKENS, AttachApp, AttachRun
+    from .attach import DEFAULT_PROMPT_MAX_TOKENS, AttachApp, AttachRun, ServerLost
 
     attach = AttachRun(args.attach, api_key=args.api_key)
     if not args.tui:
         try:
-            return _run_plain(None, attach, f"attached to {attach.url}")
+            code = _run_plain(None, attach, f"attached to {attach.url}")
+        except ServerLost as exc:                # the server died or froze: not a normal end
+            print(f"minipaged watch: {exc}", file=sys.stderr)
+            return 1
         except ConnectionError as exc:
             print(f"minipaged watch: {exc}", file=sys.stderr)
             return 2
+        if attach.goodbye is not None:
+            print(f"minipaged watch: the server said goodbye ({attach.goodbye})", file=sys.stderr)
+        return code
     return _run_app(AttachApp(attach, max_tokens=args.max_tokens or DEFAULT_PROMPT_MAX_TOKENS, paused=args.paused))
 
 

@@ -447,7 +447,7 @@ class WatchApp(App[int]):
             self.push_screen(HelpScreen(keys, replay=self.live is None))
 
     def action_screenshot(self) -> None:
-        from .screenshots import save_screen
+        from .pictures import save_screen
 
         try:
             paths = save_screen(self, Path.cwd())

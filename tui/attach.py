@@ -7,6 +7,14 @@ stream as it comes, so a paused screen never makes the server wait. ``AttachApp`
 you type goes to the server's OpenAI endpoint like any client's request, and joins the batch beside
 everyone else's.
 
+A dead server must not look like a finished run. The server sends a ``: heartbeat`` comment when it has
+nothing else to say and ``event: goodbye`` when it shuts down on purpose; silence longer than
+``silence_timeout_s`` or a stream that ends without the goodbye means the server was lost. The client then
+tries once to reconnect (a fresh header and snapshot: ``step`` returns the new ``EngineInfo`` first, and
+the caller starts its picture over; a server that dropped a slow watcher is back this way) and, if that
+fails or the new stream breaks before its first step, raises ``ServerLost`` ("lost the server at step N"),
+which ``watch --attach`` reports with a non-zero exit. Comment lines and unknown event names are ignored.
+
 Nothing here imports torch or transformers (a test keeps it so): a thin client starts in about a second.
 """
 from __future__ import annotations
@@ -14,8 +22,9 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import httpx
 from textual.binding import Binding
@@ -27,7 +36,43 @@ from .app import WatchApp
 
 Progress = Callable[[str], None]
 DEFAULT_PROMPT_MAX_TOKENS = 64
-_END = object()                  # the stream ended (the server went away)
+SILENCE_TIMEOUT_S = 15.0         # three of the server's default heartbeats (5 s) missed: it is gone or frozen
+_GOODBYE = object()              # the server said goodbye: a normal end
+
+
+class ServerLost(ConnectionError):
+    """The event stream ended without the server's goodbye, or went silent, and one reconnect failed."""
+
+
+@dataclass(frozen=True)
+class _Lost:
+    why: str
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    """One server-sent event: its name ("message" unless the server named it) and its data."""
+
+    name: str
+    data: str
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[SseEvent]:
+    """Server-sent events from the stream's lines; comments (``: heartbeat``) are skipped."""
+    name, data = "message", []
+    for line in lines:
+        if not line:                                      # a blank line ends an event
+            if data:
+                yield SseEvent(name, "\n".join(data))
+            name, data = "message", []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].removeprefix(" "))
+    if data:
+        yield SseEvent(name, "\n".join(data))
 
 
 def parse_record(payload: str) -> Union[EngineInfo, StepEvent]:
@@ -44,10 +89,13 @@ def parse_record(payload: str) -> Union[EngineInfo, StepEvent]:
 class AttachRun:
     """StepEvents from a live server's ``/v1/events``."""
 
-    def __init__(self, url: str, api_key: Optional[str] = None) -> None:
+    def __init__(self, url: str, api_key: Optional[str] = None, silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.silence_timeout_s = silence_timeout_s
         self.info: Optional[EngineInfo] = None
+        self.last_step = 0                    # the last step seen, for "lost the server at step N"
+        self.goodbye: Optional[str] = None    # the server's reason, once it said goodbye
         self._events: "queue.Queue[Any]" = queue.Queue()
         self._closed = threading.Event()
         self._client: Optional[httpx.Client] = None
@@ -55,7 +103,14 @@ class AttachRun:
     def load(self, progress: Progress = lambda message: None) -> EngineInfo:
         """Connect and read the engine header; raises ConnectionError saying what to check."""
         progress(f"connecting to {self.url}")
-        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=None), headers=self.headers)
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=self.silence_timeout_s), headers=self.headers)
+        header, events, response = self._connect()
+        self.info = header
+        threading.Thread(target=self._read, args=(events, response), name="minipaged-attach", daemon=True).start()
+        return header
+
+    def _connect(self) -> tuple[EngineInfo, Iterator[SseEvent], httpx.Response]:
+        assert self._client is not None
         try:
             response = self._client.send(self._client.build_request("GET", self.url + "/v1/events"), stream=True)
         except httpx.HTTPError as exc:
@@ -64,32 +119,71 @@ class AttachRun:
         if response.status_code != 200:
             raise ConnectionError(f"{self.url}/v1/events answered {response.status_code}: {response.read()[:200]!r}"
                                   + (" (pass the server's key with --api-key)" if response.status_code == 401 else ""))
-        lines = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
-        header = parse_record(next(lines))
-        if not isinstance(header, EngineInfo):
-            raise ConnectionError(f"{self.url}/v1/events did not start with the engine header")
-        self.info = header
-        threading.Thread(target=self._read, args=(lines, response), name="minipaged-attach", daemon=True).start()
-        return header
-
-    def _read(self, lines: Any, response: httpx.Response) -> None:
+        events = (e for e in sse_events(response.iter_lines()) if e.name == "message" or e.name == "goodbye")
         try:
-            for payload in lines:
-                self._events.put(parse_record(payload))
-        except (httpx.HTTPError, ValueError):
-            pass                         # the server went away or the client is closing
+            header = parse_record(next(events).data)
+        except (StopIteration, httpx.HTTPError, ValueError) as exc:
+            response.close()
+            raise ConnectionError(f"{self.url}/v1/events did not start with the engine header ({exc!r})") from None
+        if not isinstance(header, EngineInfo):
+            response.close()
+            raise ConnectionError(f"{self.url}/v1/events did not start with the engine header")
+        return header, events, response
+
+    def _read(self, events: Iterator[SseEvent], response: httpx.Response) -> None:
+        """The reader thread: records into the queue; at the end, a goodbye, a reconnect, or the loss."""
+        reconnected = False
+        while True:
+            why, num_records = self._read_stream(events, response)
+            if why is None or self._closed.is_set():
+                self._events.put(_GOODBYE)
+                return
+            if reconnected and num_records <= 1:          # a reconnect that broke before its first step:
+                self._events.put(_Lost(why))              # give up rather than loop
+                return
+            try:                                          # one try per loss: a fresh header and snapshot
+                header, events, response = self._connect()
+            except ConnectionError as exc:
+                self._events.put(_Lost(f"{why}; reconnecting failed: {exc}"))
+                return
+            self._events.put(header)                      # the caller starts over from the snapshot
+            reconnected = True
+
+    def _read_stream(self, events: Iterator[SseEvent], response: httpx.Response) -> tuple[Optional[str], int]:
+        """Read one connection to its end: (None after the server's goodbye, else why it was lost; how many
+        records it brought after the header)."""
+        num_records = 0
+        try:
+            for event in events:
+                if event.name == "goodbye":
+                    self.goodbye = json.loads(event.data).get("reason", "") if event.data else ""
+                    return None, num_records
+                self._events.put(parse_record(event.data))
+                num_records += 1
+            return "the event stream ended without the server's goodbye", num_records
+        except httpx.ReadTimeout:
+            return f"the server sent nothing (not even a heartbeat) for {self.silence_timeout_s:g} s", num_records
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"the event stream broke ({exc.__class__.__name__})", num_records
         finally:
             response.close()
-            self._events.put(_END)
 
-    def step(self) -> Optional[StepEvent]:
-        """The next event, waiting for the server to make one; None once the stream has ended."""
+    def step(self) -> Union[StepEvent, EngineInfo, None]:
+        """The next event, waiting for the server to make one; None once the server said goodbye (or the
+        client is closing). After a reconnect, the new ``EngineInfo`` comes first: start the picture over.
+        Raises ServerLost if the server went away."""
         while not self._closed.is_set():
             try:
                 item = self._events.get(timeout=0.2)
             except queue.Empty:
                 continue
-            return None if item is _END else item
+            if item is _GOODBYE:
+                return None
+            if isinstance(item, _Lost):
+                raise ServerLost(f"lost the server at step {self.last_step}: {item.why.rstrip('.')}.")
+            if isinstance(item, StepEvent):
+                self.last_step = item.step
+            return item
         return None
 
     def interrupt(self) -> None:
@@ -148,6 +242,17 @@ class AttachApp(WatchApp):
         yield Input(placeholder="type a prompt and press enter: it joins the batch beside everyone else's (/)",
                     id="prompt")
 
+    def _engine_stepped(self, event: Union[StepEvent, EngineInfo, None]) -> None:
+        if isinstance(event, EngineInfo):       # reconnected: start the picture over from the fresh snapshot
+            self.events.clear()
+            self.position = 0
+            self.engine_busy = False
+            self._engine_ready(event)
+            self.notify("reconnected to the server: the picture starts again from its snapshot", timeout=10)
+            self._advance()
+            return
+        super()._engine_stepped(event)
+
     def busy_text(self, waited_s: float) -> str:
         """The server steps on its own schedule: waiting for its next event is usually an idle server, not a
         step in flight, so say only what is known (and nothing for the first moments)."""
@@ -185,4 +290,4 @@ class AttachApp(WatchApp):
         await super().action_quit()
 
 
-__all__ = ["AttachRun", "AttachApp", "parse_record"]
+__all__ = ["AttachRun", "AttachApp", "ServerLost", "parse_record", "sse_events"]

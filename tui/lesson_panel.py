@@ -26,9 +26,8 @@ from textual.widgets import Markdown, Static
 from minipaged.events import EngineInfo, StepEvent
 from minipaged.lessons import CheckpointTracker, Lesson, ScenarioFeed, get_lesson
 from minipaged.options import as_flag, build_engine, engine_options
-from minipaged.workloads import Workload
+from minipaged.workloads import WORKLOAD_ARG_NAMES, Workload
 
-from . import WORKLOAD_ARG_NAMES
 from .driver import EngineFactory, LiveRun
 
 TICK, NEXT, TODO, OTHER = "✔", "▶", "○", "·"

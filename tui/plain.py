@@ -118,6 +118,10 @@ def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[Step
     for ev in events:
         if ev is None:
             break
+        if isinstance(ev, EngineInfo):           # an attached client reconnected: a fresh snapshot follows
+            console.print("[bold]reconnected[/]: the picture starts again from the server's snapshot")
+            state = WatchState(ev)
+            continue
         state.apply(ev)
         print_step(console, state)
         for index in tracker.feed(ev) if tracker is not None else ():

@@ -4,6 +4,10 @@ One module per subcommand: ``throughput`` (an offline batch, optionally against 
 ``latency`` (a batch-size sweep split into prefill and decode) and ``serve`` (an OpenAI-compatible server
 under Poisson load); ``compare`` sets results side by side. ``requests`` makes the workloads,
 ``run`` drives the engine, ``report`` writes JSON and pictures, ``baseline`` is the transformers reference.
+
+The repository's ``bench/`` scripts, which produce the docs' figures, take what they share from here too:
+``floor`` (a step's matmuls alone), ``walkthrough`` and ``peer`` (the tuning walkthrough's servers and the
+peer comparison), ``docs`` (rendering docs/*.md from their templates and the scripts' JSON).
 """
 from __future__ import annotations
 

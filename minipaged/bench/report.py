@@ -1,4 +1,7 @@
-"""What every bench shares on the way out: a progress bar, the JSON result, and the picture.
+"""What every bench shares on the way out: a progress bar, the JSON result, a table, and the picture.
+
+Both homes of benchmarks use it: the ``minipaged bench`` commands (``write_json``) and the scripts in the
+repository's ``bench/`` folder, which write the docs' figures to ``bench/out/NAME.json`` (``save``).
 
 matplotlib is imported only when a picture is asked for (it is in the ``test`` extra, not a core
 dependency), and its absence is reported before the benchmark runs, not after.
@@ -11,7 +14,7 @@ import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -19,6 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .requests import BenchError
 
 err = Console(stderr=True)
+# Where the repository's benchmark scripts (bench/*.py, run from a checkout) write the docs' figures.
+BENCH_OUT = Path(__file__).resolve().parents[2] / "bench" / "out"
 
 
 @contextmanager
@@ -35,6 +40,40 @@ def machine() -> dict[str, Any]:
     return {"machine": platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def machine_line() -> str:
+    """The machine in one line, as the benchmark records and the docs print it."""
+    m = machine()
+    return (f"{m['machine']} {m['cpu_count']} cores, torch {m['torch']}, {m['torch_threads']} threads, "
+            + (m["gpu"] or "no GPU"))
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], number: str = ".3g") -> str:
+    """A markdown table; floats formatted with ``number`` (a format spec), everything else as ``str``."""
+    def cell(v: Any) -> str:
+        return format(v, number) if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (nan for no values)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def save(name: str, record: dict[str, Any], markdown: str, out: Path = BENCH_OUT) -> None:
+    """A benchmark script's result: ``out/NAME.json`` (what the docs render their figures from, with the machine
+    and the time) and ``out/NAME.md`` (its table, for a quick look); the table is printed too."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine_line(), "when": time.strftime("%Y-%m-%d %H:%M"), **record}
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{name}.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"\n(saved {out / name}.json and .md; python bench/render_docs.py puts the figures in the docs)")
 
 
 def write_json(path: Optional[str], record: dict[str, Any]) -> None:

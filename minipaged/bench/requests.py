@@ -118,6 +118,12 @@ def make_requests(dataset: str, num_prompts: int, input_len: LengthRange, output
     return [BenchRequest(p, output_len.draw(rng)) for p in prompts]
 
 
+def random_token_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    """``n`` random token-id prompts of ``lo``-``hi`` tokens: those of the ``random`` dataset with this seed."""
+    return [r.prompt_token_ids for r in make_requests("random", n, LengthRange(lo, hi), LengthRange(1, 1),
+                                                      vocab_size=vocab, seed=seed)]
+
+
 def describe(args: Any) -> dict[str, Any]:
     """The workload as the JSON result records it."""
     return {"dataset": args.dataset, "input_len": str(args.input_len), "output_len": str(args.output_len),

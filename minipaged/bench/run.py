@@ -66,3 +66,31 @@ def warm_up(engine: "Engine") -> None:
     """One short request first, so one-time costs (allocations, lazy imports) stay out of the measurement."""
     run_requests(engine, [BenchRequest([5, 6, 7, 8], 2)])
     engine.reset_prefix_cache()
+
+
+def drive(engine: "Engine", arrivals: list[tuple[int, list[int], object]]) -> tuple[dict, list, dict]:
+    """Step the engine, adding each (step, prompt, params) when its step comes.
+
+    Arrivals are counted in engine steps, so every configuration sees the same arrival pattern.
+    Returns the outputs, the events, and for each request its time to first token counted in steps.
+    """
+    pending = sorted(arrivals, key=lambda a: a[0])
+    ids: list[str] = []
+    arrived_at: dict[str, int] = {}
+    ttft_steps: dict[str, int] = {}
+    events = []
+    outputs = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids.append(engine.add_request(prompt, params))
+            arrived_at[ids[-1]] = step
+        event = engine.step()
+        events.append(event)
+        for rid in event.new_token_ids:
+            ttft_steps.setdefault(rid, step + 1 - arrived_at[rid])
+        for out in engine.pop_finished():
+            outputs[out.request_id] = out
+        step += 1
+    return {rid: outputs[rid] for rid in ids}, events, ttft_steps

@@ -20,6 +20,8 @@ from minipaged.kernels.backends import TORCH_BACKEND
 from minipaged.kernels.torch_ops import (TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
                                          apply_rope, rms_norm, vocab_sliced_linear)
 
+from .families import family_of
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +45,9 @@ class LlamaLayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor             # gate and up projections stacked
     down: torch.Tensor
+    qkv_bias: Optional[torch.Tensor] = None   # q, k and v biases stacked like qkv (Qwen2)
+    q_norm: Optional[torch.Tensor] = None     # [head_dim] RMSNorm weight of every query head (Qwen3)
+    k_norm: Optional[torch.Tensor] = None     # [head_dim] the same for every key head
 
 
 MATRICES = ("qkv", "o", "gate_up", "down")              # a layer's weight matrices, [out, in]
@@ -50,11 +55,15 @@ HF_PARAMETER = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}   # the ones s
 
 
 class CompactLlama:
-    """Llama: embeddings, N x (RMSNorm, attention with RoPE + GQA, RMSNorm, SwiGLU MLP), RMSNorm, LM head."""
+    """Llama: embeddings, N x (RMSNorm, attention with RoPE + GQA, RMSNorm, SwiGLU MLP), RMSNorm, LM head.
+
+    Mistral, Qwen2 and Qwen3 too: what their layers add (q/k/v biases, a q/k norm) is declared in
+    ``families.py`` and collected here as optional weights that the one layer loop applies when present."""
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
         cfg = hf_model.config
         self.config = cfg
+        self.family = family = family_of(cfg)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -69,15 +78,21 @@ class CompactLlama:
         self._hf_layers = inner.layers            # (to re-lay shared weights in place: store_weights_for)
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            if getattr(att.q_proj, "bias", None) is not None or getattr(mlp.gate_proj, "bias", None) is not None:
-                raise NotImplementedError("Llama variants with projection biases are not supported yet.")
+            if any(getattr(proj, "bias", None) is not None for proj in (att.o_proj, mlp.gate_proj, mlp.down_proj)
+                   + (() if family.qkv_bias else (att.q_proj,))):
+                raise NotImplementedError(f"{family.model_type} with biases this family does not declare "
+                                          "(families.py) is not supported yet.")
             self.layers.append(LlamaLayerWeights(
                 input_norm=layer.input_layernorm.weight.data,
                 qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
                 o=att.o_proj.weight.data,
                 post_norm=layer.post_attention_layernorm.weight.data,
                 gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                down=mlp.down_proj.weight.data))
+                down=mlp.down_proj.weight.data,
+                qkv_bias=torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
+                if family.qkv_bias else None,
+                q_norm=att.q_norm.weight.data if family.qk_norm else None,
+                k_norm=att.k_norm.weight.data if family.qk_norm else None))
         # RoPE tables from transformers' own rotary module, so every rope_type (default, llama3, ...) matches.
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
@@ -168,6 +183,10 @@ class CompactLlama:
         for i, w in enumerate(self.layers):
             x = ops.add_rms_norm(h, mlp_out, w.input_norm, self.eps)
             qkv = linear(x, w.qkv)
+            if w.qkv_bias is not None:                       # Qwen2
+                qkv += w.qkv_bias
+            if w.q_norm is not None:                         # Qwen3: each head normalised before RoPE
+                norm_heads_(qkv, w.q_norm, w.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             # Write first, then read: a request may attend to blocks another request fills in this step.
             q = ops.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
@@ -180,3 +199,19 @@ class CompactLlama:
         if mlp_out is not None:
             h += mlp_out
         return h
+
+
+def norm_heads_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
+                head_dim: int, eps: float) -> None:
+    """Qwen3's per-head RMSNorm of the queries and keys, in place in ``qkv``, before RoPE rotates them.
+
+    In place, so that what comes next (``rope_and_write_kv``, the torch one or the compiled one) reads the
+    normalised q and k from ``qkv`` as if the projection had produced them: the layer ops need no variant."""
+    tokens, q_width, k_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_width:q_width + k_width].view(tokens, num_kv_heads, head_dim)
+    q.copy_(rms_norm(q, q_norm, eps))
+    k.copy_(rms_norm(k, k_norm, eps))
+
+
+CompactModel = CompactLlama      # every family in families.py runs through this one class

@@ -4,10 +4,13 @@
   transformers dequantises GGUF on load (~20 s); we do that once and keep the result as safetensors in
   the user's cache folder, so later starts take about a second.
 * ``tinyllama``: TinyLlama/TinyLlama-1.1B-Chat-v1.0 through the normal Hugging Face hub cache.
-* a local folder, or any hub id, of a Llama-architecture model.
+* a local folder, or any hub id, of a model of a family minipaged runs (families.py: Llama, Mistral, Qwen2,
+  Qwen3).
+* a local ``.gguf`` file of one of those families, converted once like the embedded one.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -20,28 +23,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .families import FAMILIES, UnsupportedModelError, family_of
+
 ProgressCallback = Callable[[str], None]
 
 EMBEDDED_NAME = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0"}
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 class ModelNotAvailableError(RuntimeError):
     """The model cannot be found locally and cannot be downloaded."""
-
-
-# Config fields of Llama variants that CompactLlama would compute wrongly: name -> is this value fine?
-UNSUPPORTED_VARIANTS = {
-    "hidden_act": lambda v: v in (None, "silu"),
-    "attention_bias": lambda v: not v,
-    "mlp_bias": lambda v: not v,
-}
-
-
-class UnsupportedModelError(ValueError):
-    """The model exists but is not an architecture minipaged implements."""
 
 
 @dataclass
@@ -96,11 +89,35 @@ def convert_embedded_model(progress: Optional[ProgressCallback] = None) -> tuple
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         name_architecture(target / "config.json")          # caches converted before the field was written
         return target, False
-    gguf = embedded_gguf_path()
-    _say(progress, f"Converting the embedded SmolLM2 GGUF to safetensors (first run only, ~20 s) into {target}")
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return convert_gguf(embedded_gguf_path(), target, progress)
 
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """Where a user's GGUF file is kept converted: named by the file, keyed by its path, size and time, so that
+    a changed or another file of the same name converts afresh."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, target: Path, progress: Optional[ProgressCallback] = None) -> tuple[Path, bool]:
+    """Return ``target``, a folder with the GGUF file's model as safetensors, converting it on first use.
+
+    transformers reads the GGUF (config, tokenizer, weights dequantised to fp32) for the architectures it maps,
+    Llama, Mistral (written as llama by llama.cpp), Qwen2 and Qwen3 among them; the family is checked from the
+    GGUF's config before the slow part."""
+    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        return target, False
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        gguf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise UnsupportedModelError(f"transformers cannot read the model in {gguf} ({exc}).") from None
+    family_of(gguf_config, str(gguf))
+    _say(progress, f"Converting {gguf.name} to safetensors (first run only; the embedded SmolLM2 takes ~20 s) "
+                   f"into {target}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,8 +147,11 @@ def resolve_model_path(model: str, progress: Optional[ProgressCallback] = None) 
         return convert_embedded_model(progress)
     if Path(model).expanduser().is_dir():
         return Path(model).expanduser(), False
+    if Path(model).expanduser().is_file() and Path(model).suffix == ".gguf":
+        gguf = Path(model).expanduser()
+        return convert_gguf(gguf, gguf_cache_folder(gguf), progress)
     if Path(model).suffix in (".gguf", ".safetensors", ".bin") or model.startswith((".", "/", "~")):
-        raise ModelNotAvailableError(f"{model} is not a folder; pass a model folder, a hub id, "
+        raise ModelNotAvailableError(f"{model} is not a folder; pass a model folder, a .gguf file, a hub id, "
                                      f"or '{EMBEDDED_NAME}' for the embedded default.")
     repo_id = ALIASES.get(model.lower(), model)
     _say(progress, f"Looking for {repo_id} in the Hugging Face cache ...")
@@ -165,17 +185,7 @@ def load_model(model: str = EMBEDDED_NAME, *, dtype: torch.dtype = torch.float32
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise UnsupportedModelError(f"{path} has no readable config.json ({exc}).") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"minipaged runs Llama-architecture models (model_type 'llama': Llama 2/3, TinyLlama, SmolLM2, ...); "
-            f"{model} is '{config.model_type}'.")
-    unsupported = [f"{name}={getattr(config, name)!r}" for name, ok in UNSUPPORTED_VARIANTS.items()
-                   if not ok(getattr(config, name, None))]
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{model} is a Llama variant that minipaged's compact forward pass does not implement "
-            f"({', '.join(unsupported)}); it runs SiLU MLPs without projection biases (Llama 2/3, TinyLlama, "
-            f"SmolLM2).")
+    family_of(config, model)                      # refuses, before loading weights, what no family computes
     _say(progress, f"Loading weights from {path} ...")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -7,6 +7,8 @@ Tensor parallelism (``tp`` ranks per stage) cuts every layer so that each rank n
   rank's paged KV cache holds only its own KV heads (same block ids everywhere).
 * ``o_proj`` is **row-parallel**: rank r keeps the columns that read its heads' outputs, so its matmul gives
   a partial sum of the full output; an all-reduce adds the partial sums.
+* Biases on q, k and v (Qwen2) are cut with their rows, exactly as ``qkv``; a per-head q/k norm (Qwen3) is
+  one weight of ``head_dim`` numbers that every head uses, so every rank keeps all of it.
 * ``gate|up`` is column-parallel (each rank some of the MLP's columns, gate and up alike), ``down``
   row-parallel: one more all-reduce.
 * The LM head is **vocab-parallel**: rank r computes the logits of its slice of the vocabulary; they are
@@ -43,18 +45,25 @@ def vocab_slice(vocab_size: int, num_parts: int, part: int) -> range:
     return range(start, start + base + (1 if part < extra else 0))
 
 
-def shard_layer(w: LlamaLayerWeights, full: CompactLlama, tp: int, tp_rank: int) -> LlamaLayerWeights:
+def shard_qkv(qkv: torch.Tensor, full: CompactLlama, tp: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s rows of stacked q|k|v weights (or biases): its query heads, then its KV heads' keys
+    and values. Its query heads are exactly those that read its KV heads: heads come in contiguous groups."""
     d = full.head_dim
-    q, k, v = w.qkv.split([full.num_heads * d, full.num_kv_heads * d, full.num_kv_heads * d])
+    q, k, v = qkv.split([full.num_heads * d, full.num_kv_heads * d, full.num_kv_heads * d])
+    return torch.cat([shard_rows(q, tp, tp_rank), shard_rows(k, tp, tp_rank), shard_rows(v, tp, tp_rank)])
+
+
+def shard_layer(w: LlamaLayerWeights, full: CompactLlama, tp: int, tp_rank: int) -> LlamaLayerWeights:
     gate, up = w.gate_up.chunk(2)
     return LlamaLayerWeights(
         input_norm=w.input_norm,
-        # Rank r's query heads are exactly those that read its KV heads: heads come in contiguous groups.
-        qkv=torch.cat([shard_rows(q, tp, tp_rank), shard_rows(k, tp, tp_rank), shard_rows(v, tp, tp_rank)]),
+        qkv=shard_qkv(w.qkv, full, tp, tp_rank),
         o=shard_columns(w.o, tp, tp_rank),
         post_norm=w.post_norm,
         gate_up=torch.cat([shard_rows(gate, tp, tp_rank), shard_rows(up, tp, tp_rank)]),
-        down=shard_columns(w.down, tp, tp_rank))
+        down=shard_columns(w.down, tp, tp_rank),
+        qkv_bias=None if w.qkv_bias is None else shard_qkv(w.qkv_bias, full, tp, tp_rank),
+        q_norm=w.q_norm, k_norm=w.k_norm)
 
 
 class ShardedLlama(CompactLlama):

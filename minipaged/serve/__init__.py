@@ -1,19 +1,23 @@
 """``minipaged serve``: an OpenAI-compatible server over one engine, with /metrics and a live event stream.
 
-Pieces: ``protocol`` (the OpenAI request and response shapes), ``async_engine`` (the one engine thread and
-a queue per request), ``api_server`` (the FastAPI routes). FastAPI and uvicorn are imported only when the
+Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
+thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
+``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM). FastAPI and uvicorn are imported only when the
 server runs, so other commands do not pay for them.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING = 256
+DEFAULT_EVENT_HEARTBEAT_S = 5.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,27 +29,63 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
-                   help="answer 503 with Retry-After when this many requests already wait for admission")
+                   help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
+    from .limits import ServerLimits
+    limits = ServerLimits()
+    g.add_argument("--max-n", type=int, default=limits.max_n, help="the most samples (n) one request may ask for")
+    g.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                   help="the most prompts one completions request may carry")
+    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                   help="the most stop strings one request may give")
+    g.add_argument("--max-stop-length", type=int, default=limits.max_stop_length,
+                   help="the longest stop string, in characters")
+    g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                   help="the largest request body; larger ones get 413")
+    g.add_argument("--event-heartbeat-s", type=float, default=DEFAULT_EVENT_HEARTBEAT_S,
+                   help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, how many seconds running requests may go on before they are ended with an "
+                        "error (new requests get 503 meanwhile)")
     add_engine_arguments(parser)
+
+
+def flag_problem(args: argparse.Namespace) -> Optional[str]:
+    """Server flags that cannot work, caught before the model loads."""
+    for name in ("max_waiting_requests", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
+                 "max_body_bytes"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, not {value}."
+    for name in ("event_heartbeat_s", "shutdown_timeout"):
+        if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
+            return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
+    return None
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api_server import ServerSettings, build_app
+    from .limits import ServerLimits
+    from .shutdown import DrainingServer
 
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        print(f"minipaged serve: --max-waiting-requests must be at least 1, not {args.max_waiting_requests}.",
-              file=sys.stderr)
+    problem = flag_problem(args)
+    if problem:
+        print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
+    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
+                          max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              max_waiting_requests=args.max_waiting_requests)
+                              max_waiting_requests=args.max_waiting_requests, limits=limits,
+                              event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                            timeout_graceful_shutdown=2)
+    DrainingServer(config, drain=app.state.drain).run()
+    print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 

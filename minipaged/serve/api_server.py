@@ -9,7 +9,14 @@ checks), hands a ``prepare`` function to the engine thread (``async_engine``), w
 context length and queues the request; from then on the handler relays what each step produced. A
 streamed choice gets ``finish_reason`` only in its last chunk; with ``stream_options.include_usage`` a
 last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the stream, as OpenAI's and
-vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON.
+vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON, parse errors, unknown paths and wrong
+methods included.
+
+Staying healthy under abuse: each request is bounded (``protocol.ServerLimits``, bodies by ``http_guards``),
+admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine thread
+is stuck or the server drains, and ``drain`` (on SIGTERM, see ``shutdown``) lets running requests finish for
+a while before ending the rest with an error event. There are no ``/docs``: Swagger's page would load its
+scripts from a CDN; ``/openapi.json`` describes the API (behind the key when one is set).
 """
 from __future__ import annotations
 
@@ -17,20 +24,27 @@ import asyncio
 import contextlib
 import json
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..metrics import EngineMetrics
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
+from .http_guards import BodyLimit, HeadAsGet
+from .liveness import with_liveness
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,10 @@ class ServerSettings:
     served_model_name: str
     api_key: Optional[str] = None
     max_waiting_requests: Optional[int] = None
+    limits: p.ServerLimits = field(default_factory=p.ServerLimits)
+    event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
+    shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
+    engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -64,8 +82,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         yield
         async_engine.stop()
 
-    app = FastAPI(title="minipaged", lifespan=lifespan)
+    app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
+    goodbye = asyncio.Event()                # set when the server drains: every event stream says goodbye
+    app.state.drain = lambda: drain(async_engine, goodbye, settings.shutdown_timeout_s)
     app.state.metrics = metrics
     max_model_len = engine.config.max_model_len
 
@@ -81,16 +101,40 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = loc[0] if loc else ""                     # the field, not pydantic's union branch names
+        if first.get("type") == "json_invalid":           # its loc is a character offset, not a field
+            offset = next((x for x in first.get("loc", ()) if isinstance(x, int)), None)
+            detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+            where = f" at character {offset}" if offset is not None else ""
+            return JSONResponse(p.error_body(400, f"the body is not valid JSON ({detail}{where}): send a JSON "
+                                                  f"object."), status_code=400)
+        where = field_path(first.get("loc", ()))
         message = f"invalid '{where}': {first.get('msg', 'invalid value')}" if where else str(first.get("msg", exc))
         return JSONResponse(p.error_body(400, message, where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404 and 405 as OpenAI's JSON (FastAPI's own is ``{"detail": ...}``)."""
+        if exc.status_code == 404:
+            routes = [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                      for method in sorted(route.methods)]
+            message = (f"{request.method} {request.url.path} does not exist on this server; its routes: "
+                       f"{', '.join(routes)}, GET /openapi.json.")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}."
+        else:
+            message = str(exc.detail)
+        return JSONResponse(p.error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next: Any) -> Response:
         """With --api-key, every /v1 route wants ``Authorization: Bearer KEY`` (health and metrics stay open,
         as in vLLM)."""
-        if settings.api_key and request.url.path.startswith("/v1"):
+        if settings.api_key and (request.url.path.startswith("/v1") or request.url.path == "/openapi.json"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return JSONResponse(p.error_body(401, "missing or wrong API key: send the header "
@@ -105,11 +149,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     # ---------------------------------------------------------------- plain routes
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
+        """200 when the server can take a request; 503 with the reason when a load balancer should look
+        elsewhere (the queue is full, the engine thread is stuck, the server is draining)."""
         s = async_engine.stats
-        return {"status": "ok", "num_requests_running": int(s.get("requests_running", 0)),
-                "num_requests_waiting": async_engine.num_waiting, "blocks_total": int(s.get("blocks_total", 0)),
-                "blocks_free": int(s.get("blocks_free", 0)), "steps": int(s.get("steps", 0))}
+        reason = not_ready_reason(async_engine, settings)
+        return JSONResponse({"status": "ok" if reason is None else "unavailable", "reason": reason,
+                             "num_requests_running": int(s.get("requests_running", 0)),
+                             "num_requests_waiting": async_engine.num_waiting,
+                             "blocks_total": int(s.get("blocks_total", 0)), "blocks_free": int(s.get("blocks_free", 0)),
+                             "steps": int(s.get("steps", 0))}, status_code=200 if reason is None else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -126,12 +175,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         async def lines() -> AsyncIterator[str]:
             async for line in async_engine.watch():
                 yield sse(line)
-        return StreamingResponse(lines(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(with_liveness(lines(), settings.event_heartbeat_s, goodbye,
+                                               lambda: async_engine.draining or "the server is shutting down"),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
+        body.refuse_unsupported(settings.limits)
         check_model(body.model)
         prompt = body.single_prompt()
         max_tokens = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -145,14 +196,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        body.refuse_unsupported()
+        body.refuse_unsupported(settings.limits)
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         body.sampling_params(asked or 1)
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
-            token_ids = eng.inputs.chat_prompt(messages)
+            try:
+                token_ids = eng.inputs.chat_prompt(messages)
+            except TemplateError as exc:                  # e.g. roles that the template does not take
+                raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
+                                    "messages") from None
             if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
                 if len(token_ids) >= max_model_len:
                     raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
@@ -168,7 +223,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     async def respond(kind: p.Kind, body: p.SamplingFields, prepare: Any, request: Request) -> Response:
         request_id = p.new_id(p.ID_PREFIX[kind])
-        updates = async_engine.generate(request_id, prepare)
+        updates = async_engine.generate(request_id, prepare, body.num_samples())
         accepted = await updates.__anext__()              # raises the refusal (400/503) before any byte is sent
         assert isinstance(accepted, Accepted)
         if body.stream:
@@ -205,22 +260,79 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             for i in range(accepted.params.n):
                 yield chunk([p.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
         output = None
-        async for update in updates:
-            assert isinstance(update, Update)
-            for d in update.deltas:
-                if not d.text and d.finish_reason is None:
-                    continue                              # a token that is not text yet (held back, half a char)
-                if kind == "chat":
-                    yield chunk([p.chat_chunk_choice(d.index, {"content": d.text} if d.text else {}, d.finish_reason)])
-                else:
-                    yield chunk([p.completion_choice(d.index, d.text, d.finish_reason)])
-            output = update.output or output
+        try:
+            async for update in updates:
+                assert isinstance(update, Update)
+                for d in update.deltas:
+                    if not d.text and d.finish_reason is None:
+                        continue                          # a token that is not text yet (held back, half a char)
+                    if kind == "chat":
+                        yield chunk([p.chat_chunk_choice(d.index, {"content": d.text} if d.text else {},
+                                                         d.finish_reason)])
+                    else:
+                        yield chunk([p.completion_choice(d.index, d.text, d.finish_reason)])
+                output = update.output or output
+        except p.ServerError as exc:                      # the server ended it (shutdown): say so, as vLLM does
+            yield sse(exc.body())
+            yield sse("[DONE]")
+            return
         if include_usage and output is not None:
             yield sse({"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
                        "model": settings.served_model_name, "choices": [], "usage": output_usage(output)})
         yield sse("[DONE]")
 
     return app
+
+
+def field_path(loc: Any) -> str:
+    """pydantic's error location as a field path: ("body", "messages", 0, "role") -> "messages[0].role"
+    (pydantic's names of union branches, such as "list[int]", are left out)."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not str(part).isidentifier() or part in PYDANTIC_TYPE_TAGS:
+            break
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def not_ready_reason(async_engine: AsyncEngine, settings: ServerSettings) -> Optional[str]:
+    """Why the server should not be sent requests now (None: it should)."""
+    if async_engine.draining:
+        return f"draining: {async_engine.draining}"
+    if not async_engine.engine_thread_alive:
+        return "the engine thread has stopped"
+    silent_s = time.monotonic() - async_engine.last_alive
+    if silent_s > settings.engine_stall_s:
+        return (f"the engine thread has been busy for {silent_s:.0f} s without finishing a step or command "
+                f"(more than {settings.engine_stall_s:g} s)")
+    limit = settings.max_waiting_requests
+    if limit is not None and async_engine.num_waiting >= limit:
+        return (f"the queue is full: {async_engine.num_waiting} samples wait for admission, the limit "
+                f"(--max-waiting-requests) is {limit}")
+    return None
+
+
+async def drain(async_engine: AsyncEngine, goodbye: asyncio.Event, timeout_s: float) -> None:
+    """A graceful shutdown: refuse new requests (503), let those in flight finish for up to ``timeout_s``, then
+    end the rest with an error (an error event in a stream), and say goodbye on every event stream."""
+    async_engine.draining = "the server is shutting down"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while async_engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    goodbye.set()
+    if async_engine.num_in_flight:
+        async_engine.fail_all(p.ServerError(503, f"the server shut down before this request finished (it waited "
+                                                 f"{timeout_s:g} s: minipaged serve --shutdown-timeout)."))
+        deadline = loop.time() + 5.0
+        while async_engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)                              # the last events and error chunks go out
 
 
 async def final_output(updates: AsyncIterator[Any]) -> Any:

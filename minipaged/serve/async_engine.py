@@ -18,6 +18,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -80,7 +81,10 @@ class AsyncEngine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._num_submitted_not_added = 0               # guarded by _lock
+        self._num_submitted_not_added = 0               # guarded by _lock: samples, like requests_waiting
+        self.num_in_flight = 0                          # event-loop side: generate() calls not ended yet
+        self.draining: Optional[str] = None             # set on shutdown: why new requests are refused
+        self.last_alive = time.monotonic()              # the engine thread's last loop (/health: is it stuck?)
         self._aborts_unpublished = False                # engine thread only
         self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
         engine.subscribe(self._on_event)
@@ -97,25 +101,45 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def engine_thread_alive(self) -> bool:
+        return self._thread is None or self._thread.is_alive()
+
+    def fail_all(self, error: ServerError) -> None:
+        """End every request in flight with ``error`` (the server drains and its grace period is over)."""
+        self._commands.put(("fail_all", error))
+
+    @property
     def num_waiting(self) -> int:
-        """Requests waiting for admission, counting those not yet handed to the engine."""
+        """Samples waiting for admission (a request with n=8 is 8), counting those not yet handed to the
+        engine."""
         with self._lock:
             pending = self._num_submitted_not_added
         return pending + int(self.stats.get("requests_waiting", 0))
 
     # ------------------------------------------------------------------ requests (event-loop side)
-    async def generate(self, request_id: str, prepare: Prepare) -> AsyncIterator[Union[Accepted, Update]]:
+    async def generate(self, request_id: str, prepare: Prepare,
+                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, Update]]:
         """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
         last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
-        Leaving early (the client went away, the task was cancelled) aborts the request."""
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise ServerError(503, f"the server is busy: {self.num_waiting} requests are waiting, the limit "
-                                   f"(--max-waiting-requests) is {self.max_waiting_requests}; retry shortly.",
+        Leaving early (the client went away, the task was cancelled) aborts the request.
+
+        Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
+        if self.draining:
+            raise ServerError(503, f"{self.draining}: it takes no new requests; send them to another server.",
+                              headers={"Retry-After": "1"})
+        limit = self.max_waiting_requests
+        if limit is not None and num_samples > limit:
+            raise ServerError(400, f"this request asks for {num_samples} samples (n x prompts), more than may ever "
+                                   f"wait at once on this server (--max-waiting-requests {limit}): lower n.", "n")
+        if limit is not None and self.num_waiting + num_samples > limit:
+            raise ServerError(503, f"the server is busy: {self.num_waiting} samples are waiting, and {num_samples} "
+                                   f"more would pass the limit (--max-waiting-requests) of {limit}; retry shortly.",
                               headers={"Retry-After": "1"})
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._num_submitted_not_added += 1
-        self._commands.put(("add", request_id, prepare, q))
+            self._num_submitted_not_added += num_samples
+        self._commands.put(("add", request_id, prepare, q, num_samples))
+        self.num_in_flight += 1
         done = False
         try:
             while True:
@@ -128,6 +152,7 @@ class AsyncEngine:
                     done = True
                     return
         finally:
+            self.num_in_flight -= 1
             if not done:
                 self.abort(request_id)
 
@@ -150,6 +175,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self.last_alive = time.monotonic()
             self._handle_commands(wait=not self.engine.has_unfinished_requests())
             if not (self.engine.has_unfinished_requests() or self._aborts_unpublished):
                 continue
@@ -176,9 +202,9 @@ class AsyncEngine:
                 break
         self.stats = dict(self.engine.stats())
 
-    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue) -> None:
+    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1) -> None:
         with self._lock:
-            self._num_submitted_not_added -= 1
+            self._num_submitted_not_added -= num_samples
         try:
             prompt, params = prepare(self.engine)
             self.engine.add_request(prompt, params, request_id=request_id)
@@ -203,6 +229,9 @@ class AsyncEngine:
         self.engine.abort(request_id)                 # frees its blocks now; the next event records it
         self._aborts_unpublished = True
         self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
+
+    def _do_fail_all(self, error: ServerError) -> None:
+        self._fail_all(error)
 
     def _do_watch(self, q: asyncio.Queue) -> None:
         self._send(q, json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")))

@@ -1,9 +1,12 @@
 """The OpenAI shapes: request bodies as pydantic models, and the JSON the server sends back.
 
 Field names and defaults follow OpenAI's API and vLLM's ``entrypoints/openai/protocol.py`` (``top_k`` and
-``ignore_eos`` are vLLM's extras), so any OpenAI client talks to ``minipaged serve`` unchanged. Whatever
-the engine cannot do (logprobs, echo, several prompts in one request) is refused with a 400 that says so,
-rather than silently ignored.
+``ignore_eos`` are vLLM's extras), so any OpenAI client talks to ``minipaged serve`` unchanged. Every field a
+body may carry is one of three kinds: honoured (a field of the models below), without effect on the answer
+(``NO_EFFECT``: accounting and routing hints), or refused with a 400 naming it (``REFUSED``, one line per
+field, and any field nobody knows). A client that asked for JSON output and got prose without an error
+would be worse off than one told "no". The server's limits (``ServerLimits``) bound the work one request
+can ask for; each refusal names the limit and the flag that sets it.
 
 This module stays free of torch: it only turns JSON into ``SamplingParams`` and outputs into JSON.
 """
@@ -11,20 +14,75 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..request import SamplingParams
+from .limits import ServerLimits
 
 OPENAI_DEFAULT_MAX_TOKENS = 16          # completions: OpenAI's (and vLLM's) default
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a field is refused, and the values that ask for nothing (accepted). Values are compared with their
+    type, so ``logprobs: 0`` (0 == False in Python) is a request for log-probabilities, not a no."""
+
+    why: str
+    harmless: tuple = (None,)
+
+    def refuses(self, value: Any) -> bool:
+        return not any(type(value) is type(h) and value == h for h in self.harmless)
+
+
+# Fields of OpenAI's (or vLLM's) request bodies that minipaged cannot honour yet. Honouring one is deleting its
+# line here and giving the model below a field for it.
+REFUSED: dict[str, Refusal] = {
+    "logprobs": Refusal("minipaged does not return log-probabilities", (None, False)),
+    "top_logprobs": Refusal("minipaged does not return log-probabilities"),
+    "prompt_logprobs": Refusal("minipaged does not return log-probabilities"),
+    "echo": Refusal("minipaged does not echo the prompt back", (None, False)),
+    "best_of": Refusal("minipaged returns every sample it makes: ask for n samples instead", (None, 1)),
+    "suffix": Refusal("minipaged does not insert text before a suffix", (None, "")),
+    "presence_penalty": Refusal("minipaged applies no penalties", (None, 0, 0.0)),
+    "frequency_penalty": Refusal("minipaged applies no penalties", (None, 0, 0.0)),
+    "repetition_penalty": Refusal("minipaged applies no penalties", (None, 1, 1.0)),
+    "logit_bias": Refusal("minipaged does not bias logits", (None, {})),
+    "min_tokens": Refusal("minipaged has no minimum output length", (None, 0)),
+    "min_p": Refusal("minipaged samples with temperature, top_k and top_p only", (None, 0, 0.0)),
+    "stop_token_ids": Refusal("the server does not pass stop token ids to the engine yet", (None, [])),
+    "response_format": Refusal("minipaged has no structured (JSON) output", (None, {"type": "text"})),
+    "guided_json": Refusal("minipaged has no structured (JSON) output"),
+    "guided_regex": Refusal("minipaged has no structured output"),
+    "guided_choice": Refusal("minipaged has no structured output"),
+    "guided_grammar": Refusal("minipaged has no structured output"),
+    "structured_outputs": Refusal("minipaged has no structured output"),
+    "tools": Refusal("minipaged does not call tools", (None, [])),
+    "tool_choice": Refusal("minipaged does not call tools", (None, "none")),
+    "functions": Refusal("minipaged does not call functions", (None, [])),
+    "function_call": Refusal("minipaged does not call functions", (None, "none")),
+    "audio": Refusal("minipaged answers in text only"),
+    "modalities": Refusal("minipaged answers in text only", (None, ["text"])),
+    "prediction": Refusal("minipaged has no predicted outputs"),
+    "web_search_options": Refusal("minipaged does not search the web"),
+    "reasoning_effort": Refusal("minipaged serves no reasoning model"),
+    "verbosity": Refusal("minipaged has no verbosity setting"),
+    "moderation": Refusal("minipaged does not moderate"),
+    "use_beam_search": Refusal("minipaged does not search beams", (None, False)),
+}
+# Accepted and without effect on the answer: OpenAI uses them for accounting, storage or routing.
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                       "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls"})
 
 
 class ServerError(Exception):
     """An error the client caused (or may retry): becomes ``{"error": {...}}`` with this status code."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  headers: Optional[dict[str, str]] = None) -> None:
@@ -45,10 +103,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def bad_unicode(value: Any, path: str) -> Iterator[str]:
+    """The paths of strings in ``value`` that are not valid Unicode (a lone surrogate such as "\\ud800" is
+    valid JSON but no text: the tokenizer cannot encode it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            yield path
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):    # token ids hold no text
+        for i, item in enumerate(value):
+            yield from bad_unicode(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from bad_unicode(item, f"{path}.{key}" if path else str(key))
+
+
 class SamplingFields(BaseModel):
     """What completions and chat share: sampling, stopping and streaming."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")      # kept, to refuse them by name (see REFUSED)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -61,16 +135,39 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    logprobs: Optional[Any] = None
-    echo: bool = False
 
-    def refuse_unsupported(self) -> None:
-        if self.logprobs not in (None, False):
-            raise ServerError(400, "logprobs are not supported by minipaged; leave logprobs unset.", "logprobs")
-        if self.echo:
-            raise ServerError(400, "echo is not supported by minipaged; leave echo unset.", "echo")
+    def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
+        """A 400 for the first field the server cannot honour, or a value beyond its limits."""
+        sent = {**{name: getattr(self, name) for name in self.model_fields_set}, **(self.model_extra or {})}
+        for name, value in sent.items():
+            refusal = REFUSED.get(name)
+            if refusal is not None and refusal.refuses(value):
+                raise ServerError(400, f"{name} is not supported: {refusal.why}; leave {name} out of the request.",
+                                  name)
+            if refusal is None and name not in type(self).model_fields and name not in NO_EFFECT:
+                raise ServerError(400, f"Unrecognized request argument supplied: {name} (minipaged neither "
+                                       f"honours nor knows it; leave it out).", name)
+        for path in bad_unicode(self.model_dump(include=set(type(self).model_fields)), ""):
+            raise ServerError(400, f"{path} is not valid Unicode text (a lone surrogate such as \\ud800?): send "
+                                   f"UTF-8 text.", path)
         if self.stream_options is not None and not self.stream:
             raise ServerError(400, "stream_options is only allowed when stream is true.", "stream_options")
+        self._check_limit("n", self.n, limits.max_n, "max_n", "samples per request")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        self._check_limit("stop", len(stops), limits.max_stop_strings, "max_stop_strings", "stop strings")
+        longest = max((len(s) for s in stops), default=0)
+        self._check_limit("stop", longest, limits.max_stop_length, "max_stop_length",
+                          "characters in a stop string")
+
+    @staticmethod
+    def _check_limit(param: str, value: Any, limit: int, name: str, what: str) -> None:
+        if isinstance(value, int) and value > limit:
+            raise ServerError(400, f"too many {what} in {param}: {value}, this server's limit is {limit} "
+                                   f"(minipaged serve {ServerLimits.flag(name)}).", param)
+
+    def num_samples(self) -> int:
+        """How many sequences the request puts in the queue (what admission counts)."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +183,17 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+    def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
+        super().refuse_unsupported(limits)
+        self._check_limit("prompt", len(self.prompts()), limits.max_prompts, "max_prompts", "prompts")
+
+    def num_samples(self) -> int:
+        return self.n * len(self.prompts())
 
     def single_prompt(self) -> Union[str, list[int]]:
         """The one prompt (text or token ids); a list of one prompt is accepted, as OpenAI allows it."""
@@ -123,6 +231,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
+
+    def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
+        for i, message in enumerate(self.messages):
+            if message.role not in CHAT_ROLES:
+                raise ServerError(400, f"messages[{i}].role is {message.role!r}; a message's role is one of "
+                                       f"{', '.join(CHAT_ROLES)}.", f"messages[{i}].role")
+        super().refuse_unsupported(limits)
 
 
 # ----------------------------------------------------------------------------------------- responses

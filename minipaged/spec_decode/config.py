@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Union
 
-from ..config import ConfigError, is_int
+from ..validation import ConfigError, is_int
 
 METHODS = ("ngram", "draft_model")
 SELF_DRAFT = "self"          # the draft is the target's own first layers + its final norm and LM head

@@ -1,0 +1,199 @@
+"""Render the measured docs from their templates and the JSON the benchmarks wrote.
+
+* ``docs/tuning.md`` from ``docs/tuning.md.in`` and ``docs/tuning.json`` (``bench/tuning.py`` writes it);
+* ``docs/performance.md`` from ``docs/performance.md.in``, every ``bench/out/*.json`` (one per benchmark
+  script) and the peer comparison (``docs/peer.md.in``, from ``docs/tuning.json`` too).
+
+The numbers in the templates are placeholders (``minipaged.placeholders``, as in the lessons):
+``{{throughput.minipaged.seconds:.1f}}`` is a value of ``bench/out/throughput.json``; ``{{tables.NAME}}`` a
+table built here from one JSON's rows; ``{{derived.NAME}}`` a ratio of two measured values; ``{{config.NAME}}``
+an engine default. Text and numbers therefore cannot drift apart: a test renders the templates again and
+compares with what is checked in, and finds any digit typed into a template by hand.
+
+    python bench/render_docs.py          # after editing a template, or after a benchmark wrote its JSON
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import placeholders
+from .report import BENCH_OUT, markdown_table
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+RESULTS = DOCS / "tuning.json"
+TUNING_TEMPLATE, TUNING_DOC = DOCS / "tuning.md.in", DOCS / "tuning.md"
+PEER_TEMPLATE = DOCS / "peer.md.in"
+PERFORMANCE_TEMPLATE, PERFORMANCE_DOC = DOCS / "performance.md.in", DOCS / "performance.md"
+RENDER_COMMAND = "python bench/render_docs.py"
+# docs/performance.md's section between these lines is the rendered peer template.
+PEER_BEGIN = f"<!-- peer comparison: rendered by {RENDER_COMMAND} from docs/peer.md.in; do not edit by hand -->"
+PEER_END = "<!-- end of peer comparison -->"
+
+
+def generated_note(template: Path, sources: str) -> str:
+    return (f"<!-- rendered by {RENDER_COMMAND} from docs/{template.name} and {sources}; edit those and "
+            f"re-render -->\n")
+
+
+def render(template: str, values: dict[str, Any]) -> str:
+    """Fill every ``{{key:spec}}`` from ``values``; a key the values lack raises KeyError naming it."""
+    try:
+        return placeholders.fill(template, values, booleans=("no", "yes"))
+    except KeyError as exc:
+        raise KeyError(f"{exc.args[0]}; a template uses a value no JSON holds: rerun the benchmark that "
+                       f"measures it (bench/*.py), or fix the template") from None
+
+
+# ------------------------------------------------------------------------------------------- docs/tuning.md
+
+def load_values(path: Path = RESULTS) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))["values"]
+
+
+def rendered_tuning_doc(values: dict[str, Any]) -> str:
+    return (generated_note(TUNING_TEMPLATE, "docs/tuning.json")
+            + render(TUNING_TEMPLATE.read_text(encoding="utf-8"), values))
+
+
+def peer_section(values: dict[str, Any]) -> str:
+    return f"{PEER_BEGIN}\n{render(PEER_TEMPLATE.read_text(encoding='utf-8'), values).strip()}\n{PEER_END}"
+
+
+def with_peer_section(text: str, values: dict[str, Any]) -> str:
+    """``text`` with its peer section replaced by a fresh rendering (the markers must be there)."""
+    start, end = text.find(PEER_BEGIN), text.find(PEER_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no peer-comparison markers; put these two lines where the section goes:\n"
+                         f"{PEER_BEGIN}\n{PEER_END}")
+    return text[:start] + peer_section(values) + text[end + len(PEER_END):]
+
+
+# -------------------------------------------------------------------------------------- docs/performance.md
+
+def bench_results(folder: Path = BENCH_OUT) -> dict[str, Any]:
+    """Every benchmark script's last result, by script name (``bench/out/NAME.json``)."""
+    return {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.json"))}
+
+
+def engine_defaults() -> dict[str, Any]:
+    """The engine's defaults as a model with a long context gets them (the derived ones filled in)."""
+    from ..config import EngineConfig
+    config = EngineConfig()
+    config.finalize(model_max_len=1 << 16)
+    return {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+
+
+def short(value: float) -> str:
+    """Three significant digits, without switching to exponents for big values."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def ms(value: float) -> str:
+    return f"{short(value)} ms"
+
+
+def throughput_derived(r: dict[str, Any]) -> dict[str, Any]:
+    ours = r["minipaged"]
+    return {"ideal_tps": ours["output_tokens"] / r["ideal_matmul_s"],
+            "ideal_share": r["ideal_matmul_s"] / ours["seconds"],
+            "prompt_share": ours["input_tokens"] / (ours["input_tokens"] + ours["output_tokens"])}
+
+
+def decode_floor_table(r: dict[str, Any]) -> str:
+    rows = []
+    for batch, b in r["batches"].items():
+        torch_path = (ms(b["torch_floor_ms"]), ms(b["torch_path_ms"]), f"{b['torch_path_efficiency']:.2f}"
+                      ) if "torch_path_ms" in b else ("-", "-", "-")
+        rows.append([batch, ms(b["floor_ms"]), ms(b["engine_ms"]), f"{b['efficiency']:.2f}",
+                     f"{ms(b['kv_read_ms'])} ({b['kv_mib']:.0f} MiB)", f"{b['efficiency_incl_kv_read']:.2f}",
+                     *torch_path])
+    return markdown_table(["batch", "floor", "engine step", "efficiency", "KV read", "vs floor + KV read",
+                           "torch floor", "torch-path step", "torch-path efficiency"], rows)
+
+
+def decode_profile_table(r: dict[str, Any]) -> str:
+    batches = [(batch, b["profile"]) for batch, b in r["batches"].items() if "profile" in b]
+    parts = list(dict.fromkeys(part for _, p in batches for part in p["ms"]))
+    rows = [[batch, ms(p["step_ms"]), *(ms(p["ms"].get(part, 0.0)) for part in parts), f"{p['ops_per_layer']:.1f}"]
+            for batch, p in batches]
+    return markdown_table(["batch", "profiled step", *parts, "operators per layer"], rows)
+
+
+def spec_decode_table(r: dict[str, Any]) -> str:
+    rows = []
+    for x in r["results"]:
+        accepted = "-" if x["acceptance_rate"] is None else f"{x['acceptance_rate']:.0%}"
+        rows.append([x["workload"], x["batch"], x["config"], accepted, f"{x['tokens_per_forward']:.2f}",
+                     f"{x['output_tokens'] / x['wall_s']:.1f}", f"{x['speedup']:.2f}x",
+                     "yes" if x["identical"] else "**no**"])
+    return markdown_table(["workload", "batch", "speculation", "drafts accepted", "tokens / target forward",
+                           "output tok/s", "speed-up", "same greedy tokens"], rows)
+
+
+def chunked_prefill_table(r: dict[str, Any]) -> str:
+    rows = [[x["budget"] if x["budget"] != "chunked off" else "chunked off (prefill-first)",
+             f"{short(x['itl_p99_ms'] / 1000)} s", f"{short(x['ttft_long_s'])} s", x["ttft_long_steps"],
+             f"{short(x['throughput_tok_s'])} tok/s"] for x in r["results"]]
+    return markdown_table(["max_num_batched_tokens", "decoders' ITL p99", "long prompts' TTFT", "TTFT in steps",
+                           "throughput"], rows)
+
+
+def chunked_prefill_derived(r: dict[str, Any], default_budget: int) -> dict[str, Any]:
+    """The smallest budget's p99 ITL against the default budget's (or the largest measured, if the run left
+    the default out)."""
+    by_budget = {x["budget"]: x for x in r["results"] if isinstance(x["budget"], int)}
+    smallest = min(by_budget)
+    compared = default_budget if default_budget in by_budget else max(by_budget)
+    return {"smallest_budget": smallest, "compared_budget": compared,
+            "itl_p99_gain": by_budget[compared]["itl_p99_ms"] / by_budget[smallest]["itl_p99_ms"]}
+
+
+def preemption_table(r: dict[str, Any]) -> str:
+    rows = [["big pool (no preemption)" if x["mode"].startswith("none") else x["mode"],
+             f"{short(x['throughput_tok_s'])} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
+             x["steps"]] for x in r["results"]]
+    return markdown_table(["mode", "throughput", "preemptions", "extra prefill tokens", "blocks copied", "steps"],
+                          rows)
+
+
+def parallel_table(r: dict[str, Any]) -> str:
+    rows = [[x["layout"], x["ranks"], x["kv_blocks_per_rank"], short(x["step_ms"]), short(x["comm_ms_per_step"]),
+             f"{x['comm_share']:.0%}", f"{x['tok_s']:.0f}", "yes" if x["same_outputs_as_first"] else "**no**"]
+            for x in r["results"]]
+    return markdown_table(["layout", "ranks", "KV blocks per rank", "step ms", "comm ms/step", "comm share",
+                           "tok/s", "same tokens"], rows)
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
+    "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table}
+SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
+
+
+def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -> dict[str, Any]:
+    """What docs/performance.md.in may name: every bench/out JSON by script name, and the tables, derived
+    ratios, engine defaults and the peer section built from them."""
+    config = engine_defaults()
+    return {**results, "config": config,
+            "tables": {name: build(results[SOURCES.get(name, name)]) for name, build in TABLES.items()},
+            "derived": {"throughput": throughput_derived(results["throughput"]),
+                        "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
+                                                                   config["max_num_batched_tokens"])},
+            "peer_section": peer_section(tuning_values)}
+
+
+def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, Any]) -> str:
+    return (generated_note(PERFORMANCE_TEMPLATE, "bench/out/*.json (and docs/tuning.json for the peer section)")
+            + render(PERFORMANCE_TEMPLATE.read_text(encoding="utf-8"), performance_values(results, tuning_values)))
+
+
+def write_all(values: dict[str, Any] | None = None) -> None:
+    """Render both docs (``values``: docs/tuning.json's, when a caller has them at hand)."""
+    values = load_values() if values is None else values
+    TUNING_DOC.write_text(rendered_tuning_doc(values), encoding="utf-8")
+    PERFORMANCE_DOC.write_text(rendered_performance_doc(bench_results(), values), encoding="utf-8")
+    print(f"wrote {TUNING_DOC.relative_to(ROOT)} and {PERFORMANCE_DOC.relative_to(ROOT)}")

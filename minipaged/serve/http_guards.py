@@ -1,0 +1,84 @@
+"""ASGI wrappers in front of the routes: a bound on request bodies, and HEAD on every GET route.
+
+Both act before FastAPI parses anything: a body over the limit is refused without being read into memory
+(a 1 MB body of stop strings once doubled every request's step time), and health checkers that send HEAD get
+the GET route's status and headers without its body.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from .protocol import ServerLimits, error_body
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any], headers: tuple = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes`` with a 413 naming the flag: by Content-Length when the client sends
+    one, else while reading (the body is then handed on from memory, at most ``max_bytes`` of it)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def refusal(self, size: str) -> dict[str, Any]:
+        return error_body(413, f"the request body is {size} bytes, over this server's limit of {self.max_bytes} "
+                               f"bytes (minipaged serve {ServerLimits.flag('max_body_bytes')}).")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit():
+            if int(length) > self.max_bytes:
+                return await send_json(send, 413, self.refusal(length.decode()), ((b"connection", b"close"),))
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:                                     # no length given: read up to the limit
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await send_json(send, 413, self.refusal(f"more than {self.max_bytes}"),
+                                       ((b"connection", b"close"),))
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()                 # then the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, replay, send)
+
+
+class HeadAsGet:
+    """HEAD on a GET route answers as GET would, without the body (uvicorn drops it). The event stream never
+    ends, so HEAD there answers at once with the stream's headers."""
+
+    def __init__(self, app: ASGIApp, endless: tuple[str, ...]) -> None:
+        self.app, self.endless = app, endless
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+        if scope["path"] in self.endless:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            return await send({"type": "http.response.body", "body": b""})
+        await self.app({**scope, "method": "GET"}, receive, send)

@@ -1,0 +1,202 @@
+"""No import cycles anywhere, and no benchmark script that imports another.
+
+The graph is read from the source with ``ast``, not by importing anything: every ``import`` and
+``from ... import`` counts, at module level and inside functions (a lazy import still ties two modules
+together; hiding one in a function does not break a cycle, it only postpones it). Relative imports are
+resolved, and the repository's top-level folders are named as they are installed: ``kernels/`` is
+``minipaged.kernels``, ``tui/`` is ``minipaged.tui``, ``lessons/`` is ``minipaged.lessons``.
+
+The scripts in ``bench/`` are not a package: each is its own module, named ``bench.<stem>``; a script that
+imports another by its bare name (``import tuning`` after putting ``bench/`` on ``sys.path``) is an edge
+too. A script takes what it shares from ``minipaged.bench``, never from another script.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Folder in the repository -> the package name it is installed as (pyproject's package-dir).
+PACKAGES = {"minipaged": "minipaged", "kernels": "minipaged.kernels", "tui": "minipaged.tui",
+            "lessons": "minipaged.lessons"}
+SCRIPTS = "bench"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """The dotted name a file is imported as (``kernels/reference.py`` -> ``minipaged.kernels.reference``)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[0] == SCRIPTS:
+        return f"{SCRIPTS}.{parts[-1]}"
+    parts = (*PACKAGES[parts[0]].split("."), *parts[1:])
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files(root: Path = ROOT) -> dict[str, Path]:
+    files = {}
+    for folder in (*PACKAGES, SCRIPTS):
+        for path in sorted((root / folder).rglob("*.py")):
+            files[module_name(path, root)] = path
+    return files
+
+
+def imported_names(path: Path, name: str) -> set[tuple[str, str]]:
+    """Every import in the file, anywhere in it, as (module, name): ``import a.b`` -> ("a.b", ""),
+    ``from a import b`` -> ("a", "b"), relative ones resolved against the file's package."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update((alias.name, "") for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[:len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.update((base, alias.name) for alias in node.names)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the project's modules it imports. ``from a import b`` depends on the module ``a.b`` when there
+    is one, else on ``a`` (b is a name defined in a). Importing ``a.b`` also runs the package ``a``'s
+    ``__init__``, but that is not counted: a package that imports its own submodules is how packages are built,
+    and a submodule that takes a name from its package's ``__init__`` is counted (it really depends on it)."""
+    files = source_files(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges = set()
+        for module, attribute in imported_names(path, name):
+            candidates = [f"{module}.{attribute}", module] if attribute else [module]
+            if name.startswith(f"{SCRIPTS}."):       # a script importing a sibling script by its bare name
+                candidates = [f"{SCRIPTS}.{c}" for c in candidates] + candidates
+            target = next((c for c in candidates if c in files), None)
+            if target is not None and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]], within: set[str] | None = None) -> list[str] | None:
+    """One cycle as a path ``[a, b, ..., a]`` (among the nodes ``within``, default all), or None: a depth-first
+    search that colours the nodes on its current path."""
+    nodes = set(graph) if within is None else within
+    state: dict[str, int] = {}                 # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, set()) & nodes):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(nodes):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The tangles of modules: each group (larger than one module) in which every module imports every other,
+    directly or through the others (a strongly connected component)."""
+    def reachable(start: str) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reach = {node: reachable(node) for node in graph}
+    found, placed = [], set()
+    for node in sorted(graph):
+        if node in placed:
+            continue
+        tangle = {other for other in reach[node] if node in reach.get(other, ())}
+        placed |= tangle
+        if len(tangle) > 1:
+            found.append(tangle)
+    return found
+
+
+def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle from each tangle, so a failure names every place to fix at once, not just the first."""
+    return [find_cycle(graph, tangle) for tangle in tangles(graph)]
+
+
+def test_the_project_has_no_import_cycle():
+    graph = import_graph()
+    found = tangles(graph)
+    assert not found, ("import cycles:\n" + "\n".join(
+        f"{' -> '.join(find_cycle(graph, t))}  (modules tangled together: {', '.join(sorted(t))})" for t in found)
+        + "\nMove what both modules need into the module it belongs to (one that imports neither), rather than "
+        "hiding an import inside a function.")
+
+
+def test_no_benchmark_script_imports_another():
+    graph = import_graph()
+    offenders = {name: sorted(t for t in targets if t.startswith(f"{SCRIPTS}."))
+                 for name, targets in graph.items() if name.startswith(f"{SCRIPTS}.")}
+    offenders = {name: targets for name, targets in offenders.items() if targets}
+    assert not offenders, (f"bench scripts importing other bench scripts: {offenders}; put what they share in "
+                           f"minipaged/bench/ and import it from there")
+
+
+def test_the_graph_sees_lazy_relative_and_renamed_imports():
+    """The reader is what the two tests above rest on: check it on the real tree."""
+    graph = import_graph()
+    # minipaged/__init__.py imports the engine inside a function, relatively: ``from .engine import Engine``.
+    assert "minipaged.engine" in graph["minipaged"]
+    # minipaged/runner.py reaches kernels/ through its installed name.
+    assert any(t.startswith("minipaged.kernels") for t in graph["minipaged.model.llama"])
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def tree(root: Path, extra: dict[str, str]) -> Path:
+    base = {f"{folder}/__init__.py": "" for folder in PACKAGES}
+    write(root, base | extra)
+    return root
+
+
+@pytest.mark.parametrize("files, expected", [
+    # lazy, relative, between a package and a renamed folder
+    ({"minipaged/config.py": "from .spec_decode.config import X\n",
+      "minipaged/spec_decode/__init__.py": "",
+      "minipaged/spec_decode/config.py": "def f():\n    from ..config import Y\n"},
+     {"minipaged.config", "minipaged.spec_decode.config"}),
+    ({"tui/app.py": "def f():\n    from minipaged.tui import screenshots\n",
+      "tui/screenshots.py": "from .app import App\n"},
+     {"minipaged.tui.app", "minipaged.tui.screenshots"}),
+    # two scripts that import each other by their bare names
+    ({"bench/peer.py": "import tuning\n", "bench/tuning.py": "def f():\n    import peer\n"},
+     {"bench.peer", "bench.tuning"}),
+])
+def test_a_reintroduced_cycle_is_found_and_named(tmp_path, files, expected):
+    graph = import_graph(tree(tmp_path, files))
+    cycles = all_cycles(graph)
+    assert len(cycles) == 1
+    assert set(cycles[0]) == expected and cycles[0][0] == cycles[0][-1]
+
+
+def test_a_tree_without_cycles_passes(tmp_path):
+    graph = import_graph(tree(tmp_path, {"minipaged/a.py": "from . import b\n", "minipaged/b.py": "import os\n",
+                                         "kernels/k.py": "from minipaged import a\n"}))
+    assert all_cycles(graph) == []
+    assert graph["minipaged.kernels.k"] == {"minipaged.a"}
