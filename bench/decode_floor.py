@@ -165,17 +165,15 @@ def main() -> None:
                     help="time only the floor and the default engine in turns (no torch-path engine beside them)")
     args = ap.parse_args()
 
-    lines: list[str] = []
     engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
-                    load_progress=lines.append)
+                    load_progress=lambda line: print(line) if line.startswith("Attention:") else None)
     backend = engine.backend
     # The same engine on the plain torch attention path, side by side, when the default is the compiled kernel.
     torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
                           attention_backend="torch") if backend.name != "torch" and args.torch_path else None
     side_by_side = torch_engine is not None
     rows, record = [], {"context": args.context, "attention_backend": backend.name,
-                        "backend": next((line.removeprefix("Attention: ") for line in lines if line.startswith("Attention:")),
-                                    backend.describe()),
+                        "backend": backend.describe(why=False),
                         "batches": {}}
     # Three floors, in turns with the engine: the engine's own matmul code and layout, and torch's two layouts
     # (the better of which is torch's best). The torch-path engine, if any, is measured against torch's best too.

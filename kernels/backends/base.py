@@ -86,8 +86,9 @@ class Backend(ABC):
         """A zero-filled KV pool."""
 
     @abstractmethod
-    def describe(self) -> str:
-        """One line for the start-up messages: which code runs, and why."""
+    def describe(self, why: bool = True) -> str:
+        """One line for the start-up messages: which code runs (and, with ``why``, where that choice came
+        from: a measurement and its cache file, or why compiled code is missing)."""
 
     def for_shapes(self, shapes: ModelShapes) -> "Backend":
         """This backend for another model (a draft model): itself, unless its code is built per shape."""

@@ -37,6 +37,7 @@ CALIBRATION_VERSION = 1
 FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
 STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
 REPEATS = 5
+RACE_BUDGET_S = 0.5                         # per op: see race()
 LARGE_BATCH_SLACK = 1.1                     # a layout may cost many-row steps at most this much more
 
 # (op, option, run) -> seconds that one call of ``run`` took. The real one is a wall clock; tests pass a fake.
@@ -76,13 +77,18 @@ def wall_clock(op: str, option: str, run: Callable[[], Any]) -> float:
 
 
 def race(op: str, options: dict[str, Callable[[], Any]], timer: Timer, repeats: int = REPEATS) -> dict[str, float]:
-    """Median seconds of each option, the options interleaved (a machine's slow moments hit them all)."""
+    """Median seconds of each option, the options interleaved (a machine's slow moments hit them all). A race
+    that has taken RACE_BUDGET_S stops after the round it is in: on a crowded machine an op can take 100 times
+    its usual time (measured: OpenMP threads waiting for a busy core), and start-up must not wait for it."""
+    start = time.perf_counter()
     for run in options.values():
         run()                                   # warm: first-call costs are not the op's
     samples: dict[str, list[float]] = {name: [] for name in options}
     for _ in range(repeats):
         for name, run in options.items():
             samples[name].append(timer(op, name, run))
+        if time.perf_counter() - start > RACE_BUDGET_S:
+            break
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

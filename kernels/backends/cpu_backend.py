@@ -91,5 +91,5 @@ class CpuBackend(TorchBackend):
             return weight.t().contiguous().t()
         return weight
 
-    def describe(self) -> str:
-        return f"cpu, {self.choice.describe()}" + (f" ({self.source})" if self.source else "")
+    def describe(self, why: bool = True) -> str:
+        return f"cpu, {self.choice.describe()}" + (f" ({self.source})" if self.source and why else "")

@@ -49,8 +49,8 @@ class TorchBackend(Backend):
             return zeros_on_huge_pages(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def describe(self) -> str:
-        return "torch, torch ops" + (f" ({self.note})" if self.note else "")
+    def describe(self, why: bool = True) -> str:
+        return "torch, torch ops" + (f" ({self.note})" if self.note and why else "")
 
 
 TORCH_BACKEND = TorchBackend()

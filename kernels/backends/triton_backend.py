@@ -45,5 +45,5 @@ class TritonBackend(TorchBackend):
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
-    def describe(self) -> str:
+    def describe(self, why: bool = True) -> str:
         return "triton, Triton kernels for attention and K/V writes (kernels/triton_paged_attention.py), torch ops"
