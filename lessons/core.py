@@ -69,6 +69,7 @@ class RequestSpec:
     step: int
     prompt: tuple[Text, ...]
     max_tokens: int
+    priority: int = 0                  # --scheduling-policy priority: lower goes first (lesson 8)
 
     @property
     def prompt_len(self) -> int:
@@ -77,14 +78,14 @@ class RequestSpec:
     @property
     def params(self) -> SamplingParams:
         # Greedy and ignore_eos: every request generates exactly max_tokens tokens on any model.
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, priority=self.priority)
 
     def token_ids(self, tokenizer: Any) -> list[int]:
         return [t for piece in self.prompt for t in piece.token_ids(tokenizer)]
 
 
-def request(request_id: str, step: int, *prompt: Text, max_tokens: int) -> RequestSpec:
-    return RequestSpec(request_id, step, tuple(prompt), max_tokens)
+def request(request_id: str, step: int, *prompt: Text, max_tokens: int, priority: int = 0) -> RequestSpec:
+    return RequestSpec(request_id, step, tuple(prompt), max_tokens, priority)
 
 
 @dataclass(frozen=True)

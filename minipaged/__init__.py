@@ -7,9 +7,9 @@
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo, StepEvent
 from .outputs import CompletionOutput, RequestOutput
-from .request import InvalidRequestError, SamplingParams
+from .request import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "StepEvent", "EngineInfo",
+__all__ = ["Engine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "StepEvent", "EngineInfo",
            "EngineConfig", "ConfigError", "InvalidRequestError"]
 
 

@@ -9,9 +9,12 @@ Automatic prefix caching: a *full* block gets a hash that chains its parent's ha
 reuse blocks another request computed. Blocks carry reference counts; shared blocks are read-only.
 
 A block whose ref count drops to 0 goes back to the free queue but keeps its hash and content: until the
-pool needs it, it is still a cache hit. The queue is LRU: blocks freed longest ago are taken (evicted)
-first; a request frees its blocks tail first, so among blocks freed together the deepest goes first.
-Blocks with no hash hold nothing reusable, so they go to the *front* of the queue and are reused first.
+pool needs it, it is still a cache hit. The queue's order is the eviction policy (``minipaged.policies``):
+vLLM's LRU takes the blocks freed longest ago first; a request frees its blocks tail first, so among blocks
+freed together the deepest goes first. Blocks with no hash hold nothing reusable, so they go to the *front*
+of the queue and are reused first.
+
+The pool keeps its counts (free, cached and free) as it goes, so every step's event reads them in O(1).
 
 Every change is written straight into ``changes``, the ``events.KVChanges`` that the step's StepEvent
 carries; the engine takes it (``drain_changes``) once per step.
@@ -19,11 +22,11 @@ carries; the engine takes it (``drain_changes``) once per step.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .events import KVChanges
+from .policies.eviction import FreeBlockQueue, LRUFreeBlockQueue
 from .request import Request
 
 BlockHash = bytes
@@ -49,36 +52,6 @@ class KVBlock:
     block_hash: Optional[BlockHash] = None
 
 
-class FreeBlockQueue:
-    """Free block ids in eviction order (front: taken first). O(1) removal of a block that becomes a hit."""
-
-    def __init__(self, block_ids: Iterable[int]) -> None:
-        self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in block_ids)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._queue
-
-    def pop_front(self) -> int:
-        block_id, _ = self._queue.popitem(last=False)
-        return block_id
-
-    def push_back(self, block_id: int) -> None:
-        self._queue[block_id] = None
-
-    def push_front(self, block_id: int) -> None:
-        self._queue[block_id] = None
-        self._queue.move_to_end(block_id, last=False)
-
-    def remove(self, block_id: int) -> None:
-        del self._queue[block_id]
-
-    def ids(self) -> list[int]:
-        return list(self._queue)
-
-
 @dataclass
 class PrefixCacheStats:
     queries: int = 0        # prompt tokens looked up at admission
@@ -89,12 +62,16 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Block tables of the running requests over one pool of ``num_blocks`` blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 free_queue: type[FreeBlockQueue] = LRUFreeBlockQueue,
+                 hash_tokens: Callable[[BlockHash, Sequence[int], tuple], BlockHash] = hash_block_tokens) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(range(num_blocks))
+        self.free_queue: FreeBlockQueue = free_queue(range(num_blocks))
+        self._num_cached_free = 0     # free blocks that still hold a hash: kept as blocks move, never counted
+        self.hash_tokens = hash_tokens  # a block's hash from its parent's and its tokens (lab 2 swaps in its own)
         self.hash_to_block: dict[BlockHash, int] = {}
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks, in order
@@ -111,7 +88,8 @@ class KVCacheManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue.ids() if self.blocks[b].block_hash is not None)
+        """Free blocks whose content is still a cache hit (O(1): the count is kept, see check_invariants)."""
+        return self._num_cached_free
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
@@ -126,7 +104,7 @@ class KVCacheManager:
             bs = self.block_size
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_full_blocks):
-                parent = hash_block_tokens(parent, req.token_ids_between(i * bs, (i + 1) * bs), req_extra_keys(req))
+                parent = self.hash_tokens(parent, req.token_ids_between(i * bs, (i + 1) * bs), req_extra_keys(req))
                 hashes.append(parent)
         return hashes[:num_full_blocks]
 
@@ -179,6 +157,8 @@ class KVCacheManager:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 self.free_queue.remove(block_id)
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_cnt += 1
             table.append(block_id)
         if cached_blocks:
@@ -198,6 +178,7 @@ class KVCacheManager:
         block_id = self.free_queue.pop_front()
         block = self.blocks[block_id]
         if block.block_hash is not None:                 # reusing a cached block: its prefix is gone
+            self._num_cached_free -= 1
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
             block.block_hash = None
@@ -242,6 +223,7 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.free_queue.push_back(block_id)
+                    self._num_cached_free += 1
                 else:
                     self.free_queue.push_front(block_id)
         if table:
@@ -257,6 +239,7 @@ class KVCacheManager:
         for rid, table in self.req_blocks.items():
             self.req_num_hashed[rid] = len(table)       # never re-publish what was just forgotten
         self.changes.uncached.extend(dropped)
+        self._num_cached_free = 0                        # no block holds a hash any more
         # Unhashed free blocks belong at the front; order among them does not matter.
         return len(dropped)
 
@@ -321,6 +304,8 @@ class KVCacheManager:
         for h, b in self.hash_to_block.items():
             assert self.blocks[b].block_hash == h, "hash map points at a block with another hash"
         assert len(free) + sum(1 for r in refs if r > 0) == self.num_blocks, "free + used != total"
+        recount = sum(1 for b in free if self.blocks[b].block_hash is not None)
+        assert self._num_cached_free == recount, f"kept cached-free count {self._num_cached_free} != recount {recount}"
 
 
 def req_extra_keys(req: Request) -> tuple:

@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, plot, classroom, lessons.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, plot, classroom, lessons, lab.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .options import add_engine_arguments, build_engine, engine_options
+from .options import HelpFormatter, add_engine_arguments, build_engine, engine_options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -66,7 +66,7 @@ def cmd_lessons(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(prog="minipaged", formatter_class=fmt,
                                      description="A compact LLM inference engine that shows how vLLM-style "
                                                  "serving works: paged KV cache, continuous batching, prefix "
@@ -120,6 +120,11 @@ def make_parser() -> argparse.ArgumentParser:
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
                               "live with: minipaged watch --lesson N%(default).0s")
+
+    lab = sub.add_parser("lab", help="labs: write a piece of the engine, check it, watch it beside the engine's own",
+                         formatter_class=fmt)
+    from minipaged.lessons.labs.cli import add_lab_arguments
+    add_lab_arguments(lab)
     return parser
 
 
@@ -168,6 +173,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_bench(args)
         if args.command == "lessons":
             return cmd_lessons(args)
+        if args.command == "lab":
+            from minipaged.lessons.labs.cli import cmd_lab
+            return cmd_lab(args)
         if args.command == "plot":
             from .plot import run_plot
             return run_plot(args)

@@ -5,7 +5,7 @@ Names follow vLLM's spelling (``block_size``, ``max_num_seqs`` ...) so that what
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, get_args
 
 from .validation import ConfigError, is_int, is_number
 
@@ -63,6 +63,15 @@ class EngineConfig:
         "help": "turn automatic prefix caching off", "shown_default": "caching on"})
     policy: Policy = field(default="continuous", metadata={"help": "static batching is a teaching baseline"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={"help": "what a preempted request loses"})
+    # Policies (minipaged.policies): a name, or a user's class as path/to/file.py:ClassName. vLLM's are the defaults.
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "order of admission: fcfs, priority (lower SamplingParams.priority first), shortest-prompt-first, "
+                "or path/to/file.py:ClassName"})
+    preemption_victim: str = field(default="newest", metadata={
+        "help": "who is preempted when blocks run out: newest, lowest-priority, most-blocks, or "
+                "path/to/file.py:ClassName"})
+    eviction_policy: str = field(default="lru", metadata={
+        "help": "which free cached block is evicted first: lru, mru, or path/to/file.py:ClassName"})
     swap_space: float = field(default=0.5, metadata={"help": "GiB of CPU memory for swapped blocks"})
     num_cpu_blocks: Optional[int] = field(default=None, metadata={
         "help": "CPU swap blocks (overrides --swap-space)", "shown_default": "from --swap-space"})
@@ -102,6 +111,14 @@ class EngineConfig:
             if value is not None and (not is_int(value) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
 
+        def one_of(name: str, choices: object, optional: bool = False) -> None:
+            """A Literal field's value among the Literal's own values (the type is the one list of them)."""
+            allowed = get_args(choices)
+            value = getattr(self, name)
+            if not (value in allowed or (optional and value is None)):
+                raise ConfigError(f"{name} must be {' or '.join(repr(a) for a in allowed)}"
+                                  f"{' (or None)' if optional else ''}, got {value!r}.")
+
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "num_cpu_blocks"):
             positive(name)
@@ -122,12 +139,13 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.num_cpu_blocks is None and self.swap_space == 0:
             raise ConfigError("preemption_mode='swap' needs CPU blocks to swap into, but swap_space is 0; give "
                               "swap_space > 0 (GiB) or num_cpu_blocks, or use preemption_mode='recompute'.")
-        if self.policy not in ("continuous", "static"):
-            raise ConfigError(f"policy must be 'continuous' or 'static', got {self.policy!r}.")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
-        if self.attention_backend not in (None, "triton", "cpu", "torch"):
-            raise ConfigError(f"attention_backend must be 'triton', 'cpu' or 'torch', got {self.attention_backend!r}.")
+        one_of("policy", Policy)
+        one_of("preemption_mode", PreemptionMode)
+        one_of("attention_backend", AttentionBackend, optional=True)
+        for name in ("scheduling_policy", "preemption_victim", "eviction_policy"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be a policy name or 'path/to/file.py:ClassName', got "
+                                  f"{getattr(self, name)!r}.")
         if self.device is not None and str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -135,8 +153,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
         if not is_number(self.distributed_timeout) or self.distributed_timeout <= 0:
             raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}.")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+        one_of("dtype", Dtype, optional=True)
         if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # The draft model and the rejection sampler run on rank 0 only; a self-draft would need the
             # sharded target's first layers on every rank. Not built yet.

@@ -9,7 +9,9 @@ Follow a request from top to bottom:
   3. Swapped blocks are copied between the GPU and CPU pools.
   4. The ``ModelRunner`` lays all scheduled tokens end to end and runs ``CompactLlama`` once; attention
      reads and writes the paged cache through the block tables.
-  5. The ``Sampler`` picks a token for each request that reached the end of its known tokens.
+  5. The logits stage (``minipaged.logits``) applies each request's penalties, biases and masks (a
+     structured-output grammar among them) and keeps the log-probabilities asked for; then the ``Sampler``
+     picks a token for each request that reached the end of its known tokens.
   6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens, finishes requests
      on EOS, stop ids and lengths, and returns each one's new tokens; finished ones free their blocks at once.
   7. The ``OutputProcessor`` turns tokens into text and builds ``RequestOutput``s; a stop string it finds
@@ -27,9 +29,8 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-import torch
-
 from .engine_builder import build_engine_parts
+from .execute_step import execute_and_sample
 from .events import RequestArrival, RequestFinish, StepEvent
 from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
 from .outputs import RequestOutput
@@ -55,6 +56,7 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
+        self.step_logprobs: dict[str, list] = {}          # the last step's new tokens' log-probabilities (streams)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -64,11 +66,14 @@ class Engine:
 
     def validate_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> None:
         """Raise InvalidRequestError if ``add_request`` would refuse this request; nothing is queued."""
-        self.inputs.process(prompt, params)
+        self.logits.compile(self.inputs.process(prompt, params).params)
 
     def _queue(self, prompt: ProcessedPrompt, request_id: Optional[str]) -> str:
+        grammar = self.logits.compile(prompt.params)      # a bad schema is refused here, before anything is queued
         request_id, requests = self.inputs.make_requests(prompt, request_id, self.outputs.id_in_use)
         self.outputs.add_requests(request_id, requests)
+        for req in requests:
+            self.logits.add(req, grammar)
         text = self.inputs.prompt_text(prompt)
         for req in requests:
             self.scheduler.add(req)
@@ -101,48 +106,25 @@ class Engine:
     def step(self) -> StepEvent:
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
+        for req in plan.failed:                            # a policy raised deciding about it: aborted
+            self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
         self.runner.swap_blocks(self.cpu_kv_cache, plan.swap_out, plan.swap_in)   # before the model reads the cache
-        sampled, verified, model_s = self._execute(plan)   # request id -> its new tokens (None: sampling failed)
+        sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
+            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator)
         update = self.scheduler.update_from_output(plan, sampled)     # appended; finished on EOS, stop ids, length
-        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter()):
+        logprobs = self.logits.take_logprobs(update.new_token_ids)
+        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(), logprobs):
             self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
         for req in update.finished:
             self._record_finish(req, time.perf_counter())
+        self.step_logprobs = self.outputs.drain_logprobs()
         draft_s = 0.0
         if self.speculator is not None:                    # guesses for the next step
             draft_s = self.speculator.propose([c.request for c in plan.chunks
                                                if c.request.request_id in update.new_token_ids])
         return self._emit(plan, update.new_token_ids, verified, start, model_s, draft_s)
-
-    def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
-        """Run the model on every scheduled token and pick the new tokens (a sample from a last row, or the
-        rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and the seconds it took."""
-        if not plan.chunks:
-            return {}, {}, 0.0
-        model_input = self.runner.prepare(plan.chunks)
-        forward_start = time.perf_counter()
-        logits = self.runner.execute(model_input)
-        drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}
-        sampled: dict[str, Optional[list[int]]] = {}
-        verified: dict[str, Verified] = {}
-        plain: list[tuple[Request, torch.Tensor]] = []
-        for req, rows in zip(model_input.sampled_requests, logits.split(model_input.num_logits_rows)):
-            if req.request_id not in drafts:
-                plain.append((req, rows[-1]))
-                continue
-            verdict = self.speculator.verify(req, rows, drafts[req.request_id])
-            sampled[req.request_id] = None if verdict is None else verdict.token_ids
-            if verdict is not None:
-                verified[req.request_id] = verdict
-        if plain:
-            # Every row plain (no drafts: one row a request) is the usual case, and then the rows are the
-            # logits themselves: no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
-            rows = logits if len(plain) == len(logits) else torch.stack([row for _req, row in plain])
-            tokens = self.sampler.sample(rows, [req for req, _row in plain])
-            sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-        return sampled, verified, time.perf_counter() - forward_start
 
     def _drop_drafts(self, request_id: str) -> None:
         if self.speculator is not None:
@@ -150,6 +132,7 @@ class Engine:
 
     def _record_finish(self, req: Request, now: float) -> None:
         self.sampler.forget(req.request_id)
+        self.logits.forget(req.request_id)
         self._drop_drafts(req.request_id)
         self._counters.count_finish()
         self._pending_finishes.append(self.outputs.finish(req, now))
@@ -175,7 +158,11 @@ class Engine:
             num_total_blocks=stats["blocks_total"], num_free_cpu_blocks=stats["cpu_blocks_free"],
             num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
-            swapped=tuple(r.request_id for r in s.swapped), counters=stats)
+            swapped=tuple(r.request_id for r in s.swapped), counters=stats,
+            new_logprobs={rid: [position[token].logprob for position, token in zip(positions, new_token_ids[rid])]
+                          for rid, positions in self.step_logprobs.items() if rid in new_token_ids},
+            constrained={rid: (allowed, self.logits.vocab_size)
+                         for rid, allowed in self.logits.drain_constrained().items()})
         end = time.perf_counter()
         stats["step_seconds"] = self._counters.add_step_seconds(end - start)
         event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
@@ -200,6 +187,8 @@ class Engine:
         if len(param_list) != len(prompts):
             raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts.")
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, param_list)]   # all or none are queued
+        for prompt in checked:
+            self.logits.compile(prompt.params)
         ids = [self._queue(prompt, None) for prompt in checked]
         results: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() and len(prompts) >= 4 if use_tqdm is None else use_tqdm

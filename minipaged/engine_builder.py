@@ -17,6 +17,7 @@ from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
 from .events import EngineInfo
 from .input_processor import InputProcessor
+from .logits.stage import LogitsStage
 from .kernels import Backend, select_backend
 from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
 from .model import CompactLlama, load_model
@@ -26,6 +27,7 @@ from .parallel import ParallelLayout, rank0_shard
 from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
+from .policies import load_policy
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
@@ -56,6 +58,7 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     outputs: OutputProcessor
+    logits: LogitsStage
     speculator: Optional[Speculator]
     info: EngineInfo
 
@@ -103,7 +106,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     cpu_blocks = num_cpu_blocks(config, bytes_per_block)
     kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, backend=backend)
     cpu_kv_cache = model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        load_policy("eviction_policy", config.eviction_policy))
     cpu_pool = CpuBlockPool(cpu_blocks)
 
     inputs = InputProcessor(model_name, tokenizer, model.embed.shape[0], config.max_model_len, kv.blocks_needed,
@@ -118,6 +122,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
             config.distributed_timeout))
     sampler = Sampler(config.seed, backend.argmax)
     outputs = OutputProcessor(tokenizer)
+    logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids)
     speculator: Optional[Speculator] = None if spec is None else build_speculator(
         spec, draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=backend,
         block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler)
@@ -127,6 +132,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
         enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
+        scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
+        eviction_policy=config.eviction_policy,
         preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
         device=str(device), dtype=dtype_name, attention_backend=backend.name, num_threads=num_threads,
         speculative=spec.describe() if spec else None,
@@ -145,4 +152,4 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         load_progress(capacity)
         load_progress("Attention: " + backend.describe())
     return EngineParts(config, device, layout, model, loaded, tokenizer, backend, draft_model, kv_cache,
-                       cpu_kv_cache, kv, cpu_pool, inputs, scheduler, runner, sampler, outputs, speculator, info)
+                       cpu_kv_cache, kv, cpu_pool, inputs, scheduler, runner, sampler, outputs, logits, speculator, info)

@@ -10,6 +10,7 @@ A trace file is JSON lines: first an ``EngineInfo`` header, then one ``StepEvent
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Callable, Optional
 
@@ -38,6 +39,9 @@ class EngineInfo:
     num_speculative_tokens: int = 0      # k: drafts per request per step
     speculative_config: Optional[dict] = None   # the whole configuration, vLLM's keys, defaults filled in
     parallel: Optional[str] = None       # the rank layout, "tp=3: 3 heads, 1 KV head per rank" (None: one rank)
+    scheduling_policy: str = "fcfs"      # minipaged.policies: a name, or path/to/file.py:ClassName
+    preemption_victim: str = "newest"
+    eviction_policy: str = "lru"
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,9 @@ class StepEvent:
     swapped: tuple[str, ...] = ()
     counters: dict[str, float] = field(default_factory=dict)   # cumulative totals (see Engine.stats())
     draft_s: float = 0.0         # speculative decoding: the proposer's time (a draft model's forward passes)
+    # The logits stage, for requests that asked for log-probabilities / have a structured-output grammar:
+    new_logprobs: dict[str, list[float]] = field(default_factory=dict)   # raw log-prob of each new token
+    constrained: dict[str, tuple[int, int]] = field(default_factory=dict)  # (tokens the mask allowed, vocabulary)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -188,6 +195,7 @@ class StepEvent:
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
                "finished": tuple(RequestFinish(**f) for f in d.get("finished", ())),
                "swapped_in": tuple(d.get("swapped_in", ())),
+               "constrained": {r: tuple(pair) for r, pair in d.get("constrained", {}).items()},
                "waiting": tuple(d.get("waiting", ())), "running": tuple(d.get("running", ())),
                "swapped": tuple(d.get("swapped", ()))})
 
@@ -258,6 +266,13 @@ class LatencyFold:
         return ttfts, gaps
 
 
+def step_probability(logprobs: Optional[list[float]]) -> Optional[float]:
+    """One probability for a step's tokens (their geometric mean); None if the step carried none."""
+    if not logprobs:
+        return None
+    return math.exp(sum(logprobs) / len(logprobs))
+
+
 @dataclass
 class RequestView:
     """What an observer knows of one request from events alone."""
@@ -271,6 +286,9 @@ class RequestView:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     text: str = ""
+    # (characters of text, probability of the tokens that brought them) per step, when the request asked for
+    # log-probabilities: what the TUI colours the output by. None: text without a probability (a flush).
+    text_probs: list[tuple[int, Optional[float]]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -335,6 +353,8 @@ class EngineView:
         for rid, text in ev.new_text.items():
             if rid in self.requests:
                 self.requests[rid].text += text
+                if ev.new_logprobs.get(rid) or self.requests[rid].text_probs:
+                    self.requests[rid].text_probs.append((len(text), step_probability(ev.new_logprobs.get(rid))))
         for rid in ev.waiting:
             if rid in self.requests:
                 self.requests[rid].state = "waiting"

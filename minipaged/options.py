@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -84,6 +85,13 @@ def engine_flags() -> list[EngineFlag]:
     """Every EngineConfig field that is a flag, in the order of the fields."""
     hints = get_type_hints(EngineConfig)
     return [_flag_of(f, hints) for f in fields(EngineConfig) if f.metadata.get("flag", True)]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's, but a line never breaks inside a hyphenated word: ``lowest-priority`` stays one word."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str = "smollm2") -> None:
@@ -163,5 +171,5 @@ def build_engine(model: str, options: dict[str, Any], progress: Optional[Progres
     return Engine(model, load_progress=progress, **options)
 
 
-__all__ = ["EngineFlag", "engine_flags", "add_engine_arguments", "engine_options", "as_flag", "as_command_line",
+__all__ = ["HelpFormatter", "EngineFlag", "engine_flags", "add_engine_arguments", "engine_options", "as_flag", "as_command_line",
            "build_engine"]

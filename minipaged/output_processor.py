@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from .detokenizer import IncrementalDetokenizer
 from .events import RequestFinish
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprobs
 from .request import Request, RequestStatus
 
 
@@ -31,6 +31,8 @@ class RequestState:
     num_streamed_chars: int = 0        # text[:this] has gone out in StepEvents' new_text
     token_times: list[float] = field(default_factory=list)
     finished_time: Optional[float] = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)             # when the request asked
+    prompt_logprobs: list[Optional[PositionLogprobs]] = field(default_factory=list)
 
     @property
     def first_token_time(self) -> Optional[float]:
@@ -47,13 +49,17 @@ class OutputProcessor:
         self._finished: dict[str, RequestOutput] = {}    # user-visible id -> output, until collected
         self._num_running: dict[str, int] = {}           # user-visible id -> its samples not finished yet
         self._new_text: dict[str, str] = {}              # stream deltas since the last step's event
+        self._new_logprobs: dict[str, list[PositionLogprobs]] = {}   # the same, for log-probabilities
 
     # ------------------------------------------------------------------ bookkeeping
     def add_requests(self, parent_id: str, requests: list[Request]) -> None:
         self._children[parent_id] = [r.request_id for r in requests]
         self._num_running[parent_id] = len(requests)
         for req in requests:
-            self._states[req.request_id] = RequestState(req, IncrementalDetokenizer(self.tokenizer))
+            state = RequestState(req, IncrementalDetokenizer(self.tokenizer))
+            if req.params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None] * req.num_prompt_tokens
+            self._states[req.request_id] = state
 
     def id_in_use(self, request_id: str) -> bool:
         return request_id in self._states or request_id in self._children or request_id in self._finished
@@ -65,16 +71,24 @@ class OutputProcessor:
                 if rid in self._states and not self._states[rid].request.is_finished]
 
     # ------------------------------------------------------------------ each step
-    def process_tokens(self, new_token_ids: dict[str, list[int]], now: float) -> list[tuple[Request, str, int]]:
-        """Grow each request's text by its new tokens; returns the requests a stop string ends, with it and
-        how many of the new tokens came after the one that completed it (speculative decoding appends several
-        tokens a step; those after a stop must go, as if generated one at a time)."""
+    def process_tokens(self, new_token_ids: dict[str, list[int]], now: float,
+                       logprobs: Optional[dict[str, list[TokenLogprobs]]] = None) -> list[tuple[Request, str, int]]:
+        """Grow each request's text by its new tokens (and log-probabilities, for those that asked); returns
+        the requests a stop string ends, with it and how many of the new tokens came after the one that
+        completed it (speculative decoding appends several tokens a step; those after a stop must go, as if
+        generated one at a time)."""
         stopped: list[tuple[Request, str, int]] = []
+        logprobs = logprobs or {}
         for rid, tokens in new_token_ids.items():
             state = self._states[rid]
             req = state.request
+            token_logprobs = logprobs.get(rid, ())
             for i, token in enumerate(tokens):
                 state.token_times.append(now)
+                if i < len(token_logprobs):
+                    position = self.position_logprobs(token_logprobs[i])
+                    state.logprobs.append(position)
+                    self._new_logprobs.setdefault(rid, []).append(position)
                 old_len = len(state.text)
                 state.text += state.detokenizer.add_tokens([token])
                 stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
@@ -85,6 +99,35 @@ class OutputProcessor:
                 if not req.is_finished:
                     self._stream(state, finished=False)
         return stopped
+
+    def position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        """vLLM's shape: token id -> Logprob, the top N first, then the chosen token if not among them."""
+        def piece(token_id: int) -> str:
+            return self.tokenizer.decode([token_id])
+        position = {tid: Logprob(lp, rank, piece(tid)) for rank, (tid, lp) in enumerate(entry.top, start=1)}
+        if entry.token_id not in position:
+            position[entry.token_id] = Logprob(entry.logprob, entry.rank, piece(entry.token_id))
+        return position
+
+    def record_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprobs]) -> None:
+        """Prompt tokens ``first, first + 1, ...`` scored (a recompute after preemption writes the same again)."""
+        state = self._states.get(req.request_id)
+        if state is None:
+            return
+        for i, entry in enumerate(entries):
+            state.prompt_logprobs[first + i] = self.position_logprobs(entry)
+
+    def prompt_logprobs_of(self, request_id: str) -> Optional[list[Optional[PositionLogprobs]]]:
+        """A running request's prompt log-probabilities (None if it did not ask, or is no longer running)."""
+        state = self._states.get(request_id)
+        if state is None or state.request.params.prompt_logprobs is None:
+            return None
+        return list(state.prompt_logprobs)
+
+    def drain_logprobs(self) -> dict[str, list[PositionLogprobs]]:
+        """The log-probabilities of the tokens since the last call, per request (streams send them)."""
+        new, self._new_logprobs = self._new_logprobs, {}
+        return new
 
     @staticmethod
     def _find_stop(state: RequestState, old_len: int) -> Optional[str]:
@@ -147,8 +190,11 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
             outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.request.output_token_ids),
-                                      s.request.status.value, s.request.stop_reason, list(s.token_times))
+                                      s.request.status.value, s.request.stop_reason, list(s.token_times),
+                                      s.logprobs[:len(s.request.output_token_ids)]
+                                      if s.request.params.logprobs is not None else None)
                      for s in samples],
+            prompt_logprobs=samples[0].prompt_logprobs if first.params.prompt_logprobs is not None else None,
             num_cached_tokens=max(max(s.request.num_cached_tokens for s in samples), 0),  # later samples hit
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, samples[0].first_token_time,
                                    max(s.finished_time or 0.0 for s in samples),

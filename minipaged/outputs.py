@@ -25,6 +25,30 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``); rank 1 is the most likely token."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The engine's raw numbers for one position (the logits stage computes them): the token that is there,
+    its log-probability and rank, and the N most likely tokens; the output processor adds their text."""
+
+    token_id: int
+    logprob: float
+    rank: int                                  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]         # (token id, log-probability), most likely first
+
+
+# One position: token id -> Logprob, the N most likely first, then the chosen token if it is not among them.
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -33,6 +57,7 @@ class CompletionOutput:
     finish_reason: Optional[str]          # "stop", "length" or "abort"
     stop_reason: Optional[str | int] = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: Optional[list[PositionLogprobs]] = None     # one per token, when SamplingParams.logprobs is set
 
     @property
     def itls(self) -> list[float]:
@@ -49,6 +74,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     finished: bool = True
+    # One per prompt token (the first is None: nothing comes before it), when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
 
     # The common case is one sample per prompt: these read its first (only) completion.
     @property

@@ -13,9 +13,10 @@ only in that number (vLLM v1's unified view).
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from .config import is_int, is_number
 
@@ -39,6 +40,58 @@ class InvalidRequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: a JSON schema (``json``, a dict or its JSON text), any JSON object (``json_object``),
+    a regular expression, a list of choices, or an EBNF grammar (xgrammar's GBNF dialect), as vLLM's
+    ``StructuredOutputsParams``."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured outputs take exactly one of json, regex, choice, grammar or json_object; got "
+                f"{given or 'none'}.")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured outputs 'choice' must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured outputs '{name}' must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+
+    def schema_text(self) -> str:
+        """The JSON schema as text (a dict is dumped; text is checked to be JSON)."""
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
+            return self.json
+        return json.dumps(self.json)
+
+    @staticmethod
+    def from_any(value: Any) -> Optional["StructuredOutputsParams"]:
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        if isinstance(value, dict):
+            return StructuredOutputsParams(**value)
+        raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict of its fields.")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop (vLLM's names).
 
@@ -54,6 +107,19 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    # The logits stage (minipaged.logits): penalties, biases and masks, applied before sampling.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    min_tokens: int = 0
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    # Log-probabilities of the raw model (before the logits stage): top-N per generated / prompt token.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0              # --scheduling-policy priority: lower values are admitted first (vLLM's rule)
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):        # None is vLLM's default for both
@@ -65,7 +131,28 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, int) or not isinstance(self.stop_token_ids, Sequence):
             raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._normalise_logits_fields()
         self.validate()
+
+    def _normalise_logits_fields(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError("logit_bias must map token ids to biases, e.g. {\"50256\": -100}.")
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias keys must be token ids and values numbers.") from None
+            object.__setattr__(self, "logit_bias", bias)
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, (str, int)) or not isinstance(value, Sequence):
+                    raise InvalidRequestError(f"{name} must be a list, got {value!r}.")
+                object.__setattr__(self, name, tuple(value))
+        try:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_any(self.structured_outputs))
+        except TypeError as exc:
+            raise InvalidRequestError(str(exc)) from None
 
     def validate(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -79,12 +166,41 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not is_int(self.priority):
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {self.priority!r}.")
         if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings.")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}.")
+        self._validate_logits_fields()
+
+    def _validate_logits_fields(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}.")
+        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 100] (1 is off), got "
+                                      f"{self.repetition_penalty!r}.")
+        if self.logit_bias and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100] (OpenAI's range).")
+        if self.logit_bias and any(t < 0 for t in self.logit_bias):
+            raise InvalidRequestError("logit_bias keys must be non-negative token ids.")
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                                      f"{self.min_tokens!r}.")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise InvalidRequestError("allowed_token_ids must be a non-empty list of non-negative token ids.")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise InvalidRequestError("bad_words must be a list of non-empty strings.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (how many of the most "
+                                          f"likely tokens to return besides the chosen one), got {value!r}.")
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +209,7 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20               # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 
 @dataclass(eq=False)

@@ -4,14 +4,15 @@ For each scheduled chunk it emits the chunk's token ids and positions, the cache
 goes to (block id * block_size + offset, looked up in the block table the chunk carries), and, if the chunk
 reaches the end of the request's known tokens, the rows whose logits are sampled: the last token's, and one
 more per draft token a speculative decode carries (the target's verdict on each guess). A chunk in the
-middle of a long prompt samples nothing: its job is only to fill the cache.
+middle of a long prompt samples nothing: its job is only to fill the cache. A request that asks for prompt
+log-probabilities also gets the logits of its prompt rows, placed after all the sampled rows.
 
 Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
 reads the block manager, so the same runner could sit in another process (tensor parallelism).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,6 +31,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_requests: list[Request]
     num_logits_rows: list[int]          # rows per sampled request, in order: 1 + its draft tokens
+    # Prompt log-probabilities: (request, first prompt token scored, rows), whose logits follow the sampled rows.
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -40,7 +43,9 @@ class ModelRunner:
         self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
+        """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
+        (a draft model's forward pass does not need them)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -51,6 +56,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[Request] = []
         num_rows: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
         for chunk in chunks:
             req = chunk.request
             table = list(chunk.block_table)
@@ -59,6 +66,12 @@ class ModelRunner:
             for pos in range(chunk.start, chunk.end):
                 positions.append(pos)
                 slots.append(-1 if pos < chunk.cached_prefix_end else table[pos // bs] * bs + pos % bs)
+            if with_prompt_rows and req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
+                # every prompt position's logits score the prompt token after it (the last one samples)
+                first = query_start_loc[-1]
+                count = min(chunk.end, req.num_prompt_tokens - 1) - chunk.start
+                prompt_indices.extend(range(first, first + count))
+                prompt_rows.append((req, chunk.start + 1, count))
             query_start_loc.append(len(input_ids))
             seq_lens.append(chunk.end)
             tables.append(table)
@@ -78,7 +91,8 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
             host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend,
             all_slots_new=min(slots, default=0) >= 0)
-        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices), sampled, num_rows)
+        return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
+                          num_rows, prompt_rows)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,

@@ -12,6 +12,9 @@ Policies
     never both; a waiting prompt delays every running decode.
   * static (teaching baseline): a batch is formed, and nothing new joins until its last request ends.
   * In every policy, swapped-out requests come back before any new request is admitted.
+  * Which waiting request is admitted next, and which running request is preempted, are policies
+    (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
+    ...). A policy that raises fails the request it was deciding about; the others are served.
 
 Token accounting (vLLM v1's ``update_from_output``)
   * After the forward pass, ``update_from_output`` is the one place that advances ``num_computed_tokens``,
@@ -31,9 +34,10 @@ Speculative decoding
 Memory
   * Admission counts only blocks a request needs beyond its cached prefix, and the budget is charged only
     for tokens that are not cached.
-  * When a running request cannot get a block, the most recently arrived request that has not yet been
-    scheduled this step is preempted: ``recompute`` frees its blocks and requeues it at the head of the
-    waiting queue (its generated tokens kept); ``swap`` copies its blocks to the CPU pool first.
+  * When a running request cannot get a block, a running request that has not yet been scheduled this step
+    is preempted (by default the most recently arrived, vLLM's rule): ``recompute`` frees its blocks and
+    requeues it at the head of the waiting queue (its generated tokens kept); ``swap`` copies its blocks to
+    the CPU pool first.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from typing import Optional, Sequence
 
 from .block_manager import CpuBlockPool, KVCacheManager
 from .config import EngineConfig
+from .policies import load_policy
 from .request import Request, RequestStatus
 
 logger = logging.getLogger("minipaged.scheduler")
@@ -109,6 +114,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block) copies
     swapped_in: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)    # aborted because a policy raised deciding about them
 
     @property
     def num_batched_tokens(self) -> int:
@@ -127,6 +133,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.order = load_policy("scheduling_policy", config.scheduling_policy)()
+        self.victim_policy = load_policy("preemption_victim", config.preemption_victim)()
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -224,7 +232,9 @@ class Scheduler:
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(num_known + len(req.spec_token_ids), budget)
             while not self._allocate(req, num_new):
-                victim = self._choose_victim(scheduled_ids)
+                victim = self._choose_victim(scheduled_ids, req, out)
+                if victim is None:
+                    break                                  # the policy raised: req failed instead
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -235,10 +245,25 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _choose_victim(self, scheduled_ids: set[str]) -> Request:
-        """FCFS: the most recently arrived running request not already scheduled in this step."""
+    def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput) -> Optional[Request]:
+        """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
+        is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
-        return max(candidates, key=lambda r: r.arrival_index)
+        try:
+            victim = self.victim_policy.choose(candidates, lambda r: len(self.kv.blocks_of(r.request_id)))
+            if victim not in candidates:
+                raise ValueError(f"it chose {victim!r}, which is not one of the candidates")
+            return victim
+        except Exception as e:
+            self._fail(needs_room, "preemption_victim", self.victim_policy, e, out)
+            return None
+
+    def _fail(self, req: Request, option: str, policy: object, error: Exception, out: SchedulerOutput) -> None:
+        """A policy raised while deciding about ``req``: abort it (its blocks freed) and serve the others."""
+        logger.error("%s %s raised %s: %s; request %s is aborted, the others go on.", option,
+                     type(policy).__name__, type(error).__name__, error, req.request_id)
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        out.failed.append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         num_blocks = len(self.kv.blocks_of(victim.request_id))
@@ -288,19 +313,29 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit new requests in arrival order while the budget, max_num_seqs and the pool allow."""
+        """Admit new requests in the scheduling policy's order (FCFS: arrival) while the budget, max_num_seqs and
+        the pool allow."""
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            try:
+                req = self.order.first(self.waiting)
+                if req not in self.waiting:
+                    raise ValueError(f"it chose {req!r}, which is not waiting")
+            except Exception as e:
+                for culprit in self._keys_that_raise() or [self.waiting[0]]:
+                    self._fail(culprit, "scheduling_policy", self.order, e, out)
+                continue
+            # Prompt log-probabilities need every prompt row's logits: a cached prefix has none (as in vLLM).
+            cached_blocks, num_cached = self.kv.find_cached_prefix(req) if req.params.prompt_logprobs is None \
+                else ([], 0)
             num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
             if num_new > budget:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
-                break                                      # FCFS: nobody jumps the queue
-            self.waiting.popleft()
+                break                                      # nobody jumps the queue the policy set
+            self._take_waiting(req)
             self.kv.record_prefix_query(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -311,6 +346,23 @@ class Scheduler:
                                           cached_prefix_end=len(cached_blocks) * self.kv.block_size))
             budget -= num_new
         return budget
+
+    def _keys_that_raise(self) -> list[Request]:
+        """After the order policy raised: the waiting requests whose key raises (the ones it cannot order)."""
+        culprits = []
+        for req in self.waiting:
+            try:
+                self.order.key(req)
+            except Exception:
+                culprits.append(req)
+        return culprits
+
+    def _take_waiting(self, req: Request) -> None:
+        """Out of the waiting queue: O(1) for the head (FCFS always admits it), a scan otherwise."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
 
     # ------------------------------------------------------------------ after the forward pass
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, Optional[list[int]]]) -> StepUpdate:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import itertools
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minipaged.block_manager import ROOT_HASH, CpuBlockPool, KVCacheManager, hash_block_tokens
+from minipaged.policies import LRUFreeBlockQueue, MRUFreeBlockQueue
 from minipaged.request import Request, SamplingParams
 
 BLOCK = 4
@@ -25,6 +26,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: dict[str, Request] = {}
         self.swapped: dict[str, Request] = {}
         self.ids = itertools.count()
+
+    @initialize(queue=st.sampled_from([LRUFreeBlockQueue, MRUFreeBlockQueue]))
+    def eviction_policy(self, queue):
+        self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=True, free_queue=queue)
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6))
     def admit(self, prefix, tail):
@@ -84,6 +89,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self):
         self.kv.check_invariants()
+        # the counts every step's event reads are kept as blocks move (O(1)); here they are recounted
+        free = self.kv.free_queue.ids()
+        assert self.kv.num_free_blocks == len(free)
+        assert self.kv.num_cached_free_blocks == sum(1 for b in free if self.kv.blocks[b].block_hash is not None)
         for rid, req in self.live.items():
             assert len(self.kv.blocks_of(rid)) == self.kv.blocks_needed(req.num_computed_tokens)
         used_cpu = sum(len(self.cpu.blocks_of(r)) for r in self.swapped)

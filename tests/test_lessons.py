@@ -48,7 +48,7 @@ def results(tiny_model, lesson_model):
 
 def test_lessons_are_listed_in_order_with_titles():
     lessons = list_lessons()
-    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7]
+    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert all(l.title and l.markdown.startswith(f"# Lesson {l.number}: ") for l in lessons)
     assert get_lesson(3).title == "Prefix caching" and get_lesson("4").number == 4
     with pytest.raises(ValueError, match="no lesson 9"):
@@ -74,7 +74,7 @@ def _texts(lesson):
     return [lesson.template, *quiz, *checkpoints]
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_placeholder_is_filled_from_the_measured_run(number):
     lesson = get_lesson(number)
     measured = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))[str(number)]
@@ -93,7 +93,7 @@ ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson 
            r"et al\.,? (?:[A-Z]+ )?\d{4}"]                         # a citation's year: Kwon et al., SOSP 2023
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_no_number_in_the_text_is_written_by_hand(number):
     # Skipped: diagrams (their numbers are illustrative), code and commands, placeholders, link targets and
     # quotations from vLLM's docs (the docs' templates are checked the same way, without quotations).
@@ -101,7 +101,7 @@ def test_no_number_in_the_text_is_written_by_hand(number):
     assert not leftovers, f"lesson {number} states numbers that are not measured: {leftovers}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
     """Lessons quote vLLM's documents to test their claims: a quoted number never stands alone."""
     text = re.sub(r"```.*?```", "", get_lesson(number).template, flags=re.S)
@@ -111,7 +111,7 @@ def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
                 f"lesson {number}: a quoted number without ours: {paragraph[:80]}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_links_point_at_files_that_exist(number):
     lesson = get_lesson(number)
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
@@ -134,7 +134,7 @@ def test_links_resolve_in_an_installed_wheel_too(monkeypatch, tmp_path):
     assert Lesson.source_path("../kernels/reference.py") == root / "kernels" / "reference.py"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_lesson_text_is_short_paragraphs_with_a_diagram(number):
     text = get_lesson(number).template
     assert "```" in text, "a diagram where it helps"
@@ -236,6 +236,23 @@ def test_lesson7_split_model_holds_more_blocks_per_rank_and_stops_preempting(res
         assert run.outputs == one.outputs
     assert all(len(toks) == spec.max_tokens for spec in get_lesson(7).scenario.requests
                for toks in [one.outputs[spec.request_id]])
+
+
+def test_lesson8_priority_overtakes_victims_differ_and_lru_keeps_the_alternating_prompts(results):
+    v, runs = results[8].values, results[8].runs
+    assert all(v[f"{name}_same_outputs"] for name in ("fcfs", "priority", "most_blocks", "mru"))  # tokens unchanged
+    assert runs["priority"].info.scheduling_policy == "priority" and runs["mru"].info.eviction_policy == "mru"
+    # FCFS admits in arrival order; priority lets the late r4 (-1) overtake and r0 (5) starve until the end
+    assert v["fcfs_order"] == "r0 r1 r2 r3 r4" and v["priority_order"].split()[-1] == "r0"
+    assert v["priority_order"].index("r4") < v["priority_order"].index("r0")
+    assert v["r4_wait_priority"] < v["r4_wait_fcfs"] and v["r0_wait_priority"] > v["r0_wait_fcfs"]
+    # newest-first and most-blocks preempt different requests; most-blocks' victim held more blocks
+    assert v["fcfs_victim"] == "r2" and v["most_blocks_victim"] != v["fcfs_victim"]
+    assert v["most_blocks_victim_blocks"] > v["fcfs_victim_blocks"]
+    assert v["most_blocks_recomputed"] > v["fcfs_recomputed"] and v["most_blocks_steps"] > v["fcfs_steps"]
+    # alternating two system prompts: LRU keeps each prompt's first blocks, MRU gives block 0 away first
+    assert 0 < v["lru_hit_per_repeat"] < v["sys_tokens"] and v["mru_hit_per_repeat"] == 0
+    assert v["fcfs_repeat_hit_rate"] > v["mru_repeat_hit_rate"] == 0 and v["mru_evictions"] > v["lru_evictions"]
 
 
 def test_lesson7_pool_from_a_memory_budget_grows_with_the_ranks(lesson_model):

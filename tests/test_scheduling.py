@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged import InvalidRequestError, SamplingParams
 from minipaged.events import EngineView
+from minipaged.policies import policy_names
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -57,6 +58,12 @@ VARIANTS = {
     "preempt-swap-static": dict(policy="static", max_num_seqs=6, num_blocks=24, preemption_mode="swap",
                                 num_cpu_blocks=64),
     "max-num-seqs-3": dict(max_num_seqs=3, max_num_batched_tokens=20),
+    # policies (minipaged.policies): who is admitted, preempted and evicted changes timing, never tokens
+    "shortest-prompt-first": dict(scheduling_policy="shortest-prompt-first", max_num_seqs=3),
+    "preempt-most-blocks": dict(num_blocks=24, preemption_victim="most-blocks"),
+    "preempt-priority-lowest-priority": dict(num_blocks=24, scheduling_policy="priority",
+                                             preemption_victim="lowest-priority"),
+    "prefix-cache-evicting-mru": dict(enable_prefix_caching=True, num_blocks=40, eviction_policy="mru"),
 }
 
 
@@ -72,7 +79,7 @@ def test_greedy_outputs_do_not_depend_on_engine_features(name, baseline, tiny_en
         assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0
     if name == "preempt-swap-cpu-full":
         assert stats["preemptions_recompute"] > 0           # fell back when the CPU pool was full
-    if name == "prefix-cache-evicting":
+    if name.startswith("prefix-cache-evicting"):
         assert stats["blocks_evicted"] > 0 and stats["prefix_cache_hits"] > 0
     if name == "budget-16":
         assert any(s.kind == "prefill" and s.end < s.prompt_len for e in events for s in e.scheduled)
@@ -129,11 +136,17 @@ def rng_cpu_blocks(seed: int) -> int:
 @given(budget=st.integers(4, 96), seed=st.integers(0, 10_000), num_blocks=st.integers(30, 120),
        chunked=st.booleans(), max_num_seqs=st.integers(1, 8), aborts=st.integers(0, 3),
        preemption_mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["continuous", "static"]),
-       speculation=st.sampled_from([None, "ngram", "self-draft"]))
+       speculation=st.sampled_from([None, "ngram", "self-draft"]),
+       scheduling_policy=st.sampled_from(policy_names("scheduling_policy")),
+       preemption_victim=st.sampled_from(policy_names("preemption_victim")),
+       eviction_policy=st.sampled_from(policy_names("eviction_policy")))
 def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget, seed, num_blocks, chunked,
-                                                    max_num_seqs, aborts, preemption_mode, policy, speculation):
+                                                    max_num_seqs, aborts, preemption_mode, policy, speculation,
+                                                    scheduling_policy, preemption_victim, eviction_policy):
     options = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-                   preemption_mode=preemption_mode, policy=policy, num_cpu_blocks=rng_cpu_blocks(seed))
+                   preemption_mode=preemption_mode, policy=policy, num_cpu_blocks=rng_cpu_blocks(seed),
+                   scheduling_policy=scheduling_policy, preemption_victim=preemption_victim,
+                   eviction_policy=eviction_policy)
     if speculation is not None:          # drafts take budget and slots, roll back, and are dropped on preemption
         options["speculative_config"] = SPECULATION[speculation]
     if chunked:
@@ -143,7 +156,7 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
     ids = []
     for prompt in random_prompts(rng, 8, 1, 60):
         ids.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 20),
-                                                             ignore_eos=True)))
+                                                             ignore_eos=True, priority=rng.randint(-2, 2))))
     view = EngineView(engine.info)
     step = 0
     while engine.has_unfinished_requests():
@@ -167,6 +180,7 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
         for block in engine.kv.blocks:
             assert len(view.block_owners[block.block_id]) == block.ref_cnt
             assert view.block_cached[block.block_id] == (block.block_hash is not None)
+        engine.kv.check_invariants()                     # kept counts (free, cached and free) equal a recount
         assert step < 2000
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     engine.kv.check_invariants()

@@ -196,9 +196,9 @@ def test_bad_requests_get_error_json_while_a_long_stream_is_unharmed(client, ser
         ({"max_tokens": 5000}, 400, "maximum context length is 2048 tokens. However, you requested 5002 tokens"),
         ({"prompt": ""}, 400, "empty"),
         ({"prompt": [999999]}, 400, "outside the vocabulary"),
-        ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+        ({"prompt": ["a", ""]}, 400, "empty"),
         ({"prompt": 3}, 400, "prompt"),
-        ({"logprobs": 2}, 400, "logprobs"),
+        ({"logprobs": -1}, 400, "logprobs"),
         ({"stop": [""]}, 400, "stop"),
         ({"model": "gpt-9"}, 404, "does not exist"),
     ]

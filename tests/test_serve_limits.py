@@ -210,6 +210,10 @@ SAMPLE_VALUES: dict[str, object] = {
 }
 
 
+# Chat spells log-probabilities differently: a flag, with top_logprobs as the count.
+CHAT_SAMPLE_ARGS = {"logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2}}
+
+
 def openai_fields(params_type: object) -> list[str]:
     """The request fields the installed openai client can send: the keys of its TypedDicts (streaming and not)."""
     members = typing.get_args(params_type) if typing.get_origin(params_type) is typing.Union else (params_type,)
@@ -236,6 +240,8 @@ def test_5_every_field_of_the_openai_client_is_honoured_or_refused_by_name(serve
         if name in ("model", *required):
             continue
         args = {"model": model_name, "max_tokens": 3, **required, name: SAMPLE_VALUES[name]}
+        if kind == "chat":                   # chat's logprobs is a flag, and top_logprobs needs it
+            args.update(CHAT_SAMPLE_ARGS.get(name, {}))
         if name == "max_completion_tokens":
             del args["max_tokens"]
         try:
@@ -253,7 +259,9 @@ def test_5_every_field_of_the_openai_client_is_honoured_or_refused_by_name(serve
         assert honoured or name in REFUSED, f"{name} is refused only as an unknown field: give REFUSED a reason"
     print(kind, outcome)
     assert outcome["n"] == outcome["seed"] == outcome["stop"] == "honoured"
-    assert outcome["logit_bias"] == outcome["presence_penalty"] == "refused"
+    assert outcome["logit_bias"] == outcome["presence_penalty"] == outcome["logprobs"] == "honoured"
+    if kind == "completions":
+        assert outcome["best_of"] == outcome["suffix"] == "refused"
 
 
 def test_5_harmless_values_pass_and_zero_is_not_false(server, model_name):
@@ -261,12 +269,18 @@ def test_5_harmless_values_pass_and_zero_is_not_false(server, model_name):
     for harmless in ({"logprobs": None}, {"echo": False}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
                      {"logit_bias": {}}, {"best_of": 1}, {"user": "u"}):
         assert post(server, "/v1/completions", {**base, **harmless}).status_code == 200, harmless
-    for asking in ({"logprobs": 0}, {"best_of": 2}, {"echo": 1}, {"stop_token_ids": [2]}, {"no_such_field": 1}):
+    for asking in ({"best_of": 2}, {"suffix": "x"}, {"min_p": 0.1}, {"no_such_field": 1}):
         name = next(iter(asking))
         assert error_of(post(server, "/v1/completions", {**base, **asking}), 400)["param"] == name, asking
+    # 0 == False in Python, but logprobs: 0 asks for log-probabilities (of the chosen tokens, no alternatives)
+    zero = post(server, "/v1/completions", {**base, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert zero is not None and len(zero["token_logprobs"]) == len(zero["tokens"]) > 0
+    assert post(server, "/v1/completions", {**base, "logprobs": False}).json()["choices"][0]["logprobs"] is None
     chat = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert post(server, "/v1/chat/completions", {**chat, "logprobs": False}).status_code == 200
-    assert error_of(post(server, "/v1/chat/completions", {**chat, "logprobs": True}), 400)["param"] == "logprobs"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert post(server, "/v1/chat/completions", {**chat, "tools": []}).status_code == 200
+    assert error_of(post(server, "/v1/chat/completions", {**chat, "tools": tools}), 400)["param"] == "tools"
 
 
 # ------------------------------------------------------------------------------ 6. chat roles

@@ -64,3 +64,21 @@ def test_converted_config_names_its_architecture(engine, tmp_path):
     old.write_text(json.dumps({**config, "architectures": None}))
     name_architecture(old)
     assert json.loads(old.read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_structured_outputs_with_the_real_tokenizer(engine):
+    """xgrammar compiles offline from SmolLM2's own tokenizer; the answer parses and keeps the schema."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    out = engine.chat([{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+                      SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema}))[0]
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris"
+    choice = engine.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs={"choice": [" Paris", " London"]}))[0]
+    assert choice.text == " Paris"

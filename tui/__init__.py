@@ -45,6 +45,11 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
                    help="open guided lesson N (list them: minipaged lessons): its scenario, with the lesson "
                         "text, checkpoints and quiz beside it; engine flags you give pick the run it compares "
                         "with, e.g. --lesson 2 --policy static%(default).0s")
+    g.add_argument("--lab", metavar="N", type=int, default=None,
+                   help="run your code for lab N (minipaged lab list) inside the live engine, side by side with the "
+                        "engine's own%(default).0s")
+    g.add_argument("--lab-file", metavar="FILE", default=None,
+                   help="your lab file (default: the name `minipaged lab start N` gave it, in this folder)%(default).0s")
     g.add_argument("--compare", nargs="*", metavar="VARIANT", default=None,
                    help="run the workload through two or three engines that differ in the options given as "
                         "name=value, side by side and stepped together, e.g. --compare policy=static "
@@ -144,6 +149,46 @@ def run_compare(args: argparse.Namespace, replay_files: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"minipaged watch: {exc}", file=sys.stderr)
         return 2
+    return _show_compare(args, compare, replays, description)
+
+
+def run_lab(args: argparse.Namespace) -> int:
+    """``--lab N``: the student's code in one engine, the engine's own in the other, one workload, side by side."""
+    from pathlib import Path
+
+    from minipaged.lessons.labs import LabFailure, find_lab, load_target
+
+    from .compare import CompareRun
+
+    try:
+        lab = find_lab(args.lab)
+        path = Path(args.lab_file or lab.file_name)
+        target = load_target(path, lab.target)
+        workload = workload_of(args)
+    except (LabFailure, OSError, ValueError) as exc:
+        print(f"minipaged watch: {exc}", file=sys.stderr)
+        return 2
+    if lab.adapt_workload is not None:
+        workload = lab.adapt_workload(workload)
+    reference = {**engine_options_for(args, workload.engine_options), **lab.reference_options}
+    theirs = {**reference, **(lab.watch_options(str(path)) if lab.watch_options else {})}
+
+    def build_theirs(progress: Any) -> Any:
+        engine = build_engine(args.model, theirs, progress)
+        if lab.install is not None:
+            lab.install(engine, target)
+        return engine
+
+    compare = CompareRun([("the engine's own", lambda progress: build_engine(args.model, reference, progress)),
+                          (f"yours ({path.name})", build_theirs)], workload)
+    return _show_compare(args, compare, None, f"lab {lab.number}: {lab.title}; workload {workload.name}, "
+                                              f"{len(workload.arrivals)} requests, the same for both runs")
+
+
+def _show_compare(args: argparse.Namespace, compare: Any, replays: Any, description: str) -> int:
+    """The side-by-side app, or with --no-tui one summary line per run."""
+    from .compare import summarize
+
     if args.tui:
         from .compare_app import CompareApp
         return _run_app(CompareApp(compare=compare, replays=replays, speed=args.speed,
@@ -167,6 +212,13 @@ def _flag_problem(args: argparse.Namespace) -> Optional[str]:
     if (getattr(args, "speed", None) or 0) < 0:
         return f"--speed must be 0 (as fast as the engine goes) or a positive number of steps per second, " \
                f"not {args.speed}."
+    if getattr(args, "lab", None) is not None:
+        clashing = [flag for flag, name in (("--replay", "replay"), ("--attach", "attach"), ("--lesson", "lesson"),
+                                            ("--record", "record")) if getattr(args, name, None)]
+        clashing += ["--compare"] if getattr(args, "compare", None) is not None else []
+        if clashing:
+            return (f"--lab runs your code and the engine's own side by side, live; it does not combine with "
+                    f"{', '.join(clashing)}.")
     if getattr(args, "replay", None) and getattr(args, "attach", None):
         return "--replay shows a recorded run and --attach a live server: give one of them."
     if getattr(args, "replay", None) or getattr(args, "attach", None):
@@ -208,6 +260,8 @@ def run_watch(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "attach", None):
         return _run_attach(args)
+    if getattr(args, "lab", None) is not None:
+        return run_lab(args)
     if getattr(args, "compare", None) is not None:
         return run_compare(args, replay_files)
     args.replay = replay_files[0] if replay_files else None

@@ -137,6 +137,13 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
         add("spec", f"verified {drafted} draft{'s' if drafted > 1 else ''} of {num_verified} request"
                     f"{'s' if num_verified > 1 else ''}: {accepted} accepted ({accepted / drafted:.0%}), "
                     f"{produced} token{'s' if produced > 1 else ''} in one forward pass")
+    if len(ev.constrained) == 1:
+        (rid, (allowed, vocab)), = ev.constrained.items()
+        add("mask", f"{rid} structured-output mask: {allowed} of {vocab} tokens allowed", rid)
+    elif ev.constrained:
+        vocab = next(iter(ev.constrained.values()))[1]
+        each = ", ".join(f"{rid} {n}" for rid, (n, _vocab) in sorted(ev.constrained.items()))
+        add("mask", f"structured-output masks on {len(ev.constrained)} requests, tokens allowed of {vocab}: {each}")
     for f in ev.finished:
         ttft = "" if f.ttft_s is None else f", TTFT {f.ttft_s * 1e3:.0f} ms"
         add("finish", f"{f.request_id} finished ({f.finish_reason}): {f.num_output_tokens} tokens{ttft}",

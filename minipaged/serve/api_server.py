@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -184,15 +185,26 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
         body.refuse_unsupported(settings.limits)
         check_model(body.model)
-        prompt = body.single_prompt()
-        max_tokens = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        body.sampling_params(max_tokens)                  # bad values fail here, before queueing
+        asked = p.OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        # echo with max_tokens=0 (how evaluation harnesses score a text): one token is generated and dropped
+        echo_only = body.echo and asked == 0
+        max_tokens = 1 if echo_only else asked
+        params = body.sampling_params(max_tokens)         # bad values fail here, before queueing
+        if body.echo and body.logprobs is not None:       # echo scores the prompt's tokens too
+            params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
+        echo = Echo(echo_only) if body.echo else None
 
-        def prepare(eng: Any) -> tuple[list[int], Any]:
-            token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
-            check_context(len(token_ids), max_tokens, max_model_len)
-            return token_ids, body.sampling_params(max_tokens)
-        return await respond("completion", body, prepare, request)
+        def prepare_for(index: int, prompt: Union[str, list[int]]) -> Any:
+            def prepare(eng: Any) -> tuple[list[int], Any]:
+                token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+                check_context(len(token_ids), max_tokens, max_model_len)
+                if echo is not None:                      # the engine thread decodes (the tokenizer lives there)
+                    echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else eng.tokenizer.decode(
+                        token_ids))
+                return token_ids, params
+            return prepare
+        return await respond("completion", body, [prepare_for(i, pr) for i, pr in enumerate(body.prompts())],
+                             request, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
@@ -200,7 +212,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body.sampling_params(asked or 1)
+        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here, before queueing
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             try:
@@ -219,17 +231,26 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 max_tokens = asked
                 check_context(len(token_ids), max_tokens, max_model_len)
             return token_ids, body.sampling_params(max_tokens)
-        return await respond("chat", body, prepare, request)
+        return await respond("chat", body, [prepare], request)
 
-    async def respond(kind: p.Kind, body: p.SamplingFields, prepare: Any, request: Request) -> Response:
+    async def respond(kind: p.Kind, body: p.SamplingFields, prepares: list[Any], request: Request,
+                      echo: Optional[Echo] = None) -> Response:
+        """Queue one engine request per prompt (all accepted, or none), then answer: choice i * n + j is prompt
+        i's sample j, as OpenAI numbers them."""
         request_id = p.new_id(p.ID_PREFIX[kind])
-        updates = async_engine.generate(request_id, prepare, body.num_samples())
-        accepted = await updates.__anext__()              # raises the refusal (400/503) before any byte is sent
-        assert isinstance(accepted, Accepted)
+        async_engine.check_admission(body.num_samples())  # all the prompts' samples, or none of them
+        all_updates = [async_engine.generate(request_id if len(prepares) == 1 else f"{request_id}-{i}", prepare,
+                                             body.n) for i, prepare in enumerate(prepares)]
+        try:
+            accepted = [await updates.__anext__() for updates in all_updates]   # a refusal raises (400/503) here
+        except BaseException:
+            for updates in all_updates:                   # the ones already queued are aborted
+                await updates.aclose()
+            raise
         if body.stream:
-            return StreamingResponse(stream(kind, request_id, body, accepted, updates), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        collect = asyncio.ensure_future(final_output(updates))
+            return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        collect = asyncio.ensure_future(asyncio.gather(*[final_output(updates) for updates in all_updates]))
         gone = asyncio.ensure_future(disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():                            # the client left: cancelling aborts the request
@@ -238,16 +259,24 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 await collect
             return Response(status_code=499)
         gone.cancel()
-        output = collect.result()
-        make_choice = p.completion_choice if kind == "completion" else p.chat_choice
-        return JSONResponse({
-            "id": request_id, "object": p.OBJECT[kind], "created": p.now_s(), "model": settings.served_model_name,
-            "choices": [make_choice(c.index, c.text, c.finish_reason, c.stop_reason) for c in output.outputs],
-            "usage": output_usage(output)})
+        outputs = collect.result()
+        n = accepted[0].params.n
+        choices = [choice_json(kind, body, i * n + c.index, c, echo and echo.prompts.get(i), out.prompt_logprobs,
+                               echo.only if echo else False)
+                   for i, out in enumerate(outputs) for c in out.outputs]
+        response = {"id": request_id, "object": p.OBJECT[kind], "created": p.now_s(),
+                    "model": settings.served_model_name, "choices": choices,
+                    "usage": outputs_usage(outputs, echo is not None and echo.only)}
+        if kind == "chat" and body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = p.prompt_logprobs_json(outputs[0].prompt_logprobs,
+                                                                 body.return_tokens_as_token_ids)
+        return JSONResponse(response)
 
     async def stream(kind: p.Kind, request_id: str, body: p.SamplingFields, accepted: Accepted,
-                     updates: AsyncIterator[Any]) -> AsyncIterator[str]:
+                     all_updates: list[AsyncIterator[Any]], echo: Optional[Echo]) -> AsyncIterator[str]:
         created, include_usage = p.now_s(), body.include_usage
+        n, as_ids = accepted.params.n, body.return_tokens_as_token_ids
+        text_offsets: dict[int, int] = {}                 # completions' text_offset runs on per choice
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             data = {"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
@@ -256,30 +285,70 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 data["usage"] = None
             return sse(data)
 
+        def completion_logprobs(index: int, positions: list[p.Position]) -> dict[str, Any]:
+            out = p.completion_logprobs(positions, body.logprobs or 0, as_ids, text_offsets.get(index, 0))
+            text_offsets[index] = text_offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+            return out
+
         if kind == "chat":                                # the role first, as OpenAI sends it
-            for i in range(accepted.params.n):
+            for i in range(n):
                 yield chunk([p.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
-        output = None
+        outputs: dict[int, Any] = {}
+        echoed: set[int] = set()
         try:
-            async for update in updates:
+            async for prompt_index, update in merged(all_updates):
                 assert isinstance(update, Update)
+                if echo is not None and prompt_index not in echoed:   # the prompt first, with its log-probabilities
+                    echoed.add(prompt_index)
+                    token_ids, text = echo.prompts[prompt_index]
+                    for j in range(n):
+                        scored = list(zip(token_ids, update.prompt_logprobs or [None] * len(token_ids)))
+                        logprobs = None if body.logprobs is None else completion_logprobs(prompt_index * n + j, scored)
+                        yield chunk([p.completion_choice(prompt_index * n + j, text, None, logprobs=logprobs)])
                 for d in update.deltas:
-                    if not d.text and d.finish_reason is None:
-                        continue                          # a token that is not text yet (held back, half a char)
+                    index = prompt_index * n + d.index
+                    text = "" if echo is not None and echo.only else d.text
+                    with_logprobs = bool(d.logprobs) and not (echo is not None and echo.only)
+                    if not text and d.finish_reason is None and not with_logprobs:
+                        continue                              # a token that is not text yet (held back, half a char)
+                    positions = list(zip(d.token_ids, d.logprobs)) if with_logprobs else []
                     if kind == "chat":
-                        yield chunk([p.chat_chunk_choice(d.index, {"content": d.text} if d.text else {},
-                                                         d.finish_reason)])
+                        yield chunk([p.chat_chunk_choice(index, {"content": text} if text else {}, d.finish_reason,
+                                                         p.chat_logprobs(positions, body.num_logprobs or 0, as_ids)
+                                                         if with_logprobs else None)])
                     else:
-                        yield chunk([p.completion_choice(d.index, d.text, d.finish_reason)])
-                output = update.output or output
+                        yield chunk([p.completion_choice(index, text, d.finish_reason, logprobs=completion_logprobs(
+                            index, positions) if with_logprobs else None)])
+                if update.output is not None:
+                    outputs[prompt_index] = update.output
         except p.ServerError as exc:                      # the server ended it (shutdown): say so, as vLLM does
             yield sse(exc.body())
             yield sse("[DONE]")
             return
-        if include_usage and output is not None:
+        if include_usage and len(outputs) == len(all_updates):
             yield sse({"id": request_id, "object": p.CHUNK_OBJECT[kind], "created": created,
-                       "model": settings.served_model_name, "choices": [], "usage": output_usage(output)})
+                       "model": settings.served_model_name, "choices": [],
+                       "usage": outputs_usage([outputs[i] for i in sorted(outputs)], echo is not None and echo.only)})
         yield sse("[DONE]")
+
+    def choice_json(kind: p.Kind, body: p.SamplingFields, index: int, c: Any, echoed: Optional[tuple[list[int], str]],
+                    prompt_logprobs: Optional[list], echo_only: bool) -> dict[str, Any]:
+        """One non-streamed choice, with the echoed prompt and the log-probabilities the request asked for."""
+        as_ids = body.return_tokens_as_token_ids
+        generated = [] if echo_only else list(zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)))
+        if kind == "chat":
+            logprobs = None if c.logprobs is None else p.chat_logprobs(generated, body.num_logprobs or 0, as_ids)
+            return p.chat_choice(index, c.text, c.finish_reason, c.stop_reason, logprobs)
+        text = ("" if echo_only else c.text) if echoed is None else echoed[1] + ("" if echo_only else c.text)
+        logprobs = None
+        if body.logprobs is not None:
+            prompt_positions = [] if echoed is None else list(zip(echoed[0],
+                                                                  prompt_logprobs or [None] * len(echoed[0])))
+            logprobs = p.completion_logprobs(prompt_positions + generated, body.logprobs, as_ids)
+        choice = p.completion_choice(index, text, c.finish_reason, c.stop_reason, logprobs)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = p.prompt_logprobs_json(prompt_logprobs, as_ids)
+        return choice
 
     return app
 
@@ -335,6 +404,48 @@ async def drain(async_engine: AsyncEngine, goodbye: asyncio.Event, timeout_s: fl
     await asyncio.sleep(0.2)                              # the last events and error chunks go out
 
 
+@dataclass
+class Echo:
+    """Completions' ``echo``: each prompt's token ids and text (filled in the engine thread), and whether the
+    request generates nothing (``max_tokens=0``)."""
+
+    only: bool
+    prompts: dict[int, tuple[list[int], str]] = field(default_factory=dict)
+
+
+async def merged(all_updates: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The updates of several requests as they come, each with its request's position; leaving early (or one
+    failing) cancels the rest, which aborts them."""
+    if len(all_updates) == 1:
+        async for update in all_updates[0]:
+            yield 0, update
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, updates: AsyncIterator[Any]) -> None:
+        try:
+            async for update in updates:
+                await queue.put((index, update))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, updates)) for i, updates in enumerate(all_updates)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def final_output(updates: AsyncIterator[Any]) -> Any:
     async for update in updates:
         if isinstance(update, Update) and update.output is not None:
@@ -348,5 +459,7 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def output_usage(output: Any) -> dict[str, int]:
-    return p.usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+def outputs_usage(outputs: list[Any], echo_only: bool = False) -> dict[str, int]:
+    """Usage over every prompt of a request; echo with max_tokens=0 generated nothing the caller sees."""
+    return p.usage(sum(len(o.prompt_token_ids) for o in outputs),
+                   0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs))

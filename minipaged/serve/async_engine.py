@@ -49,12 +49,15 @@ class ChoiceDelta:
     text: str
     num_tokens: int
     finish_reason: Optional[str] = None      # set only in the choice's last delta
+    token_ids: tuple[int, ...] = ()          # the new tokens, and their log-probabilities when the request asked
+    logprobs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class Update:
     deltas: tuple[ChoiceDelta, ...]
     output: Any = None                       # the RequestOutput, in the update where the last sample finishes
+    prompt_logprobs: Optional[list] = None   # in a request's first update, when it asked for them
 
 
 @dataclass
@@ -64,6 +67,7 @@ class _Stream:
     queue: asyncio.Queue
     samples: dict[str, int]                  # engine sub-request id -> choice index
     finished: set[str] = field(default_factory=set)
+    updates_sent: int = 0
 
 
 class AsyncEngine:
@@ -117,12 +121,8 @@ class AsyncEngine:
         return pending + int(self.stats.get("requests_waiting", 0))
 
     # ------------------------------------------------------------------ requests (event-loop side)
-    async def generate(self, request_id: str, prepare: Prepare,
-                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, Update]]:
-        """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
-        last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
-        Leaving early (the client went away, the task was cancelled) aborts the request.
-
+    def check_admission(self, num_samples: int) -> None:
+        """Refuse (503 while draining or busy, 400 when it could never fit) a request of ``num_samples`` samples.
         Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
         if self.draining:
             raise ServerError(503, f"{self.draining}: it takes no new requests; send them to another server.",
@@ -135,6 +135,15 @@ class AsyncEngine:
             raise ServerError(503, f"the server is busy: {self.num_waiting} samples are waiting, and {num_samples} "
                                    f"more would pass the limit (--max-waiting-requests) of {limit}; retry shortly.",
                               headers={"Retry-After": "1"})
+
+    async def generate(self, request_id: str, prepare: Prepare,
+                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, Update]]:
+        """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
+        last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
+        Leaving early (the client went away, the task was cancelled) aborts the request.
+
+        Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
+        self.check_admission(num_samples)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._num_submitted_not_added += num_samples
@@ -272,16 +281,23 @@ class AsyncEngine:
                 stream.finished.add(sub)
             deltas.setdefault(parent, []).append(ChoiceDelta(
                 stream.samples[sub], event.new_text.get(sub, ""), len(event.new_token_ids.get(sub, ())),
-                finish.finish_reason if finish is not None else None))
+                finish.finish_reason if finish is not None else None, tuple(event.new_token_ids.get(sub, ())),
+                tuple(self.engine.step_logprobs.get(sub, ()))))
         for parent, parent_deltas in deltas.items():
             stream = self._streams[parent]
             output = None
+            first_sample = next(iter(stream.samples))
+            prompt_logprobs = None if stream.updates_sent else self.engine.outputs.prompt_logprobs_of(first_sample)
             if len(stream.finished) == len(stream.samples):
                 output = self.engine.outputs.pop_finished(parent)[0]
                 del self._streams[parent]
                 for sub in stream.samples:
                     self._sample_parent.pop(sub, None)
-            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output))
+                if not stream.updates_sent:
+                    prompt_logprobs = output.prompt_logprobs
+            stream.updates_sent += 1
+            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output,
+                                            prompt_logprobs))
 
     def _fail_all(self, error: ServerError) -> None:
         for request_id in list(self._streams):

@@ -6,7 +6,8 @@ body may carry is one of three kinds: honoured (a field of the models below), wi
 (``NO_EFFECT``: accounting and routing hints), or refused with a 400 naming it (``REFUSED``, one line per
 field, and any field nobody knows). A client that asked for JSON output and got prose without an error
 would be worse off than one told "no". The server's limits (``ServerLimits``) bound the work one request
-can ask for; each refusal names the limit and the flag that sets it.
+can ask for; each refusal names the limit and the flag that sets it. Log-probabilities are the raw model's
+(before penalties, biases, masks and temperature), as vLLM returns them by default.
 
 This module stays free of torch: it only turns JSON into ``SamplingParams`` and outputs into JSON.
 """
@@ -17,9 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..request import SamplingParams
+from ..outputs import PositionLogprobs
+from ..request import MAX_LOGPROBS, SamplingParams
 from .limits import ServerLimits
 
 OPENAI_DEFAULT_MAX_TOKENS = 16          # completions: OpenAI's (and vLLM's) default
@@ -41,25 +43,13 @@ class Refusal:
 # Fields of OpenAI's (or vLLM's) request bodies that minipaged cannot honour yet. Honouring one is deleting its
 # line here and giving the model below a field for it.
 REFUSED: dict[str, Refusal] = {
-    "logprobs": Refusal("minipaged does not return log-probabilities", (None, False)),
-    "top_logprobs": Refusal("minipaged does not return log-probabilities"),
-    "prompt_logprobs": Refusal("minipaged does not return log-probabilities"),
-    "echo": Refusal("minipaged does not echo the prompt back", (None, False)),
     "best_of": Refusal("minipaged returns every sample it makes: ask for n samples instead", (None, 1)),
     "suffix": Refusal("minipaged does not insert text before a suffix", (None, "")),
-    "presence_penalty": Refusal("minipaged applies no penalties", (None, 0, 0.0)),
-    "frequency_penalty": Refusal("minipaged applies no penalties", (None, 0, 0.0)),
-    "repetition_penalty": Refusal("minipaged applies no penalties", (None, 1, 1.0)),
-    "logit_bias": Refusal("minipaged does not bias logits", (None, {})),
-    "min_tokens": Refusal("minipaged has no minimum output length", (None, 0)),
     "min_p": Refusal("minipaged samples with temperature, top_k and top_p only", (None, 0, 0.0)),
-    "stop_token_ids": Refusal("the server does not pass stop token ids to the engine yet", (None, [])),
-    "response_format": Refusal("minipaged has no structured (JSON) output", (None, {"type": "text"})),
-    "guided_json": Refusal("minipaged has no structured (JSON) output"),
-    "guided_regex": Refusal("minipaged has no structured output"),
-    "guided_choice": Refusal("minipaged has no structured output"),
-    "guided_grammar": Refusal("minipaged has no structured output"),
-    "structured_outputs": Refusal("minipaged has no structured output"),
+    "guided_json": Refusal("vLLM's old guided_* fields are gone: use structured_outputs or response_format"),
+    "guided_regex": Refusal("vLLM's old guided_* fields are gone: use structured_outputs or response_format"),
+    "guided_choice": Refusal("vLLM's old guided_* fields are gone: use structured_outputs or response_format"),
+    "guided_grammar": Refusal("vLLM's old guided_* fields are gone: use structured_outputs or response_format"),
     "tools": Refusal("minipaged does not call tools", (None, [])),
     "tool_choice": Refusal("minipaged does not call tools", (None, "none")),
     "functions": Refusal("minipaged does not call functions", (None, [])),
@@ -135,9 +125,26 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    logprobs: Optional[Any] = None
+    echo: bool = False
+    # The logits stage (OpenAI's penalties and logit_bias; the rest are vLLM's extras)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: bool = False
+    priority: int = 0                  # vLLM's extension (extra_body): lower is admitted first under priority
 
     def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
         """A 400 for the first field the server cannot honour, or a value beyond its limits."""
+        self.check_logprobs()
         sent = {**{name: getattr(self, name) for name in self.model_fields_set}, **(self.model_extra or {})}
         for name, value in sent.items():
             refusal = REFUSED.get(name)
@@ -173,18 +180,66 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_logprobs(self) -> None:
+        """Completions' ``logprobs`` is a count (0..20); chat overrides this (a flag plus ``top_logprobs``)."""
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ServerError(400, f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (how many alternatives to "
+                                   f"return per token), got {self.logprobs!r}.", "logprobs")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams (it validates them; InvalidRequestError becomes a 400)."""
         return SamplingParams(n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=0 if self.top_k is None else self.top_k, seed=self.seed, max_tokens=max_tokens,
-                              stop=self.stop or (), ignore_eos=self.ignore_eos)
+                              stop=self.stop or (), ignore_eos=self.ignore_eos, priority=self.priority,
+                              **self.logits_params())
+
+    def logits_params(self) -> dict[str, Any]:
+        """The SamplingParams fields of the logits stage and log-probabilities."""
+        return dict(presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias=self.logit_bias, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
+                    allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                    structured_outputs=self.structured(), logprobs=self.num_logprobs,
+                    prompt_logprobs=self.prompt_logprobs)
+
+    def structured(self) -> Optional[dict[str, Any]]:
+        """OpenAI's ``response_format`` or vLLM's ``structured_outputs``, as StructuredOutputsParams fields."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ServerError(400, "give either response_format or structured_outputs, not both.", "response_format")
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ServerError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
+                                       "{...}}} with the schema as an object.", "response_format")
+            return {"json": schema}
+        raise ServerError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                               f"{fmt.get('type')!r}.", "response_format")
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
 
+    @field_validator("logprobs")
+    @classmethod
+    def false_asks_for_nothing(cls, value: Any) -> Any:
+        """``logprobs: false`` (some clients send it) asks for nothing; ``0`` asks for the chosen tokens' only."""
+        return None if value is False else value
+
     def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts (text or token ids): one, or a list of them; choice ``i * n + j`` is prompt i's sample j."""
         p = self.prompt
         return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
@@ -194,16 +249,6 @@ class CompletionRequest(SamplingFields):
 
     def num_samples(self) -> int:
         return self.n * len(self.prompts())
-
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt (text or token ids); a list of one prompt is accepted, as OpenAI allows it."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ServerError(400, f"got {len(p)} prompts in one request; minipaged takes one prompt per "
-                                       f"request: send them as separate (concurrent) requests.", "prompt")
-            p = p[0]
-        return p
 
 
 class ContentPart(BaseModel):
@@ -231,6 +276,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[int] = None
+
+    def check_logprobs(self) -> None:
+        if self.echo:
+            raise ServerError(400, "echo is a completions option; leave it unset for chat.", "echo")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ServerError(400, f"chat logprobs must be true or false, got {self.logprobs!r}.", "logprobs")
+        if self.top_logprobs is not None:
+            if isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ServerError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got "
+                                       f"{self.top_logprobs!r}.", "top_logprobs")
+            if not self.logprobs:
+                raise ServerError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
         for i, message in enumerate(self.messages):
@@ -256,19 +318,71 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_choice(index: int, text: str, finish_reason: Optional[str],
-                      stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      stop_reason: Union[str, int, None] = None, logprobs: Optional[dict] = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
 def chat_choice(index: int, text: str, finish_reason: Optional[str],
-                stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                stop_reason: Union[str, int, None] = None, logprobs: Optional[dict] = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def chat_chunk_choice(index: int, delta: dict[str, str], finish_reason: Optional[str]) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk_choice(index: int, delta: dict[str, str], finish_reason: Optional[str],
+                      logprobs: Optional[dict] = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# ----------------------------------------------------------------------------------------- log-probabilities
+# A position is (token id, vLLM's {token id: Logprob} with the top N first); None: nothing came before it.
+Position = tuple[int, Optional[PositionLogprobs]]
+
+
+def token_text(token_id: int, position: Optional[PositionLogprobs], as_ids: bool) -> str:
+    """A token as the response names it: its text, or vLLM's ``token_id:N`` (return_tokens_as_token_ids)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    entry = position.get(token_id) if position else None
+    return entry.decoded_token if entry is not None and entry.decoded_token is not None else ""
+
+
+def completion_logprobs(positions: list[Position], num_top: int, as_ids: bool, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs (the top N and the chosen token), offsets."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, position in positions:
+        text = token_text(token_id, position, as_ids)
+        out["tokens"].append(text)
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+        if position is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(position[token_id].logprob)
+        top = [t for t in list(position)[:num_top]] + ([] if token_id in list(position)[:num_top] else [token_id])
+        out["top_logprobs"].append({token_text(t, position, as_ids): position[t].logprob for t in top})
+    return out
+
+
+def chat_logprobs(positions: list[Position], num_top: int, as_ids: bool) -> dict[str, Any]:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    def entry(token_id: int, position: PositionLogprobs) -> dict[str, Any]:
+        text = token_text(token_id, position, as_ids)
+        return {"token": text, "logprob": position[token_id].logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(token_id, position),
+                         "top_logprobs": [entry(t, position) for t in list(position)[:num_top]]}
+                        for token_id, position in positions if position is not None]}
+
+
+def prompt_logprobs_json(positions: Optional[list[Optional[PositionLogprobs]]],
+                         as_ids: bool) -> Optional[list[Optional[dict[str, Any]]]]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                               "decoded_token": token_text(t, pos, as_ids)} for t, lp in pos.items()}
+            for pos in positions]
 
 
 Kind = Literal["completion", "chat"]

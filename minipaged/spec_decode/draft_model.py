@@ -71,7 +71,7 @@ class DraftModelProposer:
     def _guess(self, chunks: list[ScheduledChunk], tokens: dict[str, list[int]],
                probs: dict[str, list[torch.Tensor]]) -> None:
         """One batched draft forward; each request's next guess (argmax, or a sample from q that is kept)."""
-        model_input = self.runner.prepare(chunks)
+        model_input = self.runner.prepare(chunks, with_prompt_rows=False)
         logits = self.runner.execute(model_input)
         for row, req in enumerate(model_input.sampled_requests):
             rid = req.request_id

@@ -32,6 +32,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.sampler = sampler                         # the requests' own seeded generators
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self.verify_drafts = verify                    # the rejection sampler (lab 4 runs a student's in its place)
 
     def propose(self, requests: Sequence[Request]) -> float:
         """Guess the next tokens of every request here that decodes next; returns the seconds it took.
@@ -54,7 +55,7 @@ class Speculator:
         probs = self._draft_probs.pop(req.request_id, None)
         draft = Draft(list(draft_token_ids), None if probs is None else probs[:len(draft_token_ids)])
         try:
-            return verify(rows, draft, req.params, self.sampler.generator_for(req))
+            return self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
         except (RuntimeError, ValueError) as exc:
             logger.error("verifying drafts failed for request %s (%s); it is aborted.", req.request_id, exc)
             return None

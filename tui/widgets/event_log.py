@@ -11,7 +11,8 @@ from ..state import WatchState, printable
 
 ICONS = {"arrive": ("+", "#a0cbe8"), "admit": ("▶", "#59a14f"), "chunk": ("▤", "#c9c9c9"),
          "hit": ("♻", "#7d8fa3"), "evict": ("✗", "#e15759"), "preempt": ("⚠", "#f28e2b"),
-         "swap": ("⇄", "#b07aa1"), "finish": ("■", "#888888"), "spec": ("⚡", "#76b7b2")}
+         "swap": ("⇄", "#b07aa1"), "finish": ("■", "#888888"), "spec": ("⚡", "#76b7b2"),
+         "mask": ("▦", "#edc948")}
 
 
 class EventLog(Widget):

@@ -1,7 +1,11 @@
-"""The selected request's output, streaming in token by token (from ``StepEvent.new_text``)."""
+"""The selected request's output, streaming in token by token (from ``StepEvent.new_text``).
+
+A request that asked for log-probabilities has its output coloured by how likely the model found each
+step's tokens (``StepEvent.new_logprobs``: the raw model's probabilities), from green (likely) to red.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from rich.text import Text
 from textual.widget import Widget
@@ -9,6 +13,27 @@ from textual.widget import Widget
 from ..state import WatchState, clean_preview, printable
 
 PROMPT_CHARS = 150         # the prompt above the output: its start and end, like the request table's
+# (lowest probability, colour): the first row whose bound the probability reaches
+PROBABILITY_COLOURS = ((0.5, "#59a14f"), (0.2, "#8cd17d"), (0.05, "#edc948"), (0.01, "#f28e2b"), (0.0, "#e15759"))
+
+
+def probability_colour(probability: Optional[float]) -> str:
+    if probability is None:
+        return ""
+    return next(colour for bound, colour in PROBABILITY_COLOURS if probability >= bound)
+
+
+def coloured_output(text: str, spans: Sequence[tuple[int, Optional[float]]]) -> Text:
+    """The output, each step's characters in the colour of their probability (spans cover the text in order)."""
+    out = Text()
+    start = 0
+    for length, probability in spans:
+        piece = printable(text[start:start + length])
+        start += length
+        if piece:
+            out.append(piece, style=probability_colour(probability))
+    out.append(printable(text[start:]))
+    return out
 
 
 class OutputPanel(Widget):
@@ -33,7 +58,10 @@ class OutputPanel(Widget):
         self.border_title = f"Output of {rid} ({req.state}, {req.num_output_tokens}/{req.max_tokens} tokens)"
         text = Text()
         text.append(clean_preview(req.prompt, PROMPT_CHARS) + "\n", style=f"italic {state.colour(rid)}")
-        text.append(printable(req.text) or "...")
+        if req.text_probs:
+            text.append_text(coloured_output(req.text, req.text_probs))
+        else:
+            text.append(printable(req.text) or "...")
         if req.finish_reason:
             text.append(f"  [{req.finish_reason}]", style="dim")
         width = max(10, self.content_size.width)

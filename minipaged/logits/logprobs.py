@@ -1,0 +1,31 @@
+"""Log-probabilities as the caller asked for them: the chosen token's, its rank, and the top N.
+
+They are the raw model's (log_softmax of the logits the forward pass gave, before the logits stage,
+temperature, top-k or top-p), as vLLM returns by default; under speculative decoding they are the target
+model's rows. The numbers leave here as plain Python values; the output processor adds the token text.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..outputs import TokenLogprobs
+
+
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logprob_rows: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """Row i holds the distribution token_ids[i] was drawn from (or is scored against, for a prompt)."""
+    n = min(len(token_ids), logprob_rows.shape[0])
+    if n == 0:
+        return []
+    rows = logprob_rows[:n].cpu()
+    ids = torch.tensor(list(token_ids[:n]), dtype=torch.long)
+    chosen = rows.gather(1, ids[:, None])[:, 0]
+    ranks = (rows > chosen[:, None]).sum(dim=1) + 1
+    top_values, top_ids = torch.topk(rows, num_top, dim=-1) if num_top else (rows[:, :0], ids[:, None][:, :0])
+    return [TokenLogprobs(int(t), float(lp), int(r), tuple(zip(ti.tolist(), tv.tolist())))
+            for t, lp, r, ti, tv in zip(ids.tolist(), chosen.tolist(), ranks.tolist(), top_ids, top_values)]
