@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: watch test setup bench tuning clean
+.PHONY: watch test setup bench tuning gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,18 @@ bench: $(VENV)/.installed
 # peer section (~10 minutes on a quiet 2-core machine).
 tuning: $(VENV)/.installed
 	$(PY) bench/tuning.py
+
+# Everything that needs a GPU, at once, for the first machine that has one: every test marked gpu (the Triton
+# kernels at real sizes, the engine on CUDA) and the Triton kernel benchmark (bench/out/paged_attention-<card>.*).
+# Without CUDA it says so and stops (exit status 1): nothing here can run.
+gpu-check: $(VENV)/.gpu-extra
+	@if ! $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		echo "gpu-check: no CUDA device here (torch.cuda.is_available() is False): no GPU test or benchmark ran."; \
+		echo "gpu-check: the triton backend's CPU checks run in 'make test' (Triton's interpreter)."; \
+		exit 1; fi
+	$(PY) -c "import torch; print('gpu-check on', torch.cuda.get_device_name())"
+	$(PY) -m pytest -q -m gpu
+	$(PY) bench/paged_attention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,11 +1,17 @@
 """How close is a decode step to the machine's matmul floor?
 
 The floor is the time the model's matmuls alone take, with fused projections (q|k|v as one matrix, gate|up as
-one, o, down, and the LM head), random weights of the same shapes, the same threads, done by the engine's
-own matmul code (torch's, except the compiled loop for 1-7 token rows and the sliced LM head), in the same
-run (taken in turns with the engine's steps: a floor pass, an engine step, and so on). A decode step can never
-be faster than that; everything above it is attention, norms, RoPE, sampling, scheduling and Python.
-Efficiency = floor / engine step. Where the engine uses the compiled CPU kernels, the same engine on the
+one, o, down, and the LM head), random weights of the same shapes, the same threads, in the same run (taken in
+turns with the engine's steps: a floor pass, an engine step, and so on). A decode step can never be faster
+than that; everything above it is attention, norms, RoPE, sampling, scheduling and Python. Two floors:
+
+  engine's own   the engine's backend's matmul code and weight layout (on the cpu backend: what its
+                 calibration chose, e.g. the compiled loop for 1-7 token rows, and the sliced LM head);
+  torch's best   the faster of torch's two layouts for the same matmuls: ``F.linear`` with the weights stored
+                 [out, in], and with them stored [in, out] (``x @ W``). The engine's own code could be slower
+                 than torch can be (an AVX2 CPU running a loop tuned for AVX-512): this floor shows it.
+
+Efficiency = floor / engine step, against each. Where the engine uses the compiled CPU kernels, the same engine on the
 plain torch path (torch attention, torch matmuls) is measured beside it, in the same turns, against the
 floor of torch's own matmuls.
 
@@ -25,13 +31,13 @@ import time
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from minipaged import Engine, SamplingParams
-from minipaged.bench.floor import matmul_pass, random_weights_like
+from minipaged.bench.floor import matmul_pass, random_weights_like, stored_in_out
 from minipaged.bench.report import machine_line, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.bench.requests import random_token_prompts
-from minipaged.kernels import linear_for
 from minipaged.kernels.cpu_argmax import PROFILER_NAME as ARGMAX_NAME
 from minipaged.kernels.cpu_layer_ops import PROFILER_NAMES as LAYER_OP_NAMES
 from minipaged.kernels.cpu_linear import PROFILER_NAME as SMALL_BATCH_LINEAR_NAME
@@ -159,50 +165,59 @@ def main() -> None:
                     help="time only the floor and the default engine in turns (no torch-path engine beside them)")
     args = ap.parse_args()
 
-    engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False)
+    engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+                    load_progress=lambda line: print(line) if line.startswith("Attention:") else None)
+    backend = engine.backend
     # The same engine on the plain torch attention path, side by side, when the default is the compiled kernel.
     torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
-                          attention_backend="torch") if engine.backend != "torch" and args.torch_path else None
+                          attention_backend="torch") if backend.name != "torch" and args.torch_path else None
     side_by_side = torch_engine is not None
-    rows, record = [], {"context": args.context, "attention_backend": engine.backend, "batches": {}}
-    # Each engine against the floor of its own matmul code: the default engine's (the compiled loop for a few
-    # rows, where the kernels build) and, for the torch path, torch's F.linear.
-    weights = random_weights_like(engine.model)
-    linear = linear_for(engine.backend, engine.model.head_dim)
+    rows, record = [], {"context": args.context, "attention_backend": backend.name,
+                        "backend": backend.describe(why=False),
+                        "batches": {}}
+    # Three floors, in turns with the engine: the engine's own matmul code and layout, and torch's two layouts
+    # (the better of which is torch's best). The torch-path engine, if any, is measured against torch's best too.
+    engine_weights = random_weights_like(engine.model, backend.prepare_weight)
+    out_in_weights = random_weights_like(engine.model)
+    in_out_weights = random_weights_like(engine.model, stored_in_out, stored_in_out)
     for batch in args.batches:
-        floor_passes = [matmul_pass(engine.model, batch, weights=weights, linear=linear)]
-        if side_by_side:
-            floor_passes.append(matmul_pass(engine.model, batch, weights=weights))
+        floor_passes = [matmul_pass(engine.model, batch, weights=engine_weights, linear=backend.linear,
+                                    lm_head=backend.lm_head),
+                        matmul_pass(engine.model, batch, weights=out_in_weights),
+                        matmul_pass(engine.model, batch, weights=in_out_weights, lm_head=F.linear)]
         engines = [engine] + ([torch_engine] if side_by_side else [])
         medians = side_by_side_ms(floor_passes, engines, batch, args.context, args.steps)
-        floor, step = medians[0], medians[len(floor_passes)]
+        floor, out_in, in_out, step = medians[0], medians[1], medians[2], medians[len(floor_passes)]
+        best = min(out_in, in_out)
         # Every layer's keys and values of every decode, at the measured steps' mean context length.
         kv_bytes = batch * (args.context + args.steps // 2) * engine.model.kv_bytes_per_token()
         kv_ms = kv_read_ms(kv_bytes)
-        row = [batch, floor, step, floor / step, batch / step * 1000, kv_bytes / 2**20, kv_ms,
-               (floor + kv_ms) / step]
-        record["batches"][batch] = {"floor_ms": floor, "engine_ms": step, "efficiency": floor / step,
+        row = [batch, floor, out_in, in_out, step, floor / step, best / step, batch / step * 1000, kv_ms,
+               (best + kv_ms) / step]
+        record["batches"][batch] = {"floor_ms": floor, "torch_out_in_floor_ms": out_in,
+                                    "torch_in_out_floor_ms": in_out, "torch_best_floor_ms": best,
+                                    "engine_ms": step, "efficiency": floor / step,
+                                    "efficiency_vs_torch_best": best / step,
                                     "kv_mib": kv_bytes / 2**20, "kv_read_ms": kv_ms,
-                                    "efficiency_incl_kv_read": (floor + kv_ms) / step}
-        line = f"batch {batch}: floor {floor:.1f} ms, engine {step:.1f} ms, efficiency {floor / step:.2f}"
-        if side_by_side:                 # the torch path's own floor pass, and its engine after the default one
-            torch_floor, torch_step = medians[1], medians[len(floor_passes) + 1]
-            row += [torch_floor, torch_step, torch_floor / torch_step]
-            record["batches"][batch].update(torch_floor_ms=torch_floor, torch_path_ms=torch_step,
-                                            torch_path_efficiency=torch_floor / torch_step)
-            line += (f" (torch path: floor {torch_floor:.1f} ms, step {torch_step:.1f} ms, "
-                     f"{torch_floor / torch_step:.2f})")
+                                    "efficiency_incl_kv_read": (best + kv_ms) / step}
+        line = (f"batch {batch}: engine {step:.1f} ms; own floor {floor:.1f} ms ({floor / step:.2f}); torch's best "
+                f"floor {best:.1f} ms ({best / step:.2f}; [out, in] {out_in:.1f}, [in, out] {in_out:.1f})")
+        if side_by_side:                 # the torch-path engine, against torch's best floor
+            torch_step = medians[len(floor_passes) + 1]
+            row += [torch_step, best / torch_step]
+            record["batches"][batch].update(torch_path_ms=torch_step, torch_path_efficiency=best / torch_step)
+            line += f" (torch path: step {torch_step:.1f} ms, {best / torch_step:.2f})"
         rows.append(row)
         print(line, flush=True)
     del torch_engine
-    headers = ["batch", "floor ms", "engine ms", "efficiency", "engine tok/s", "KV MiB", "KV read ms",
-               "efficiency vs floor + KV read"]
+    headers = ["batch", "own floor ms", "torch [out, in] ms", "torch [in, out] ms", "engine ms", "vs own floor",
+               "vs torch's best", "engine tok/s", "KV read ms", "vs torch's best + KV read"]
     if side_by_side:
-        headers += ["torch floor ms", "torch-path ms", "torch-path efficiency"]
+        headers += ["torch-path ms", "torch-path vs torch's best"]
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
-          f"Engine attention backend: **{engine.backend}**"
-          + (" (torch columns: the same engine with `attention_backend='torch'`, same run, against the floor "
-             "of torch's own matmuls)" if side_by_side else "")
+          f"Engine backend: **{record['backend']}**"
+          + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)"
+             if side_by_side else "")
           + ". KV read ms: reading the step's keys and values once at this machine's "
           "streaming speed, which attention cannot avoid and the matmul floor leaves out.\n\n"
           + table(headers, rows))

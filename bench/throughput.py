@@ -21,19 +21,17 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable
-
 import numpy
-import torch.nn.functional as F
 
 from minipaged.bench.report import machine_line, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.bench.requests import random_token_prompts
 from minipaged.bench.floor import matmul_floor_ms, random_weights_like
 from minipaged import Engine, SamplingParams
-from minipaged.kernels import linear_for
 from minipaged.cli import main as minipaged_main
 from minipaged.events import StepEvent, read_trace
+from minipaged.kernels import Backend
+from minipaged.kernels.backends import TORCH_BACKEND
 
 
 def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[float, float]:
@@ -55,15 +53,18 @@ def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[fl
     return (total - forward) / total, total / steps
 
 
-def ideal_seconds(model, events: list[StepEvent], repeats: int = 3, linear: Callable = F.linear) -> float:
+def ideal_seconds(model, events: list[StepEvent], repeats: int = 3, backend: Backend = TORCH_BACKEND) -> float:
     """The run's matmuls alone: sum over its steps of (token rows through the layers) + (sampled rows through
-    the LM head), from floors timed at powers of two and interpolated linearly in between. ``linear``: the
-    engine's matmul code (``minipaged.kernels.linear_for`` its backend)."""
-    weights = random_weights_like(model)
+    the LM head), from floors timed at powers of two and interpolated linearly in between, with ``backend``'s
+    matmul code and weight layout (the engine's)."""
+    weights = random_weights_like(model, backend.prepare_weight)
+    linear, lm_head = backend.linear, backend.lm_head
     largest = max(max(ev.budget_used for ev in events), 1)
     grid = [1 << i for i in range(largest.bit_length() + 1)]
-    layers_ms = [matmul_floor_ms(model, rows, repeats, head_rows=0, weights=weights, linear=linear) for rows in grid]
-    head_ms = [matmul_floor_ms(model, rows, repeats, weights=weights, linear=linear) - layers for rows, layers in
+    layers_ms = [matmul_floor_ms(model, rows, repeats, head_rows=0, weights=weights, linear=linear, lm_head=lm_head)
+                 for rows in grid]
+    head_ms = [matmul_floor_ms(model, rows, repeats, weights=weights, linear=linear, lm_head=lm_head) - layers
+               for rows, layers in
                zip(grid, layers_ms)]
 
     def at(rows: int, series: list[float]) -> float:
@@ -93,7 +94,7 @@ def main() -> None:
         _, events = read_trace(str(trace_file))
     engine = Engine(args.model)
     share, step_s = overhead_share(engine)
-    ideal = ideal_seconds(engine.model, events, linear=linear_for(engine.backend, engine.model.head_dim))
+    ideal = ideal_seconds(engine.model, events, backend=engine.backend)
     ours, theirs = record["minipaged"], record["transformers"]
     md = (f"### Throughput: {args.requests} requests, prompts 40-400 tokens, outputs 16-128 (ignore_eos), "
           f"{args.model}\n\n{machine_line()}\n\n"

@@ -1,42 +1,43 @@
-"""Paged attention: a pure-torch reference (the spec), a torch path, a compiled CPU kernel and a Triton kernel.
+"""Paged attention and everything else specific to a device: the backends (kernels/backends/), their kernels,
+and the pure-torch specification they are tested against.
 
-Backends:
+Backends (one object per engine, chosen once by ``select_backend``; see kernels/backends/base.py):
     triton     the GPU path (triton_paged_attention.py): every request's queries in one kernel launch.
-    cpu        the CPU path the engine picks when it can: decodes by the compiled C kernel
-               (cpu_paged_attention.c), reading keys and values in place; prefill chunks as in ``torch``.
-               The same compiled library multiplies steps of one to seven token rows by the weights
-               (cpu_matvec.c, ``linear_for``): such steps are bound by reading the weights; runs each
-               layer's norms, RoPE with the K/V write, and SiLU in one call each (cpu_layer_ops.c,
-               ``CpuLayerOps``); and takes greedy sampling's argmax (cpu_argmax.c, ``argmax_for``).
-    torch      plain torch ops (reference.py): decodes gathered into a padded batch for
+    cpu        compiled C (built by build.py): decode attention (cpu_paged_attention.c), steps of one to seven
+               token rows (cpu_matvec.c), each layer's norms, RoPE and SiLU (cpu_layer_ops.c), greedy argmax
+               (cpu_argmax.c); each used only where it measured faster than torch here (calibration.py).
+    torch      plain torch ops (reference.py, torch_ops.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
     reference  the readable specification, one request at a time: tests compare the others with it.
 
-``paged_attention`` and ``write_kv`` pick the implementation: Triton for CUDA tensors when Triton is
-installed, torch otherwise (the engine asks for ``cpu`` itself when the kernel builds). Triton is imported
-lazily so machines without it (Macs) never need it.
+``paged_attention``, ``plan_attention`` and ``write_kv`` are the same operations as functions of a backend's
+name, for tests and benchmarks that call one kernel alone. Triton is imported lazily so machines without it
+(Macs) never need it.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from .backends import (ALL_TORCH, Backend, CpuBackend, CpuChoice, ModelShapes, TorchBackend, TritonBackend,
+                       select_backend, triton_available)
 from .cpu_argmax import CpuArgmax, torch_argmax
 from .cpu_layer_ops import CpuLayerOps, cpu_layer_ops
 from .cpu_linear import SMALL_BATCH_ROWS, SmallBatchLinear, small_batch_linear
-from .cpu_paged_attention import (can_use_cpu_kernel, check_decode_inputs, cpu_kernel_available, cpu_kernel_problem,
+from .cpu_paged_attention import (can_use_cpu_kernel, cpu_kernel_available, cpu_kernel_problem,
                                   paged_decode_attention_cpu)
 from .reference import (TorchAttentionPlan, paged_attention_reference, paged_attention_torch, plan_torch_attention,
                         write_kv_cache)
+from .torch_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
-           "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "engine_backend",
-           "describe_backend", "linear_for", "small_batch_linear", "SmallBatchLinear", "SMALL_BATCH_ROWS",
-           "cpu_layer_ops", "CpuLayerOps", "argmax_for", "torch_argmax"]
+           "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "small_batch_linear",
+           "SmallBatchLinear", "SMALL_BATCH_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax", "torch_argmax",
+           "TorchLayerOps", "TORCH_LAYER_OPS", "Backend", "TorchBackend", "CpuBackend", "TritonBackend", "CpuChoice",
+           "ALL_TORCH", "ModelShapes", "select_backend"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
 
@@ -47,26 +48,6 @@ BACKENDS = ("triton", "cpu", "torch", "reference")
 # needs a different call site.
 _TORCH_HINTS = {"host_seq_lens", "host_query_start_loc", "plan"}
 _TRITON_HINTS = {"max_query_len", "max_seq_len", "num_splits", "tile_n"}
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def linear_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The linear layer a step on ``backend`` uses: with the compiled CPU kernels ("cpu"), their small-batch
-    matrix-vector loop for one to seven token rows and torch for more; anywhere else torch's ``F.linear``."""
-    return small_batch_linear(head_dim) if backend == "cpu" else F.linear
-
-
-def argmax_for(backend: str | None, head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Greedy sampling's argmax on ``backend``: compiled with the CPU kernels ("cpu"), torch's anywhere else."""
-    return CpuArgmax(head_dim) if backend == "cpu" else torch_argmax
 
 
 def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int | None = None) -> str:
@@ -85,40 +66,6 @@ def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int
         raise ValueError(f"the cpu attention backend needs its compiled kernel, which is unavailable here "
                          f"({cpu_kernel_problem(head_dim)}); use the torch backend.")
     return backend
-
-
-def engine_backend(device: torch.device, dtype: torch.dtype, head_dim: int, asked: str | None = None) -> str:
-    """The backend an engine on ``device`` with ``dtype`` weights uses: ``asked`` when given (checked, with a
-    message that says what to do instead), else Triton on CUDA when installed, the compiled kernel on a CPU
-    in float32 when it builds here, torch otherwise."""
-    if asked == "cpu":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"the cpu attention backend runs on the CPU in float32; this engine is on {device} in "
-                             f"{str(dtype).removeprefix('torch.')}: use attention_backend='torch'")
-        problem = cpu_kernel_problem(head_dim)
-        if problem:
-            raise ValueError(f"the cpu attention backend is unavailable here: {problem}; "
-                             "use attention_backend='torch'")
-    if asked is not None:
-        return asked
-    if device.type == "cuda" and triton_available():
-        return "triton"
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernel_available(head_dim):
-        return "cpu"
-    return "torch"
-
-
-def describe_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                     asked: str | None = None) -> str:
-    """One line for the start-up messages: which attention code runs, and why not the compiled CPU kernel
-    where it would have been the choice."""
-    text = {"triton": "Triton kernel", "cpu": "compiled C kernels for decodes (kernels/cpu_paged_attention.c), "
-                                             "steps of 1-7 tokens (kernels/cpu_matvec.c), each layer's norms, "
-                                             "RoPE and SiLU (kernels/cpu_layer_ops.c) and greedy argmax",
-            "torch": "torch ops", "reference": "the one-request-at-a-time reference"}[backend]
-    if backend == "torch" and asked is None and device.type == "cpu" and dtype == torch.float32:
-        text += f" (the compiled CPU kernel is unavailable: {cpu_kernel_problem(head_dim)})"
-    return f"{backend}, {text}"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -147,27 +94,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend in ("cpu", "torch"):
         hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
         if backend == "cpu" and can_use_cpu_kernel(q, k_cache, v_cache):
-            hints["decode_attention"] = _checked_cpu_decode(hints, block_tables, seq_lens, query_start_loc, k_cache)
+            plan = hints.get("plan") or plan_torch_attention(
+                block_tables, k_cache.shape[1], hints.get("host_seq_lens") or seq_lens.tolist(),
+                hints.get("host_query_start_loc") or query_start_loc.tolist())
+            return _compiled_cpu_backend(q.shape[-1]).attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                query_start_loc, scale, plan)
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
-def _checked_cpu_decode(hints: dict[str, Any], block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, k_cache: torch.Tensor) -> Any:
-    """The compiled decode kernel, its indices checked first: once per step when a plan is shared by the
-    layers (the first layer checks and marks the plan), else on every call."""
-    plan = hints.get("plan")
-    if plan is None:
-        plan = hints["plan"] = plan_torch_attention(
-            block_tables, k_cache.shape[1], hints.get("host_seq_lens") or seq_lens.tolist(),
-            hints.get("host_query_start_loc") or query_start_loc.tolist())
-    if plan.num_decodes and not plan.decode_indices_checked:
-        check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, k_cache.shape[0], k_cache.shape[1])
-        plan.decode_indices_checked = True
-    return _CHECKED_CPU_DECODE
-
-
-_CHECKED_CPU_DECODE = functools.partial(paged_decode_attention_cpu, checked=True)
+@functools.lru_cache(maxsize=None)
+def _compiled_cpu_backend(head_dim: int) -> CpuBackend:
+    """The cpu backend with every compiled op, for calls by name (no calibration: these callers ask for C)."""
+    return CpuBackend(head_dim, CpuChoice())
 
 
 def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],

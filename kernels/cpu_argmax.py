@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_paged_attention import load_kernel, profiler_name
+from .build import load_kernel, profiler_name
 
 PROFILER_NAME = "minipaged::argmax_rows"
 

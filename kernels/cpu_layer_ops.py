@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .cpu_paged_attention import load_kernel, profiler_name
+from .build import load_kernel, profiler_name
 
 PROFILER_NAMES = {name: f"minipaged::{name}" for name in ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")}
 

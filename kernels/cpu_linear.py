@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .cpu_paged_attention import load_kernel, profiler_name
+from .build import load_kernel, profiler_name
 
 # Up to this many token rows the compiled loop is faster than torch (measured: 1 to 7 rows faster,
 # 8 rows as fast or slower; cpu_matvec.c has the figures).

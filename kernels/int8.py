@@ -10,23 +10,27 @@ Symmetric per-output-channel scales (vLLM's "per-channel" int8 weights): ``scale
 ``q = round(W / scale)``. A row's scale is common to all its products, so it comes out of the dot product:
 ``y[b, i] = scale[i] * sum_j q[i, j] * x[b, j]``.
 
-Two ways to multiply, chosen by the number of token rows like the fp32 path (``cpu_linear.py``):
-- one to seven rows on the cpu backend: the compiled loop (cpu_int8_matvec.c) reads the int8 bytes and
-  widens them in registers;
+Two ways to multiply, chosen by the number of token rows like the fp32 path (``cpu_linear.py``); the backend
+owns the choice (its ``linear`` and ``lm_head`` take an ``Int8Weight`` as they take a float tensor):
+- one to seven rows on the cpu backend: the compiled loop (cpu_int8_matvec.c, built by build.py with the other
+  kernels) reads the int8 bytes and widens them in registers;
 - more rows (prefill, large decode batches), or the torch backend: the weight widened to fp32 a slice at a
   time and multiplied by torch (``int8_linear_torch``; torch's own int8-weight matmul measured far slower).
+The triton backend has no int8 kernel and refuses it at start-up (``Backend.quantization_problem``).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from .build import load_kernel, profiler_name
 from .cpu_linear import SMALL_BATCH_ROWS
-from .cpu_paged_attention import load_kernel, profiler_name
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 PROFILER_NAME = "minipaged::int8_small_batch_linear"
 QUANTIZATIONS = ("int8",)
@@ -95,8 +99,9 @@ def int8_linear_torch(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 class Int8Linear:
-    """The step's linear layer when the model is quantized: ``Int8Weight`` goes to the int8 code (compiled for a
-    few rows when ``compiled``), any float tensor to ``base`` (the fp32 path, unchanged)."""
+    """A linear layer that takes int8 weights: ``Int8Weight`` goes to the int8 code (the compiled loop for a few
+    rows when ``compiled``: the cpu backend's; else, and for more rows, ``int8_linear_torch``), any float tensor
+    to ``base`` (the fp32 path, unchanged)."""
 
     def __init__(self, base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], head_dim: int,
                  compiled: bool) -> None:
@@ -121,25 +126,18 @@ class Int8Linear:
         return out
 
 
-def quantization_problem(quantization: str, backend: str, device: torch.device, dtype: torch.dtype,
-                         world_size: int) -> str | None:
-    """None when ``quantization`` runs with this engine's backend, device, dtype and parallel layout, else why
-    not and what to do instead (one sentence, for a ConfigError)."""
+def quantization_problem(quantization: str, backend: "Backend", dtype: torch.dtype,
+                         world_size: int) -> Optional[str]:
+    """None when ``quantization`` runs with this engine's backend, dtype and parallel layout, else why not and what
+    to do instead (one sentence, for a ConfigError)."""
     if quantization not in QUANTIZATIONS:
         return f"quantization must be one of {QUANTIZATIONS} (or none), got {quantization!r}"
     if world_size > 1:
         return ("quantization='int8' does not combine with tensor or pipeline parallelism yet (the shards are cut "
                 "from fp32 weights); use tensor_parallel_size=1 and pipeline_parallel_size=1, or leave quantization off")
-    if backend == "triton":
-        return ("quantization='int8' has no Triton kernel: the triton backend refuses it; use "
-                "attention_backend='torch' (or the CPU), or leave quantization off")
+    if problem := backend.quantization_problem(quantization):
+        return problem
     if dtype != torch.float32:
         return (f"quantization='int8' quantizes float32 weights and keeps activations in float32; this engine is in "
                 f"{str(dtype).removeprefix('torch.')}: use dtype='float32', or leave quantization off")
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def int8_linear_for(backend: str | None, head_dim: int, base: Callable) -> Int8Linear:
-    """The int8-aware linear for a step on ``backend`` (the compiled few-row loop on "cpu"), around ``base``."""
-    return Int8Linear(base, head_dim, compiled=backend == "cpu")

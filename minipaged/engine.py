@@ -12,9 +12,10 @@ Follow a request from top to bottom:
   5. The logits stage (``minipaged.logits``) applies each request's penalties, biases and masks (a
      structured-output grammar among them) and keeps the log-probabilities asked for; then the ``Sampler``
      picks a token for each request that reached the end of its known tokens.
-  6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens and finishes
-     requests that a token stops; finished ones free their blocks at once (continuous batching).
-  7. The ``OutputProcessor`` turns tokens into text, applies stop strings and builds ``RequestOutput``s.
+  6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens, finishes requests
+     on EOS, stop ids and lengths, and returns each one's new tokens; finished ones free their blocks at once.
+  7. The ``OutputProcessor`` turns tokens into text and builds ``RequestOutput``s; a stop string it finds
+     ends its request through the scheduler (``finish_on_stop_string``). The engine writes no request field.
   8. With speculative decoding on, a proposer guesses each decoding request's next k tokens; the next
      step schedules them with the request's last token and the rejection sampler keeps those the target
      agrees with (``minipaged.spec_decode``).
@@ -23,41 +24,21 @@ Follow a request from top to bottom:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-import torch
-
-from .block_manager import CpuBlockPool, KVCacheManager
-from .config import ConfigError, EngineConfig
-from .events import EngineInfo, Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent
-from .input_processor import InputProcessor, Prompt, ProcessedPrompt, as_prompt_list
-from .logits.stage import LogitsStage, prompt_logprobs
-from .kernels import argmax_for, describe_backend, engine_backend
-from .kernels.int8 import quantization_problem
-from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
-                     return_freed_memory_to_the_os)
-from .model import CompactLlama, load_model
-from .model.families import sliding_window_problem
-from .output_processor import OutputProcessor
-from .parallel import ParallelLayout, rank0_shard
-from .policies import load_policy
-from .parallel.distributed_runner import DistributedRunner
-from .parallel.launch import serve_torchrun_worker, started_by_torchrun
-from .parallel.worker import WorkerSpec
+from .engine_builder import build_engine_parts
+from .execute_step import execute_and_sample
+from .events import RequestArrival, RequestFinish, StepEvent
+from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
 from .outputs import RequestOutput
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from .runner import ModelInput, ModelRunner
-from .sampling import Sampler
-from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from .spec_decode.draft_model import load_draft_model
+from .scheduler import SchedulerOutput
 from .spec_decode.rejection_sampler import Verified
-from .spec_decode.speculator import Speculator, build_speculator
 from .stats import EngineCounters
+from .step_records import preemption_records, scheduled_record
 
 logger = logging.getLogger("minipaged")
 
@@ -67,123 +48,15 @@ class Engine:
 
     def __init__(self, model: str = "smollm2", *, load_progress: Optional[Callable[[str], None]] = None,
                  **options: Any) -> None:
-        unknown = set(options) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {sorted(unknown)}; valid options: "
-                              f"{sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
-        self.config = config = EngineConfig(model=model, **options)
-        config.validate()
-        if started_by_torchrun() and int(os.environ["RANK"]) > 0:
-            serve_torchrun_worker()            # a worker rank under torchrun: serve rank 0 until it closes
-            raise SystemExit(0)
-        self.device = choose_device(config)
-        num_threads = apply_num_threads(config)
-        dtype_name = choose_dtype(config, self.device)
-        self.layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
-        if self.layout.world_size == 1:
-            self.loaded = load_model(model, dtype=DTYPES[dtype_name], device=str(self.device),
-                                     progress=load_progress)
-            self.model = CompactLlama(self.loaded.hf_model)
-        else:                                  # rank 0's shard only: the whole model never stays in memory
-            self.model, self.loaded = rank0_shard(model, self.layout, DTYPES[dtype_name], self.device,
-                                                  load_progress)
-        self.tokenizer = self.loaded.tokenizer
-        config.finalize(self.loaded.config.max_position_embeddings)
-        if problem := sliding_window_problem(self.loaded.config, config.max_model_len, model):
-            raise ConfigError(problem)          # before any worker starts or any KV memory is taken
-        try:
-            self.backend = engine_backend(self.device, DTYPES[dtype_name], self.model.head_dim,
-                                          config.attention_backend)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if config.quantization:                # before a self-draft copies the layers: it shares them quantized
-            self._quantize(config, DTYPES[dtype_name])
-        spec = config.speculative
-        self.draft_model = load_draft_model(spec, self.model, self.tokenizer, DTYPES[dtype_name], str(self.device),
-                                            load_progress) if spec and spec.uses_draft_model else None
-
-        # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
-        # A draft model keeps its own KV in the same blocks, so a block costs both models' bytes.
-        kv_bytes_per_token = self.model.kv_bytes_per_token() + (self.draft_model.kv_bytes_per_token()
-                                                                if self.draft_model else 0)
-        bytes_per_block = kv_bytes_per_token * config.block_size
-        num_blocks = num_kv_blocks(config, self.device, bytes_per_block)
-        cpu_blocks = num_cpu_blocks(config, bytes_per_block)
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
-        self.cpu_kv_cache = self.model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 load_policy("eviction_policy", config.eviction_policy))
-        self.cpu_pool = CpuBlockPool(cpu_blocks)
-
-        self.inputs = InputProcessor(model, self.tokenizer, self.model.embed.shape[0], config.max_model_len,
-                                     self.kv.blocks_needed, num_blocks)
-        lookahead = spec.num_speculative_tokens if self.draft_model is not None else 0
-        self.scheduler = Scheduler(config, self.kv, self.cpu_pool, self.loaded.eos_token_ids, lookahead)
-        if self.layout.world_size == 1:
-            self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.backend)
-        else:          # starts the workers; each builds its own shard and caches from the spec
-            self.runner = DistributedRunner(self.model, self.kv_cache, self.cpu_kv_cache, WorkerSpec(
-                model, options, self.layout, num_blocks, cpu_blocks, config.block_size, self.backend,
-                config.distributed_timeout))
-        self.sampler = Sampler(config.seed, argmax_for(self.backend, self.model.head_dim))
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.logits = LogitsStage(self.tokenizer, self.model.embed.shape[0], self.loaded.eos_token_ids)
-        self.step_logprobs: dict[str, list] = {}          # the last step's new tokens' log-probabilities (streams)
-        self.speculator: Optional[Speculator] = None if spec is None else build_speculator(
-            spec, self.draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=self.backend,
-            block_table_of=self.kv.blocks_of, max_model_len=config.max_model_len, sampler=self.sampler)
-
-        self.info = EngineInfo(
-            model=model, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
-            scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
-            eviction_policy=config.eviction_policy,
-            preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
-            device=str(self.device), dtype=dtype_name, attention_backend=self.backend, num_threads=num_threads,
-            speculative=spec.describe() if spec else None,
-            speculative_config=spec.as_dict() if spec else None,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            parallel=None if self.layout.world_size == 1 else self.layout.describe(
-                self.model.config.num_attention_heads, self.model.config.num_key_value_heads,
-                self.model.config.num_hidden_layers))
-        per_rank, layout_text = (" per rank", f"; {self.info.parallel}") if self.info.parallel else ("", "")
-        capacity = (f"KV cache{per_rank}: {num_blocks} blocks x {config.block_size} tokens = "
-                    f"{num_blocks * config.block_size} tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
-                    f"{kv_bytes_per_token / 1024:.1f} KiB per token"
-                    f"{', draft model included' if self.draft_model else ''}){layout_text}")
-        logger.info(capacity)
-        if load_progress is not None:
-            load_progress(capacity)
-            load_progress(self.weights_line())
-            load_progress("Attention: " + describe_backend(self.backend, self.device, DTYPES[dtype_name],
-                                                           self.model.head_dim, config.attention_backend))
-
+        # config, model, backend, kv, scheduler, runner, sampler, outputs, ... (engine_builder.EngineParts)
+        vars(self).update(vars(build_engine_parts(model, options, load_progress)))
         self._pending_arrivals: list[RequestArrival] = []   # what happened between steps goes in the next event
         self._pending_finishes: list[RequestFinish] = []
         self._subscribers: list[Callable[[StepEvent], None]] = []
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
-
-    def _quantize(self, config: EngineConfig, dtype: torch.dtype) -> None:
-        """Weight-only int8 (kernels/int8.py), or a ConfigError saying why this engine cannot."""
-        problem = quantization_problem(config.quantization, self.backend, self.device, dtype, self.layout.world_size)
-        if problem:
-            raise ConfigError(problem + ".")
-        self.model.quantize_int8()
-        # transformers' module held the fp32 weights the model shared; dropped, so that only int8 stays.
-        self.loaded = dataclasses.replace(self.loaded, hf_model=None)
-        gc.collect()
-        return_freed_memory_to_the_os()
-
-    def weights_line(self) -> str:
-        """The start-up line on the weights' memory, beside the KV cache's."""
-        kind = ("int8 matrices with fp32 scales, fp32 embedding and norms (not exact: docs/quantization.md)"
-                if self.model.quantization else str(self.model.dtype).removeprefix("torch."))
-        where = " on rank 0" if self.layout.world_size > 1 else ""
-        return f"Weights{where}: {self.model.weight_bytes() / 2**20:.1f} MiB ({kind})"
+        self.step_logprobs: dict[str, list] = {}          # the last step's new tokens' log-probabilities (streams)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -237,83 +110,21 @@ class Engine:
             self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
-        self._copy_swapped_blocks(plan)
-        sampled, verified, model_s = self._execute(plan)   # request id -> its new tokens (None: sampling failed)
-        num_before = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks}
-        finished = self.scheduler.update_from_output(plan, sampled)
-        new_token_ids = {c.request.request_id: c.request.output_token_ids[num_before[c.request.request_id]:]
-                         for c in plan.chunks if c.request.request_id in sampled and sampled[c.request.request_id]}
-        logprobs = self.logits.take_logprobs(new_token_ids)
-        for req, stop, surplus in self.outputs.process_tokens(new_token_ids, time.perf_counter(), logprobs):
-            if surplus:                                    # accepted drafts after a stop string never happened
-                del req.output_token_ids[-surplus:]
-                del new_token_ids[req.request_id][-surplus:]
-            if not req.is_finished:                        # a stop string, found in the text
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                finished.append(req)
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        for req in finished:
+        self.runner.swap_blocks(self.cpu_kv_cache, plan.swap_out, plan.swap_in)   # before the model reads the cache
+        sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
+            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator)
+        update = self.scheduler.update_from_output(plan, sampled)     # appended; finished on EOS, stop ids, length
+        logprobs = self.logits.take_logprobs(update.new_token_ids)
+        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(), logprobs):
+            self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
+        for req in update.finished:
             self._record_finish(req, time.perf_counter())
         self.step_logprobs = self.outputs.drain_logprobs()
         draft_s = 0.0
         if self.speculator is not None:                    # guesses for the next step
-            draft_s = self.speculator.propose([c.request for c in plan.chunks if c.request.request_id in new_token_ids])
-        return self._emit(plan, new_token_ids, verified, start, model_s, draft_s)
-
-    def _copy_swapped_blocks(self, plan: SchedulerOutput) -> None:
-        """The data movement of swapping, before the forward pass reads the cache."""
-        if plan.swap_out:
-            self.runner.copy_blocks(self.kv_cache, self.cpu_kv_cache, plan.swap_out)
-        if plan.swap_in:
-            self.runner.copy_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
-
-    def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
-        """Run the model on every scheduled token and pick the new tokens: a sample from each finished
-        prefill's or decode's last row, or the rejection sampler's verdict on a decode's drafts. Returns the
-        tokens, the verdicts and the seconds it took."""
-        if not plan.chunks:
-            return {}, {}, 0.0
-        model_input = self.runner.prepare(plan.chunks)
-        forward_start = time.perf_counter()
-        logits = self.runner.execute(model_input)
-        drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}
-        logits = self._logits_stage(model_input, logits, drafts)
-        sampled: dict[str, Optional[list[int]]] = {}
-        verified: dict[str, Verified] = {}
-        plain: list[tuple[Request, torch.Tensor]] = []
-        for req, rows in zip(model_input.sampled_requests, logits.split(model_input.num_logits_rows)):
-            if req.request_id not in drafts:
-                plain.append((req, rows[-1]))
-                continue
-            verdict = self.speculator.verify(req, rows, drafts[req.request_id])
-            sampled[req.request_id] = None if verdict is None else verdict.token_ids
-            if verdict is not None:
-                verified[req.request_id] = verdict
-        if plain:
-            # Every row plain (no drafts: one row a request) is the usual case, and then the rows are the
-            # logits themselves: no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
-            rows = logits if len(plain) == len(logits) else torch.stack([row for _req, row in plain])
-            tokens = self.sampler.sample(rows, [req for req, _row in plain])
-            sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-        return sampled, verified, time.perf_counter() - forward_start
-
-    def _logits_stage(self, model_input: ModelInput, logits: torch.Tensor,
-                      drafts: dict[str, Sequence[int]]) -> torch.Tensor:
-        """Score the prompt rows a request asked log-probabilities for, then let the logits stage process the
-        sampled rows in place (penalties, biases, masks; raw log-probabilities kept first). A step where no
-        request has anything for the stage skips it."""
-        num_sampled_rows = sum(model_input.num_logits_rows)
-        if len(logits) > num_sampled_rows:
-            start = num_sampled_rows
-            for req, first, count in model_input.prompt_rows:
-                self.outputs.record_prompt_logprobs(req, first, prompt_logprobs(
-                    logits[start:start + count], req.prompt_token_ids, first, req.params.prompt_logprobs))
-                start += count
-            logits = logits[:num_sampled_rows]
-        requests = model_input.sampled_requests
-        if self.logits.needed_by(requests):
-            self.logits.process(requests, logits.split(model_input.num_logits_rows), drafts)
-        return logits
+            draft_s = self.speculator.propose([c.request for c in plan.chunks
+                                               if c.request.request_id in update.new_token_ids])
+        return self._emit(plan, update.new_token_ids, verified, start, model_s, draft_s)
 
     def _drop_drafts(self, request_id: str) -> None:
         if self.speculator is not None:
@@ -328,22 +139,19 @@ class Engine:
 
     def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], verified: dict[str, Verified],
               start: float, model_s: float, draft_s: float) -> StepEvent:
-        """Count the step, build its StepEvent and hand it to every subscriber."""
-        end = time.perf_counter()
-        self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, end - start, verified)
+        """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
+        and hand it to every subscriber."""
+        self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []
         finishes, self._pending_finishes = self._pending_finishes, []
         s, stats = self.scheduler, self.stats()
         event = StepEvent(
-            step=self._step_index, time_s=end - self._start_time, duration_s=end - start,
-            schedule_s=(end - start) - model_s - draft_s, model_s=model_s, draft_s=draft_s,
-            budget_limit=self.config.max_num_batched_tokens,
-            budget_used=plan.num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
-            scheduled=tuple(self._scheduled_record(ch, verified) for ch in plan.chunks),
-            arrivals=tuple(arrivals),
-            preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
-                                       "not enough free KV blocks for a running request") for p in plan.preempted),
+            step=self._step_index, time_s=0.0, duration_s=0.0, schedule_s=0.0, model_s=model_s, draft_s=draft_s,
+            budget_limit=self.config.max_num_batched_tokens, budget_used=plan.num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, arrivals=tuple(arrivals), preempted=preemption_records(plan),
+            scheduled=tuple(scheduled_record(ch, verified.get(ch.request.request_id), self.tokenizer.decode)
+                            for ch in plan.chunks),
             swapped_in=tuple(r.request_id for r in plan.swapped_in), finished=tuple(finishes),
             new_token_ids=new_token_ids, new_text=self.outputs.drain_text(), kv=self.kv.drain_changes(),
             num_free_blocks=stats["blocks_free"], num_cached_free_blocks=stats["blocks_cached_free"],
@@ -355,25 +163,16 @@ class Engine:
                           for rid, positions in self.step_logprobs.items() if rid in new_token_ids},
             constrained={rid: (allowed, self.logits.vocab_size)
                          for rid, allowed in self.logits.drain_constrained().items()})
+        end = time.perf_counter()
+        stats["step_seconds"] = self._counters.add_step_seconds(end - start)
+        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
+                                    schedule_s=(end - start) - model_s - draft_s)
         for callback in list(self._subscribers):
             try:
                 callback(event)
             except Exception:                         # an observer must never take the engine down
                 logger.exception("a StepEvent subscriber raised; it stays subscribed")
         return event
-
-    def _scheduled_record(self, chunk: ScheduledChunk, verified: dict[str, Verified]) -> ScheduledRequest:
-        """The event's record of one chunk; a verified decode also says what was guessed and kept, as text."""
-        req = chunk.request
-        record = ScheduledRequest(req.request_id, chunk.kind, chunk.start, chunk.end, req.num_prompt_tokens,
-                                  chunk.num_cached_tokens, len(req.output_token_ids))
-        verdict = verified.get(req.request_id)
-        if verdict is None:
-            return record
-        piece = self.tokenizer.decode
-        return dataclasses.replace(record, draft_token_ids=chunk.spec_token_ids, num_accepted=verdict.num_accepted,
-                                   draft_pieces=tuple(piece([t]) for t in chunk.spec_token_ids),
-                                   target_piece=piece(verdict.token_ids[-1:]))
 
     # ------------------------------------------------------------------ results out
     def pop_finished(self) -> list[RequestOutput]:
@@ -426,13 +225,12 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""
-        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler), **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
+        return {**self._counters.snapshot(self.kv, self.cpu_pool, self.scheduler),
+                **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
 
     def close(self) -> None:
         """Stop the worker processes of a parallel engine (a single-process engine has nothing to stop)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self) -> "Engine":
         return self

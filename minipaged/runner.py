@@ -13,9 +13,11 @@ reads the block manager, so the same runner could sit in another process (tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from .kernels import Backend
 from .model.llama import AttentionMetadata, CompactLlama
 from .request import Request
 from .scheduler import ScheduledChunk
@@ -34,11 +36,11 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CompactLlama, kv_cache: torch.Tensor, block_size: int, backend: str) -> None:
+    def __init__(self, model: CompactLlama, kv_cache: torch.Tensor, block_size: int, backend: Backend) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_cache = kv_cache
-        self.backend = backend
+        self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
@@ -95,6 +97,17 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
                                   self.kv_cache, model_input.logits_indices)
+
+    def close(self) -> None:
+        """Nothing to stop in this process (a parallel runner stops its workers)."""
+
+    def swap_blocks(self, cpu_kv_cache: Optional[torch.Tensor], swap_out: list[tuple[int, int]],
+                    swap_in: list[tuple[int, int]]) -> None:
+        """The data movement of a step's swapping, before the forward pass reads the cache."""
+        if swap_out:
+            self.copy_blocks(self.kv_cache, cpu_kv_cache, swap_out)
+        if swap_in:
+            self.copy_blocks(cpu_kv_cache, self.kv_cache, swap_in)
 
     def copy_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V) between pools: the data movement of swapping."""

@@ -99,6 +99,15 @@ class PreemptionRecord:
 
 
 @dataclass
+class StepUpdate:
+    """What a step changed in the requests: each one's new tokens (in the order of the chunks) and the ones
+    that finished (their blocks already freed)."""
+
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[PreemptionRecord] = field(default_factory=list)
@@ -356,40 +365,53 @@ class Scheduler:
             self.waiting.remove(req)
 
     # ------------------------------------------------------------------ after the forward pass
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, Optional[list[int]]]) -> list[Request]:
-        """Account for a finished forward pass; returns the requests that finished.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, Optional[list[int]]]) -> StepUpdate:
+        """Account for a finished forward pass; returns each request's new tokens and the requests that finished.
 
         Every scheduled chunk's KV now exists, so ``num_computed_tokens`` moves to its end. A request whose
         chunk reached the end of its known tokens got new tokens: one sampled token, or with speculative
         decoding the accepted drafts plus the target's own token (``None``: its sampling failed, and it
         alone is aborted). Drafts the target rejected hold KV for tokens that are not the request's, so
         ``num_computed_tokens`` rolls back over them; their slots stay allocated and get overwritten.
-        Each token is appended and checked against the stop conditions that a token decides; tokens after
-        a stop are dropped. Stop *strings* need text, so the output processor checks those afterwards.
+        Each token is appended and checked against the stop conditions that a token decides (EOS, stop ids,
+        lengths); tokens after a stop are dropped. Stop *strings* need text: the output processor finds them
+        afterwards and ends the request through ``finish_on_stop_string``.
         """
         self.kv.mark_forward_done()
-        finished: list[Request] = []
+        update = StepUpdate()
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens = chunk.end
             if req.request_id not in sampled:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
             tokens = sampled[req.request_id]
-            if tokens is None:
-                status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED
-            else:
+            status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED if tokens is None else None
+            if tokens:
                 num_rejected = len(chunk.spec_token_ids) - (len(tokens) - 1)
                 req.num_computed_tokens -= num_rejected
-                status = None
+                appended = update.new_token_ids[req.request_id] = []
                 for token in tokens:
                     status = self._append_token(req, token)
+                    appended.append(token)
                     if status is not None:
                         break
             if status is not None:
                 self.finish_request(req, status)
-                finished.append(req)
-        return finished
+                update.finished.append(req)
+        return update
+
+    def finish_on_stop_string(self, req: Request, stop: str, surplus: int, update: StepUpdate) -> None:
+        """The output processor found ``stop`` in ``req``'s text: the request ends there. The ``surplus``
+        tokens that came after the one completing it (accepted drafts of the same step) never happened, as if
+        generated one at a time. A request a token already finished this step keeps its blocks freed and
+        takes the stop string as its reason."""
+        if surplus:
+            del req.output_token_ids[-surplus:]
+            del update.new_token_ids[req.request_id][-surplus:]
+        if not req.is_finished:
+            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            update.finished.append(req)
+        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
 
     def _append_token(self, req: Request, token: int) -> Optional[RequestStatus]:
         """Append a sampled token; the finished status if it ends the request, else None."""

@@ -44,6 +44,11 @@ class EngineCounters:
     def count_finish(self) -> None:
         self.totals["requests_finished"] += 1
 
+    def add_step_seconds(self, seconds: float) -> float:
+        """A step's time, known only once its event is built (after ``count_step``); returns the new total."""
+        self.totals["step_seconds"] += seconds
+        return self.totals["step_seconds"]
+
     def snapshot(self, kv: KVCacheManager, cpu_pool: CpuBlockPool, scheduler: Scheduler) -> dict[str, float]:
         """Gauges read now, then the totals."""
         st = kv.stats

@@ -7,6 +7,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach for the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every compiled CPU op, whatever this machine measures faster: tests check them all (the choice by measurement
+# is tests/test_cpu_calibration.py's, with a fake clock).
+os.environ.setdefault("MINIPAGED_CPU_OPS", "compiled")
 
 from minipaged.model.testing import build_tiny_llama  # noqa: E402
 

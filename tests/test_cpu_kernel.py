@@ -107,9 +107,9 @@ def test_the_engine_uses_it_and_greedy_tokens_do_not_change(tiny_engine_factory)
     for backend in (None, "torch"):
         engine = tiny_engine_factory(num_blocks=24, block_size=4, max_num_batched_tokens=32,
                                      attention_backend=backend)
-        results[engine.backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        results[engine.backend.name] = [o.token_ids for o in engine.generate(prompts, params)]
         if backend is None:
-            assert engine.backend == "cpu" and engine.stats()["preemptions_recompute"] > 0
+            assert engine.backend.name == "cpu" and engine.stats()["preemptions_recompute"] > 0
     assert results["cpu"] == results["torch"]
 
 
@@ -182,7 +182,7 @@ from minipaged.config import ConfigError
 from minipaged.kernels import cpu_kernel_problem
 print("problem:", cpu_kernel_problem(16))
 engine = Engine({tiny_model!r}, num_blocks=16, block_size=4, load_progress=print)
-assert engine.backend == "torch", engine.backend
+assert engine.backend.name == "torch", engine.backend
 out = engine.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
 assert len(out[0].token_ids) == 3
 try:
@@ -204,7 +204,7 @@ def test_the_profiler_sees_the_kernel_by_name():
     """bench/decode_floor.py splits a profiled step by operator: the C calls must show up as ones."""
     from torch.profiler import ProfilerActivity, profile
     q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=2)
-    from minipaged.kernels import argmax_for, cpu_layer_ops, small_batch_linear
+    from minipaged.kernels import CpuArgmax, cpu_layer_ops, small_batch_linear
     ops = cpu_layer_ops(16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_decode_attention_cpu(q, k_cache, v_cache, tables.long().clamp(min=0), seq_lens, 0.25)
@@ -213,7 +213,7 @@ def test_the_profiler_sees_the_kernel_by_name():
         ops.rope_and_write_kv(torch.randn(1, 6 * 16), torch.ones(1, 16), torch.zeros(1, 16), k_cache, v_cache,
                               torch.tensor([-1]), 2, 2)                 # 2 query heads, the caches' 2 KV heads
         ops.silu_and_mul(torch.randn(2, 8))
-        argmax_for("cpu", 16)(torch.randn(2, 50))
+        CpuArgmax(16)(torch.randn(2, 50))
     names = {op.key for op in prof.key_averages()}
     assert {"minipaged::paged_decode_attention_cpu", "minipaged::small_batch_linear", "minipaged::add_rms_norm",
             "minipaged::rope_and_write_kv", "minipaged::silu_and_mul", "minipaged::argmax_rows"} <= names

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minipaged import Engine, SamplingParams
-from minipaged.kernels import CpuLayerOps, argmax_for, cpu_layer_ops
+from minipaged.kernels import CpuArgmax, CpuLayerOps, cpu_layer_ops, torch_argmax
 from minipaged.model.llama import TORCH_LAYER_OPS
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -52,8 +52,7 @@ def test_rope_and_write_kv_matches_torch(seed):
     ours_qkv, ours_k, ours_v = qkv.clone(), caches[0].clone(), caches[1].clone()
     theirs_k, theirs_v = caches[0].clone(), caches[1].clone()
     q = cpu_layer_ops(head_dim).rope_and_write_kv(ours_qkv, cos, sin, ours_k, ours_v, slots, heads, kv_heads)
-    q_ref = TORCH_LAYER_OPS.rope_and_write_kv(qkv.clone(), cos, sin, theirs_k, theirs_v, slots, heads, kv_heads,
-                                              backend="torch")
+    q_ref = TORCH_LAYER_OPS.rope_and_write_kv(qkv.clone(), cos, sin, theirs_k, theirs_v, slots, heads, kv_heads)
     torch.testing.assert_close(q, q_ref, **TOL)
     torch.testing.assert_close(ours_k, theirs_k, **TOL)
     assert torch.equal(ours_v, theirs_v)                                 # values are copied, not computed
@@ -86,7 +85,7 @@ def test_bad_inputs_raise_instead_of_reaching_c():
 
 
 def test_argmax_matches_torch_first_index_on_ties():
-    argmax, gen = argmax_for("cpu", 64), torch.Generator().manual_seed(5)
+    argmax, gen = CpuArgmax(64), torch.Generator().manual_seed(5)
     logits = torch.randn(64, 49152, generator=gen)
     logits[3, [10, 500, 40000]] = 100.0                                  # a tie: the first index wins
     logits[4] = 0.0                                                      # all equal: index 0
@@ -94,7 +93,7 @@ def test_argmax_matches_torch_first_index_on_ties():
     assert argmax(logits)[3] == 10 and argmax(logits)[4] == 0
     for other in (logits[:2].bfloat16(), logits[0], logits[:, ::2]):     # torch's, or copied first
         assert torch.equal(argmax(other), other.argmax(dim=-1))
-    assert argmax_for("torch", 64)(logits[:2]).tolist() == logits[:2].argmax(-1).tolist()
+    assert torch_argmax(logits[:2]).tolist() == logits[:2].argmax(-1).tolist()
 
 
 def test_every_layer_of_a_step_runs_the_compiled_ops(tiny_model_untied, monkeypatch):
@@ -111,7 +110,7 @@ def test_every_layer_of_a_step_runs_the_compiled_ops(tiny_model_untied, monkeypa
     prompts = [[5, 9, 33, 2, 71, 8], [100, 3, 7]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     compiled = Engine(tiny_model_untied, block_size=4, num_blocks=64)
-    assert compiled.backend == "cpu"
+    assert compiled.backend.name == "cpu"
     events: list = []
     compiled.subscribe(events.append)
     outs = compiled.generate(prompts, params)

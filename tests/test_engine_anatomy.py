@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import torch
 
 from minipaged import SamplingParams
 from minipaged.events import KVChanges
+from minipaged.kernels.backends import TORCH_BACKEND
 from minipaged.request import Request
 from minipaged.runner import ModelRunner
 from minipaged.scheduler import ScheduledChunk
@@ -23,7 +25,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minipaged"
 
 def test_the_runner_builds_slots_and_tables_from_the_chunks_alone():
     """No block manager in sight: a runner built on a model and a cache reads everything from the chunks."""
-    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend="torch")
+    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend=TORCH_BACKEND)
     prefill = Request("p", list(range(10, 16)), SamplingParams(), 0, 0.0)              # 6 prompt tokens
     decode = Request("d", [1, 2, 3, 4, 5], SamplingParams(), 1, 0.0, output_token_ids=[6, 7])
     decode.num_computed_tokens = 6
@@ -59,6 +61,48 @@ def test_only_the_scheduler_writes_num_computed_tokens():
     assert writers == {"scheduler.py"}
 
 
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "setdefault"}
+
+
+def request_field_writes(path: pathlib.Path) -> list[str]:
+    """Every place in ``path`` that writes a ``Request`` field: assigned, augmented, deleted (whole or a
+    slice), or changed by a mutating method (``req.output_token_ids.append``)."""
+    fields = {f.name for f in dataclasses.fields(Request)}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+              and isinstance(node.func.value, ast.Attribute)):
+            targets = [node.func.value]
+        else:
+            continue
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets.extend(t.elts)
+            elif isinstance(t, (ast.Subscript, ast.Starred)):
+                targets.append(t.value)               # what is written into, not the index (d[req.request_id])
+            elif isinstance(t, ast.Attribute) and t.attr in fields and not (
+                    isinstance(t.value, ast.Name) and t.value.id == "self"):
+                found.append(f"{path.name}:{t.lineno} {t.attr}")
+    return found
+
+
+def test_the_engine_writes_no_request_field():
+    """Token bookkeeping (appending, trimming after a stop string, finishing) is the scheduler's: the engine
+    and its builder only read requests. The check itself catches each kind of write."""
+    for name in ("engine.py", "engine_builder.py", "execute_step.py", "step_records.py"):
+        assert request_field_writes(PACKAGE / name) == []
+    scheduler_writes = " ".join(request_field_writes(PACKAGE / "scheduler.py"))
+    for write in ("status", "stop_reason", "output_token_ids", "num_computed_tokens"):
+        assert write in scheduler_writes
+
+
 def test_each_step_drains_one_kv_change_record_that_the_event_carries(tiny_engine_factory):
     engine = tiny_engine_factory(num_blocks=64)
     drained = []
@@ -86,3 +130,20 @@ def test_prefix_cache_queries_are_counted_only_when_caching_is_on(tiny_engine_fa
         stats = engine.stats()
         assert stats["prefix_cache_queries"] == queried
         assert (stats["prefix_cache_hits"] > 0) == caching
+
+
+def test_a_steps_duration_includes_building_its_event(tiny_engine_factory):
+    """The block counts and records an event carries cost time too (a large pool's stats): the step's
+    duration_s, and the counters' step_seconds, include them."""
+    import time
+    engine = tiny_engine_factory(num_blocks=64)
+    stats = engine.stats
+
+    def slow_stats():
+        time.sleep(0.05)
+        return stats()
+    engine.stats = slow_stats
+    engine.add_request(list(range(10)), SamplingParams(temperature=0, max_tokens=2))
+    event = engine.step()
+    assert event.duration_s >= 0.05 and event.counters["step_seconds"] >= 0.05
+    assert engine.counters["step_seconds"] == event.counters["step_seconds"]

@@ -17,7 +17,7 @@ def test_smollm2_greedy_tokens_on_cuda_match_cpu():
     params = SamplingParams(temperature=0.0, max_tokens=24)
     cpu = Engine("smollm2", device="cpu", num_blocks=256)
     cuda = Engine("smollm2", device="cuda", dtype="float32", num_blocks=256)
-    assert cuda.backend == "triton"
+    assert cuda.backend.name == "triton"
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     assert [o.token_ids for o in cuda.chat(chats, params)] == [o.token_ids for o in cpu.chat(chats, params)]
 

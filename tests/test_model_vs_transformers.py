@@ -33,8 +33,8 @@ def run_and_capture_logits(engine: Engine, prompts, max_tokens: int):
 def test_logits_match_transformers_for_a_batch_decoded_together(fixture, lm_head_slice_rows, request, monkeypatch):
     path = request.getfixturevalue(fixture)
     if lm_head_slice_rows:       # the tiny vocabulary fits one slice of the default size: force several
-        import minipaged.model.llama as llama
-        monkeypatch.setattr(llama, "LM_HEAD_SLICE_ROWS", lm_head_slice_rows)
+        import minipaged.kernels.torch_ops as torch_ops
+        monkeypatch.setattr(torch_ops, "LM_HEAD_SLICE_ROWS", lm_head_slice_rows)
     engine = Engine(path, block_size=4, num_blocks=128)
     prompts = random_prompts(random.Random(7), 5, 3, 29)
     assert len({len(p) for p in prompts}) > 1                       # a batch of different lengths
@@ -61,7 +61,7 @@ def test_one_request_alone_matches_transformers(tiny_model_untied, attention_bac
     LM head of its decode steps run through the compiled matrix-vector loop, on the torch backend F.linear."""
     from minipaged.kernels.cpu_linear import SmallBatchLinear
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend=attention_backend)
-    assert engine.backend == (attention_backend or "cpu")
+    assert engine.backend.name == (attention_backend or "cpu")
     compiled_calls: list[tuple[int, ...]] = []              # (token rows, *weight shape) the compiled loop took
     call = SmallBatchLinear.__call__
 

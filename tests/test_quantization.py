@@ -99,8 +99,9 @@ def test_refusals_name_the_problem_and_the_fix(tiny_model):
 
 
 def test_the_triton_backend_refuses_int8_clearly(tiny_model, monkeypatch):
-    import minipaged.engine as engine_module
-    monkeypatch.setattr(engine_module, "engine_backend", lambda *args, **kw: "triton")
+    import minipaged.engine_builder as builder_module
+    from minipaged.kernels import TritonBackend
+    monkeypatch.setattr(builder_module, "select_backend", lambda *args, **kw: TritonBackend())
     with pytest.raises(ConfigError, match="no Triton kernel.*attention_backend='torch'"):
         Engine(tiny_model, quantization="int8", num_blocks=16)
 
@@ -191,12 +192,38 @@ def test_peer_llamacpp_finds_llama_server_or_skips_with_a_message(tmp_path, monk
 def test_int8_keeps_no_view_of_the_loaded_checkpoint(tiny_model_untied, monkeypatch):
     """transformers' tensors may be views of one memory-mapped checkpoint file, resident while any view lives:
     the fp32 tensors int8 keeps (embedding, norms) are copies, so dropping transformers' model frees it all."""
-    import minipaged.engine as engine_module
+    import minipaged.engine_builder as builder_module
     loaded = []
-    load = engine_module.load_model
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
+    load = builder_module.load_model
+    monkeypatch.setattr(builder_module, "load_model", lambda *a, **kw: loaded.append(load(*a, **kw)) or loaded[-1])
     engine = Engine(tiny_model_untied, num_blocks=16, quantization="int8")
     theirs = {t.untyped_storage().data_ptr() for t in loaded[0].hf_model.state_dict().values()}
     m = engine.model
     ours = [m.embed, m.final_norm] + [t for w in m.layers for t in (w.input_norm, w.post_norm)]
     assert not theirs & {t.untyped_storage().data_ptr() for t in ours}
+
+
+def test_the_backend_owns_the_int8_product_and_never_relays_int8_weights(tiny_model, monkeypatch):
+    """Each backend's ``linear`` and ``lm_head`` take an ``Int8Weight``; a cpu calibration that stores fp32
+    weights [in, out] leaves int8 ones [out, in] (what the int8 loop reads), and the start-up line names the loop."""
+    import minipaged.engine_builder as builder_module
+    from minipaged.kernels import CpuBackend, CpuChoice, TorchBackend
+    from minipaged.kernels.backends.calibration import IN_OUT
+    torch.manual_seed(3)
+    q = quantize_int8(torch.randn(40, 32))
+    relaying = lambda head_dim=16: CpuBackend(head_dim, CpuChoice(few_row_linear=IN_OUT))      # noqa: E731
+    for backend in (TorchBackend(), relaying()):
+        assert backend.prepare_weight(q) is q
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(backend.linear(x, q), x @ q.dequantize().T, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(backend.lm_head(x, q), x @ q.dequantize().T, atol=2e-4, rtol=1e-4)
+    monkeypatch.setattr(builder_module, "select_backend", lambda device, dtype, shapes, *a, **kw: relaying(shapes.head_dim))
+    lines: list[str] = []
+    engine = Engine(tiny_model, block_size=4, num_blocks=32, quantization="int8", load_progress=lines.append)
+    for w in engine.model.layers:
+        assert all(isinstance(m, Int8Weight) and m.qweight.is_contiguous() for m in (w.qkv, w.o, w.gate_up, w.down))
+    attention = [line for line in lines if line.startswith("Attention: ")]
+    assert "cpu_int8_matvec.c" in attention[0]
+    outs = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(outs[0].token_ids) == 4

@@ -57,16 +57,20 @@ def test_8_attach_notices_a_frozen_server_and_then_a_dead_one(tiny_model, tmp_pa
         # dead: the command-line client, plain output
         watch = subprocess.Popen([sys.executable, "-m", "minipaged", "watch", "--attach", url, "--no-tui"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []                             # what the client printed, read as it comes
+        reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+        reader.start()
         try:
-            wait_for(lambda: httpx.get(url + "/metrics").text.count("minipaged:") > 0, 10, "metrics")
-            time.sleep(1.0)                                   # the client has read the snapshot
             answer = httpx.post(url + "/v1/completions", json={"prompt": "seen by the watcher", "max_tokens": 8},
                                 timeout=30)
             assert answer.status_code == 200
-            time.sleep(0.5)
+            # the client is attached once it has shown a step (a loaded machine may take seconds to start it)
+            wait_for(lambda: any("step" in line for line in lines[1:]), 60, "the watcher's first step")
             proc.kill()
             proc.wait(10)
-            out, err = watch.communicate(timeout=30)
+            rest, err = watch.communicate(timeout=30)
+            reader.join(10)
+            out = "".join(lines) + (rest or "")
         finally:
             if watch.poll() is None:
                 watch.kill()

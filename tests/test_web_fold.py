@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from minipaged import SamplingParams
+from minipaged import SamplingParams, StructuredOutputsParams
 from minipaged.events import StepEvent
 from minipaged.serve.async_engine import snapshot_event
 from minipaged.tui.state import WatchState
@@ -89,6 +89,18 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     repetitive = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [9, 10], [1, 2, 3, 1, 2, 3, 4, 1, 2]]
     out["speculative"] = engine.info, record(engine, repetitive, SamplingParams(temperature=0.0, max_tokens=20,
                                                                                  ignore_eos=True))
+    # Log-probabilities colour a request's text; a structured-output mask is logged (the logits stage).
+    engine = tiny_engine_factory()
+    scored = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    masked = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    for prompt, params in zip(prompts(2, 3), [scored, masked, greedy]):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out["logprobs-and-mask"] = engine.info, events
     return out
 
 
@@ -103,6 +115,8 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert any(f.finish_reason == "abort" for ev in events for f in ev.finished), "no abort"
     drafts = [s for ev in events for s in ev.scheduled if s.draft_token_ids]
     assert drafts and any(s.num_accepted for s in drafts) and any(s.num_rejected for s in drafts)
+    assert any(ev.new_logprobs for ev in events), "no log-probabilities"
+    assert any(ev.constrained for ev in events), "no structured-output mask"
 
 
 @pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs (.ci/run installs it)")

@@ -108,13 +108,16 @@ def throughput_derived(r: dict[str, Any]) -> dict[str, Any]:
 def decode_floor_table(r: dict[str, Any]) -> str:
     rows = []
     for batch, b in r["batches"].items():
-        torch_path = (ms(b["torch_floor_ms"]), ms(b["torch_path_ms"]), f"{b['torch_path_efficiency']:.2f}"
-                      ) if "torch_path_ms" in b else ("-", "-", "-")
-        rows.append([batch, ms(b["floor_ms"]), ms(b["engine_ms"]), f"{b['efficiency']:.2f}",
+        torch_path = (ms(b["torch_path_ms"]), f"{b['torch_path_efficiency']:.2f}") if "torch_path_ms" in b \
+            else ("-", "-")
+        rows.append([batch, ms(b["engine_ms"]), ms(b["floor_ms"]), f"{b['efficiency']:.2f}",
+                     f"{ms(b['torch_best_floor_ms'])} ({ms(b['torch_out_in_floor_ms'])} / "
+                     f"{ms(b['torch_in_out_floor_ms'])})", f"{b['efficiency_vs_torch_best']:.2f}",
                      f"{ms(b['kv_read_ms'])} ({b['kv_mib']:.0f} MiB)", f"{b['efficiency_incl_kv_read']:.2f}",
                      *torch_path])
-    return markdown_table(["batch", "floor", "engine step", "efficiency", "KV read", "vs floor + KV read",
-                           "torch floor", "torch-path step", "torch-path efficiency"], rows)
+    return markdown_table(["batch", "engine step", "own floor", "vs own floor",
+                           "torch's best floor ([out, in] / [in, out])", "vs torch's best", "KV read",
+                           "vs torch's best + KV read", "torch-path step", "torch-path vs torch's best"], rows)
 
 
 def decode_profile_table(r: dict[str, Any]) -> str:

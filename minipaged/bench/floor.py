@@ -2,8 +2,8 @@
 
 A step can never be faster than its matmuls (fused q|k|v, o, gate|up, down per layer, and the LM head), so
 ``bench/decode_floor.py`` reads a decode step against this floor, and ``bench/throughput.py`` adds up the
-floors of a recorded run's steps to give the run's ideal. ``linear`` chooses whose matmul code is timed: the
-engine's (``linear_for`` its backend) or torch's own ``F.linear``.
+floors of a recorded run's steps to give the run's ideal. ``linear`` / ``lm_head`` (and the weights' layout)
+choose whose matmul code is timed: the engine's backend's or torch's own.
 """
 from __future__ import annotations
 
@@ -14,31 +14,37 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..model.llama import lm_head_logits
+from ..kernels.torch_ops import vocab_sliced_linear
 
 
-def random_weights_like(model) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
-    """Random matrices of the model's fused shapes: per layer (q|k|v, o, gate|up, down), and the LM head."""
+def stored_in_out(weight: torch.Tensor) -> torch.Tensor:
+    """The weight stored [in, out] (one copy), seen as its [out, in] transpose: ``F.linear`` then runs ``x @ W``."""
+    return weight.t().contiguous().t()
+
+
+def random_weights_like(model, prepare: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+                        prepare_lm_head: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+                        ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+    """Random matrices of the model's fused shapes: per layer (q|k|v, o, gate|up, down), and the LM head,
+    stored as ``prepare`` (a backend's ``prepare_weight``, say) and ``prepare_lm_head`` lay them out."""
     gen = torch.Generator().manual_seed(0)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
         return torch.randn(rows, cols, generator=gen, dtype=model.dtype) * 0.02
 
-    layers = [(weight(*w.qkv.shape), weight(*w.o.shape), weight(*w.gate_up.shape), weight(*w.down.shape))
-              for w in model.layers]
-    return layers, weight(*model.lm_head.shape)
+    layers = [tuple(prepare(weight(*m.shape)) for m in (w.qkv, w.o, w.gate_up, w.down)) for w in model.layers]
+    return layers, prepare_lm_head(weight(*model.lm_head.shape))
 
 
 def matmul_pass(model, batch: int, *, head_rows: int | None = None, weights: tuple | None = None,
-                linear: Callable = F.linear) -> Callable[[], float]:
+                linear: Callable = F.linear, lm_head: Callable = vocab_sliced_linear) -> Callable[[], float]:
     """A function that runs one step's matmuls alone and returns its ms: ``batch`` token rows through every
     layer's 4 fused projections, and ``head_rows`` of them (default: all; 0: none) through the LM head, as a
-    step that samples only some rows does. ``linear``: the engine's matmul code (``linear_for`` its
-    backend: the compiled loop for a few rows on a CPU) with the LM head computed as the engine computes it
-    (``lm_head_logits``), so that the floor moves with any speed-up of the matmuls themselves and the gap to
-    it stays what the issue asks about, everything that is not a matmul; the default, torch's ``F.linear``,
-    gives the plain torch floor. ``weights``: from ``random_weights_like``, to reuse them over many calls."""
-    layers, lm_head = weights or random_weights_like(model)
+    step that samples only some rows does. ``linear`` / ``lm_head``: the engine's backend's (its matmul code:
+    the compiled loop for a few rows on a CPU where it measured faster) or torch's (the defaults), so that a
+    floor moves with any speed-up of the matmuls themselves and the gap to it stays everything that is not a
+    matmul. ``weights``: from ``random_weights_like``, to reuse them over many calls."""
+    layers, head_weight = weights or random_weights_like(model)
     head_rows = batch if head_rows is None else head_rows
     gen = torch.Generator().manual_seed(1)
     hidden, inter = model.embed.shape[1], model.layers[0].down.shape[1]
@@ -55,14 +61,15 @@ def matmul_pass(model, batch: int, *, head_rows: int | None = None, weights: tup
             linear(x, gate_up)
             linear(mid, down)
         if head_rows:
-            lm_head_logits(x[:head_rows], lm_head, linear)
+            lm_head(x[:head_rows], head_weight)
         return (time.perf_counter() - start) * 1000
     return run_once
 
 
 def matmul_floor_ms(model, batch: int, repeats: int, *, head_rows: int | None = None,
-                    weights: tuple | None = None, linear: Callable = F.linear) -> float:
+                    weights: tuple | None = None, linear: Callable = F.linear,
+                    lm_head: Callable = vocab_sliced_linear) -> float:
     """Median ms of ``repeats`` runs of ``matmul_pass`` (after two warm-up runs)."""
-    run_once = matmul_pass(model, batch, head_rows=head_rows, weights=weights, linear=linear)
+    run_once = matmul_pass(model, batch, head_rows=head_rows, weights=weights, linear=linear, lm_head=lm_head)
     times = [run_once() for _ in range(repeats + 2)][2:]
     return statistics.median(times)

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from minipaged.kernels import SmallBatchLinear, cpu_layer_ops, linear_for, paged_attention, plan_attention, write_kv
-from minipaged.kernels.int8 import Int8Weight, int8_linear_for, quantize_int8, weight_bytes
-from minipaged.memory import zeros_on_huge_pages
+from minipaged.kernels import Backend, ModelShapes
+from minipaged.kernels.backends import TORCH_BACKEND
+from minipaged.kernels.int8 import quantize_int8, weight_bytes
+# The small ops' torch specification lives beside the kernels that replace it; re-exported for the model's readers.
+from minipaged.kernels.torch_ops import (TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
+                                         apply_rope, rms_norm, vocab_sliced_linear)
 
 from .families import family_of
 
@@ -32,7 +34,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor     # [num_reqs + 1]
     host_seq_lens: list[int]
     host_query_start_loc: list[int]
-    backend: str = "torch"
+    backend: Backend = TORCH_BACKEND  # the engine's: attention, linear layers and small ops all come from it
     all_slots_new: bool = False       # no slot is -1: nothing to skip when writing K/V
 
 
@@ -49,99 +51,8 @@ class LlamaLayerWeights:
     k_norm: Optional[torch.Tensor] = None     # [head_dim] the same for every key head
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as transformers' LlamaRMSNorm computes it (in fp32, then back). (torch's own
-    ``F.rms_norm`` gives the same bits in fp32, but on a CPU it is these same operators and more, not one
-    fused kernel: measured no faster.)"""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-# Vocabulary rows per slice when a CPU computes the LM head (see vocab_sliced_linear).
-LM_HEAD_SLICE_ROWS = 1024
-
-
-def lm_head_logits(x: torch.Tensor, weight: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
-    """The LM head: the step's ``linear`` when it is the compiled matrix-vector loop and takes these rows
-    (it streams the weight once, whatever its size), else ``vocab_sliced_linear``. A quantized head
-    (``Int8Weight``) goes to the step's int8-aware ``linear``."""
-    if isinstance(weight, Int8Weight):
-        return linear(x, weight)
-    if isinstance(linear, SmallBatchLinear) and linear.handles(x, weight):
-        return linear(x, weight)
-    return vocab_sliced_linear(x, weight)
-
-
-def vocab_sliced_linear(x: torch.Tensor, weight: torch.Tensor, rows_per_slice: Optional[int] = None) -> torch.Tensor:
-    """``F.linear(x, weight)`` for the LM head, computed ``rows_per_slice`` vocabulary rows at a time on a CPU.
-
-    Why: the LM head is the largest matrix of a small model (SmolLM2: 49,152 x 576, 113 MB, a fifth of its
-    weights), and torch's CPU matmul runs it as one product whose [rows, vocab] output overflows the caches.
-    In slices of 1024 vocabulary rows each product's output stays in cache, and every logit is still one dot
-    product over the hidden size (SmolLM2's logits came out bit-identical on the CI machine; a slice that
-    leaves a ragged remainder can round its last digit differently, as any change of matmul tiling can).
-    Measured there, one thread, interleaved runs: 64 rows 64 -> 47 ms, 16 rows 30 -> 24 ms, 2 rows 23 -> 16 ms
-    (up to 7 rows this applies only on the torch backend; the cpu backend's compiled loop takes those rows);
-    one row gains nothing from slicing (the compiled loop of ``lm_head_logits`` does: 9.8 -> 4.3 ms), nor do
-    the layers' smaller matrices. A GPU's matmul has no such problem: there this is plain ``F.linear``.
-    """
-    rows_per_slice = rows_per_slice or LM_HEAD_SLICE_ROWS
-    if x.device.type != "cpu" or x.shape[0] < 2 or weight.shape[0] <= rows_per_slice:
-        return F.linear(x, weight)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    for start in range(0, weight.shape[0], rows_per_slice):
-        stop = start + rows_per_slice
-        torch.matmul(x, weight[start:stop].t(), out=out[:, start:stop])
-    return out
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in Llama's rotate-half form: x * cos + rotate_half(x) * sin, where rotate_half(x)
-    is [-x2, x1] for the two halves x1, x2. The same thing, bit for bit, in fewer operators:
-    rotate_half(x) * sin = roll(x, half) * signed_sin, with the minus sign kept in the table
-    (signed_sin = [-sin1, sin2]); negating is exact, so nothing rounds differently."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-class TorchLayerOps:
-    """A layer's small operations as torch operators: the specification (transformers' own math), used on GPUs
-    and on the torch backend. The cpu backend runs the same three in compiled C (``CpuLayerOps``,
-    kernels/cpu_layer_ops.c), one call each instead of a dozen operators; the layer loop does not know which."""
-
-    def add_rms_norm(self, residual: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """Add ``delta`` (the last sublayer's output) to the residual stream in place, then normalise it."""
-        if delta is not None:
-            residual += delta
-        return rms_norm(residual, weight, eps)
-
-    def rope_and_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          *, backend: Optional[str] = None, all_slots_new: bool = False) -> torch.Tensor:
-        """Rotate queries and keys, write the new tokens' keys and values to the cache; return the queries."""
-        num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-        q_and_k = (num_heads + num_kv_heads) * head_dim
-        # Queries and keys get the same rotation, so rotate them together: [T, heads + kv_heads, dim].
-        qk = qkv[:, :q_and_k].view(num_tokens, num_heads + num_kv_heads, head_dim)
-        q, k = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1)).split([num_heads, num_kv_heads], dim=1)
-        v = qkv[:, q_and_k:].view(num_tokens, num_kv_heads, head_dim)
-        write_kv(k, v, k_cache, v_cache, slot_mapping, backend=backend, all_slots_new=all_slots_new)
-        return q
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's middle: silu(gate) * up, from the fused gate|up output."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)                         # in place: one tensor fewer
-
-
-TORCH_LAYER_OPS = TorchLayerOps()
-
-
-def layer_ops_for(backend: Optional[str], head_dim: int):
-    """The compiled layer ops for the cpu backend (float32 on a CPU, kernels built), torch's anywhere else."""
-    return cpu_layer_ops(head_dim) if backend == "cpu" else TORCH_LAYER_OPS
+MATRICES = ("qkv", "o", "gate_up", "down")              # a layer's weight matrices, [out, in]
+HF_PARAMETER = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}   # the ones shared with transformers' module
 
 
 class CompactLlama:
@@ -168,6 +79,7 @@ class CompactLlama:
         self.final_norm = inner.norm.weight.data
         self.lm_head = hf_model.lm_head.weight.data       # the embedding itself when embeddings are tied
         self.layers = []
+        self._hf_layers = inner.layers            # (to re-lay shared weights in place: store_weights_for)
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
             if any(getattr(proj, "bias", None) is not None for proj in (att.o_proj, mlp.gate_proj, mlp.down_proj)
@@ -198,7 +110,7 @@ class CompactLlama:
         """Weight-only int8 (kernels/int8.py): every layer's matrices and the LM head become ``Int8Weight``; the
         embedding (a lookup of a few rows, not a matmul) and the norms stay fp32, as do activations and KV."""
         for w in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in MATRICES:
                 setattr(w, name, quantize_int8(getattr(w, name)))
         self.lm_head = quantize_int8(self.lm_head)
         # The fp32 tensors kept become copies of their own: transformers' may be views into one storage over the
@@ -208,6 +120,7 @@ class CompactLlama:
             for name in ("input_norm", "post_norm", "q_norm", "k_norm"):      # (qkv_bias is a new tensor already)
                 if getattr(w, name) is not None:
                     setattr(w, name, getattr(w, name).clone())
+        self._hf_layers = None         # transformers' layers hold the fp32 matrices: let them go with its model
         self.quantization = "int8"
 
     def weight_bytes(self) -> int:
@@ -220,11 +133,6 @@ class CompactLlama:
                                                       w.qkv_bias, w.q_norm, w.k_norm)]
         return sum(weight_bytes(t) for t in tensors if t is not None)
 
-    def linear_for(self, backend: Optional[str]) -> Callable:
-        """The step's linear layer: the backend's, made int8-aware when the weights are quantized."""
-        linear = linear_for(backend, self.head_dim)
-        return int8_linear_for(backend, self.head_dim, linear) if self.quantization else linear
-
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for every position up to ``max_position`` (grown by doubling, kept)."""
         if self._cos is None or self._cos.shape[0] < max_position:
@@ -236,14 +144,34 @@ class CompactLlama:
             self._sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
         return self._cos, self._sin
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
-        """One tensor for the whole pool: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]
-        (on a CPU, in memory that Linux may back with huge pages: see ``zeros_on_huge_pages``)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, device=None,
+                          backend: Backend = TORCH_BACKEND) -> torch.Tensor:
+        """One tensor for the whole pool: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim],
+        in the memory ``backend`` allocates (on a Linux CPU, memory that may be backed by huge pages)."""
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        device = torch.device(device or self.device)
-        if device.type == "cpu":
-            return zeros_on_huge_pages(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=device)
+        return backend.allocate_kv_pool(shape, self.dtype, torch.device(device or self.device))
+
+    def shapes(self) -> ModelShapes:
+        """The sizes a backend builds and measures its code for."""
+        return ModelShapes(hidden_size=self.config.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, intermediate_size=self.layers[0].gate_up.shape[0] // 2,
+                           vocab_size=self.config.vocab_size)
+
+    def store_weights_for(self, backend: Backend) -> None:
+        """Keep each layer's matrices in the layout ``backend`` computes with fastest (one copy: transformers'
+        module is pointed at the same tensor, so a re-laid weight is never held twice)."""
+        for w, hf_layer in zip(self.layers, getattr(self, "_hf_layers", None) or [None] * len(self.layers)):
+            for name in MATRICES:
+                old = getattr(w, name)
+                new = backend.prepare_weight(old)
+                if new is old:
+                    continue
+                setattr(w, name, new)
+                param = HF_PARAMETER.get(name)
+                if hf_layer is not None and param is not None:
+                    module = hf_layer.get_submodule(param)
+                    if module.weight.data.data_ptr() == old.data_ptr():
+                        module.weight.data = new
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
@@ -255,10 +183,10 @@ class CompactLlama:
         h = self.run_layers(self.embed[input_ids], positions, meta, kv_cache)
         return self.final_logits(h[logits_indices], self.lm_head, meta.backend)
 
-    def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    def final_logits(self, h: torch.Tensor, lm_head: torch.Tensor, backend: Backend = TORCH_BACKEND) -> torch.Tensor:
         """The last norm and the LM head (or, under tensor parallelism, this rank's slice of its rows)."""
         x = rms_norm(h, self.final_norm, self.eps)
-        return lm_head_logits(x, lm_head, self.linear_for(backend)).float()
+        return backend.lm_head(x, lm_head).float()
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
@@ -277,10 +205,11 @@ class CompactLlama:
         reduce = all_reduce or (lambda partial: partial)
         # What attention needs to know about the step (which rows are decodes, their blocks, masks) is the
         # same for every layer: work it out once here, not 30 times.
-        attention_hints = plan_attention(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
-                                         meta.host_query_start_loc, backend=meta.backend)
-        linear = self.linear_for(meta.backend)               # F.linear, or the compiled one for a few rows
-        ops = layer_ops_for(meta.backend, self.head_dim)     # norms, RoPE, SiLU: torch's, or compiled
+        backend = meta.backend
+        attention_plan = backend.plan(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
+                                      meta.host_query_start_loc)
+        linear = backend.linear           # F.linear, or the compiled loop for a few rows where it is faster
+        ops = backend.layer_ops           # norms, RoPE, SiLU: torch's, or compiled
         mlp_out = None              # each sublayer's output joins the residual stream inside the next norm
         for i, w in enumerate(self.layers):
             x = ops.add_rms_norm(h, mlp_out, w.input_norm, self.eps)
@@ -292,9 +221,9 @@ class CompactLlama:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             # Write first, then read: a request may attend to blocks another request fills in this step.
             q = ops.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
-                                      self.num_kv_heads, backend=meta.backend, all_slots_new=meta.all_slots_new)
-            attn = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   self.scale, backend=meta.backend, **attention_hints)
+                                      self.num_kv_heads, all_slots_new=meta.all_slots_new)
+            attn = backend.attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     self.scale, attention_plan)
             attn_out = reduce(linear(attn.reshape(num_tokens, self.num_heads * self.head_dim), w.o))
             x = ops.add_rms_norm(h, attn_out, w.post_norm, self.eps)
             mlp_out = reduce(linear(ops.silu_and_mul(linear(x, w.gate_up)), w.down))

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..kernels import Backend
 from ..model.llama import CompactLlama
 from ..runner import ModelInput, ModelRunner
 from .layout import ParallelLayout
@@ -82,9 +83,9 @@ class EmulatedRunner(ModelRunner):
     """A ``ModelRunner`` that runs ``layout`` in threads; each rank keeps its own shard and KV cache."""
 
     def __init__(self, model: CompactLlama, layout: ParallelLayout, num_blocks: int, block_size: int,
-                 backend: str) -> None:
+                 backend: Backend) -> None:
         self.shards = [ShardedLlama(model, layout, rank) for rank in range(layout.world_size)]
-        self.caches = [shard.allocate_kv_cache(num_blocks, block_size) for shard in self.shards]
+        self.caches = [shard.allocate_kv_cache(num_blocks, block_size, backend=backend) for shard in self.shards]
         super().__init__(self.shards[0], self.caches[0], block_size, backend)
         self.layout = layout
         self.hub = ThreadHub(layout)

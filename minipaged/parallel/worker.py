@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels import Backend
 from .comm import Communicator
 from .layout import ParallelLayout
 from .sharding import ShardedLlama, vocab_slice
@@ -41,7 +42,7 @@ class WorkerSpec:
     num_blocks: int
     num_cpu_blocks: int
     block_size: int
-    attention_backend: str
+    attention_backend: Backend               # pickled to the workers (a cpu backend travels as its verdict)
     timeout_s: float
 
 
@@ -101,7 +102,8 @@ def serve(rank: int, device: torch.device) -> None:
     error = None
     try:
         shard = build_shard(spec, rank, device)
-        kv_cache = shard.allocate_kv_cache(spec.num_blocks, spec.block_size)
+        shard.store_weights_for(spec.attention_backend)         # the layout rank 0's backend measured fastest
+        kv_cache = shard.allocate_kv_cache(spec.num_blocks, spec.block_size, backend=spec.attention_backend)
         cpu_cache = shard.allocate_kv_cache(spec.num_cpu_blocks, spec.block_size, "cpu") if spec.num_cpu_blocks else None
     except Exception as exc:                  # tell rank 0 why, instead of leaving it to time out
         error = f"rank {rank} could not load its shard: {exc!r}\n{traceback.format_exc()}"

@@ -22,6 +22,7 @@ import torch
 
 from ..config import ConfigError
 from ..model import CompactLlama
+from ..kernels import Backend
 from ..request import Request
 from ..runner import ModelRunner
 from ..sampling import Sampler, probabilities
@@ -33,10 +34,12 @@ logger = logging.getLogger("minipaged.spec_decode")
 
 
 class DraftModelProposer:
-    def __init__(self, model: CompactLlama, num_blocks: int, block_size: int, backend: str,
+    def __init__(self, model: CompactLlama, num_blocks: int, block_size: int, backend: Backend,
                  block_table_of: Callable[[str], list[int]], sampler: Sampler) -> None:
         self.model = model
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        backend = backend.for_shapes(model.shapes())
+        model.store_weights_for(backend)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, backend=backend)
         self.runner = ModelRunner(model, self.kv_cache, block_size, backend)
         self.block_table_of = block_table_of
         self.sampler = sampler                 # the requests' own generators: a seed drives drafts too

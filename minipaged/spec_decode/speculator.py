@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..kernels import Backend
 from ..request import Request, RequestStatus
 from ..sampling import Sampler
 from .config import SpeculativeConfig
@@ -66,7 +67,7 @@ class Speculator:
 
 
 def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
-                     backend: str, block_table_of: Callable[[str], list[int]], max_model_len: int,
+                     backend: Backend, block_table_of: Callable[[str], list[int]], max_model_len: int,
                      sampler: Sampler) -> Speculator:
     """The proposer the configuration names, wrapped for the engine."""
     if config.method == "ngram":

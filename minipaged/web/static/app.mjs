@@ -358,7 +358,28 @@ function drawOutput(st) {
   }
   const r = rid && st.requests.get(rid);
   $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
-  $("output").textContent = r ? r.text : "";
+  $("output").replaceChildren(...(r ? colouredOutput(r) : []));
+}
+
+// tui/widgets/output.py's PROBABILITY_COLOURS: a step's tokens coloured by their probability (requests that
+// asked for logprobs carry text_probs; the others are plain text).
+const PROBABILITY_COLOURS = [[0.5, "#59a14f"], [0.2, "#8cd17d"], [0.05, "#edc948"], [0.01, "#f28e2b"], [0.0, "#e15759"]];
+
+function colouredOutput(r) {
+  const chars = [...r.text];
+  const pieces = [];
+  let start = 0;
+  for (const [length, probability] of r.text_probs || []) {
+    const piece = chars.slice(start, start + length).join("");
+    start += length;
+    if (!piece) continue;
+    const colour = probability === null ? null : PROBABILITY_COLOURS.find(([bound]) => probability >= bound)[1];
+    const span = el("span", { textContent: piece });
+    if (colour) { span.style.color = colour; span.title = `p = ${probability.toPrecision(3)}`; }
+    pieces.push(span);
+  }
+  pieces.push(document.createTextNode(chars.slice(start).join("")));
+  return pieces;
 }
 
 function select(rid) { view.selected = view.selected === rid ? null : rid; schedule(); }

@@ -43,7 +43,13 @@ function newRequest(a) {
   const prompt = a.prompt ?? a.prompt_preview ?? "";     // traces recorded before prompts were kept whole
   return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
-    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [] };
+    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [] };
+}
+
+/** events.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
+export function stepProbability(logprobs) {
+  if (!logprobs || !logprobs.length) return null;
+  return Math.exp(logprobs.reduce((a, b) => a + b, 0) / logprobs.length);
 }
 
 function entries(obj) { return obj ? Object.entries(obj) : []; }
@@ -89,7 +95,13 @@ function applyView(st, ev) {
   }
   for (const [rid, text] of entries(ev.new_text)) {
     const req = st.requests.get(rid);
-    if (req) req.text += text;
+    if (!req) continue;
+    req.text += text;
+    const logprobs = (ev.new_logprobs || {})[rid];
+    // Python counts characters (code points), not UTF-16 units: [...text] does the same.
+    if ((logprobs && logprobs.length) || req.text_probs.length) {
+      req.text_probs.push([[...text].length, stepProbability(logprobs)]);
+    }
   }
   for (const [queue, state] of [["waiting", "waiting"], ["running", "running"], ["swapped", "swapped"]]) {
     for (const rid of ev[queue] || []) { const req = st.requests.get(rid); if (req) req.state = state; }
@@ -186,6 +198,15 @@ export function describeEvent(ev, st) {
     const produced = accepted + numVerified;
     add("spec", `verified ${drafted} ${plural(drafted, "draft")} of ${numVerified} ${plural(numVerified, "request")}: `
       + `${accepted} accepted (${percent(accepted / drafted)}), ${produced} ${plural(produced, "token")} in one forward pass`);
+  }
+  const constrained = entries(ev.constrained).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+  if (constrained.length === 1) {
+    const [[rid, [allowed, vocab]]] = constrained;
+    add("mask", `${rid} structured-output mask: ${allowed} of ${vocab} tokens allowed`, rid);
+  } else if (constrained.length) {
+    const vocab = constrained[0][1][1];
+    const each = constrained.map(([rid, [n]]) => `${rid} ${n}`).join(", ");
+    add("mask", `structured-output masks on ${constrained.length} requests, tokens allowed of ${vocab}: ${each}`);
   }
   for (const f of ev.finished || []) {
     const ttft = f.ttft_s === null || f.ttft_s === undefined ? "" : `, TTFT ${fixed0(f.ttft_s * 1e3)} ms`;

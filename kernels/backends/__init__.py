@@ -1,0 +1,69 @@
+"""One ``Backend`` object per engine, chosen once by ``select_backend``: torch (the specification, any
+device), cpu (compiled C, each op where it measured faster), triton (CUDA, or Triton's interpreter)."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ..build import cpu_kernel_problem
+from .base import Backend, ModelShapes
+from .calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice, Timer, calibrated_choice
+from .cpu_backend import CpuBackend
+from .torch_backend import TORCH_BACKEND, TorchBackend
+from .triton_backend import TritonBackend
+
+__all__ = ["Backend", "ModelShapes", "TorchBackend", "CpuBackend", "TritonBackend", "TORCH_BACKEND", "CpuChoice",
+           "ALL_TORCH", "COMPILED", "TORCH", "IN_OUT", "select_backend", "cpu_backend_for", "triton_available",
+           "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("triton", "cpu", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None) -> CpuBackend:
+    """The cpu backend for a model of ``shapes``, each op from the side that measured faster here."""
+    choice, source = calibrated_choice(shapes, shapes.head_dim, timer)
+    return CpuBackend(shapes.head_dim, choice, source)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, shapes: ModelShapes, asked: Optional[str] = None,
+                   timer: Optional[Timer] = None) -> Backend:
+    """The backend of an engine on ``device`` with ``dtype`` weights: ``asked`` when given (checked, with a
+    message that says what to do instead), else Triton on CUDA when installed, the compiled kernels on a CPU
+    in float32 when they build here, torch otherwise. Raises ValueError."""
+    device = torch.device(device)
+    problem = lambda: cpu_kernel_problem(shapes.head_dim)      # noqa: E731  (builds the kernels: ask only when needed)
+    if asked not in (None, *BACKEND_NAMES):
+        raise ValueError(f"unknown attention backend {asked!r}; choose one of {BACKEND_NAMES}")
+    if asked == "triton" or (asked is None and device.type == "cuda" and triton_available()):
+        if not triton_available():
+            raise ValueError("the triton attention backend needs Triton: pip install 'minipaged[gpu]' (Linux with a "
+                             "CUDA GPU), or use attention_backend='torch'.")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend runs on CUDA (this engine is on {device}), or on the CPU "
+                             "in Triton's interpreter (TRITON_INTERPRET=1, slow); use attention_backend='torch'")
+        return TritonBackend()
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    if asked == "cpu":
+        if not cpu_float32:
+            raise ValueError(f"the cpu attention backend runs on the CPU in float32; this engine is on {device} in "
+                             f"{str(dtype).removeprefix('torch.')}: use attention_backend='torch'")
+        if problem():
+            raise ValueError(f"the cpu attention backend is unavailable here: {problem()}; "
+                             "use attention_backend='torch'")
+    if asked == "cpu" or (asked is None and cpu_float32 and problem() is None):
+        return cpu_backend_for(shapes, timer)
+    if asked is None and cpu_float32:
+        return TorchBackend(note=f"the compiled CPU kernel is unavailable: {problem()}")
+    return TorchBackend()

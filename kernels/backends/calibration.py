@@ -1,0 +1,255 @@
+"""Which compiled CPU ops are faster than torch on this machine: measured once, cached.
+
+The C kernels were tuned on an AVX-512 CPU; on another CPU (AVX2 only, say) torch may be faster at some of
+them, for instance at few-row matmuls with the weights stored [in, out]. So the cpu backend races each op it
+offers against torch on the model's own shapes, the first time a model starts on a machine, and uses the
+compiled op only where it won. The race is short (a handful of interleaved repetitions, the median kept;
+well under 3 s for SmolLM2), and its verdict (a ``CpuChoice``) is cached in minipaged's cache folder
+(``$MINIPAGED_CACHE`` or the user cache dir) under a key made of the CPU, the compiled library's build
+(sources, compiler, flags), torch's version, the thread count and the shapes: a change of any of them measures
+again. ``MINIPAGED_CPU_OPS=compiled`` (or ``torch``) skips the race and takes every op from one side (the test
+suite uses ``compiled``, so that every compiled op is exercised whatever the machine).
+
+The weights are read from a buffer larger than the processor's caches, window after window, as a decode step
+reads 30 layers' weights from memory: timing one small matrix over and over would measure it in cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import ModelShapes
+
+COMPILED, TORCH, IN_OUT = "compiled", "torch", "torch [in, out]"
+LAYER_OPS = ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")
+CALIBRATION_VERSION = 1
+FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
+STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
+REPEATS = 5
+RACE_BUDGET_S = 0.5                         # per op: see race()
+LARGE_BATCH_SLACK = 1.1                     # a layout may cost many-row steps at most this much more
+
+# (op, option, run) -> seconds that one call of ``run`` took. The real one is a wall clock; tests pass a fake.
+Timer = Callable[[str, str, Callable[[], Any]], float]
+
+
+@dataclass(frozen=True)
+class CpuChoice:
+    """Which side runs each op: COMPILED or TORCH (few_row_linear may also be IN_OUT: torch, weights [in, out])."""
+
+    decode_attention: str = COMPILED
+    few_row_linear: str = COMPILED
+    lm_head: str = COMPILED
+    add_rms_norm: str = COMPILED
+    rope_and_write_kv: str = COMPILED
+    silu_and_mul: str = COMPILED
+    argmax: str = COMPILED
+
+    def describe(self) -> str:
+        names = {"decode_attention": "decode attention", "few_row_linear": "1-7 row matmuls", "lm_head": "LM head",
+                 "add_rms_norm": "norms", "rope_and_write_kv": "RoPE + K/V write", "silu_and_mul": "SiLU",
+                 "argmax": "argmax"}
+        compiled = [names[f.name] for f in dataclasses.fields(self) if getattr(self, f.name) == COMPILED]
+        torch_side = [names[f.name] + (" (weights stored [in, out])" if getattr(self, f.name) == IN_OUT else "")
+                      for f in dataclasses.fields(self) if getattr(self, f.name) != COMPILED]
+        return (f"compiled C kernels for {', '.join(compiled) or 'nothing'}"
+                + (f"; torch for {', '.join(torch_side)}" if torch_side else ""))
+
+
+ALL_TORCH = CpuChoice(**{f.name: TORCH for f in dataclasses.fields(CpuChoice)})
+
+
+def wall_clock(op: str, option: str, run: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def race(op: str, options: dict[str, Callable[[], Any]], timer: Timer, repeats: int = REPEATS) -> dict[str, float]:
+    """Median seconds of each option, the options interleaved (a machine's slow moments hit them all). A race
+    that has taken RACE_BUDGET_S stops after the round it is in: on a crowded machine an op can take 100 times
+    its usual time (measured: OpenMP threads waiting for a busy core), and start-up must not wait for it."""
+    start = time.perf_counter()
+    for run in options.values():
+        run()                                   # warm: first-call costs are not the op's
+    samples: dict[str, list[float]] = {name: [] for name in options}
+    for _ in range(repeats):
+        for name, run in options.items():
+            samples[name].append(timer(op, name, run))
+        if time.perf_counter() - start > RACE_BUDGET_S:
+            break
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def fastest(times: dict[str, float]) -> str:
+    return min(times, key=times.__getitem__)
+
+
+class _Windows:
+    """Matrices of one shape cut one after another from a big buffer: each call reads the next (cold) one."""
+
+    def __init__(self, buffer: torch.Tensor, out_features: int, in_features: int) -> None:
+        self.n, self.shape = out_features * in_features, (out_features, in_features)
+        self.count, self.buffer, self.next = max(1, buffer.numel() // self.n), buffer, 0
+
+    def take(self, in_out: bool = False) -> torch.Tensor:
+        start = (self.next % self.count) * self.n
+        self.next += 1
+        flat = self.buffer[start:start + self.n]
+        return flat.view(self.shape[1], self.shape[0]).t() if in_out else flat.view(self.shape)
+
+
+def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> tuple[CpuChoice, dict[str, Any]]:
+    """Race every compiled op against torch on ``shapes``; the verdict and the medians (ms)."""
+    from ..cpu_argmax import CpuArgmax
+    from ..cpu_layer_ops import cpu_layer_ops
+    from ..cpu_linear import small_batch_linear
+    from ..cpu_paged_attention import paged_decode_attention_cpu
+    from ..reference import paged_attention_torch, plan_torch_attention
+    from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
+
+    matvec, compiled_ops = small_batch_linear(head_dim), cpu_layer_ops(head_dim)
+    gen = torch.Generator().manual_seed(0)
+    hidden, vocab = shapes.hidden_size, shapes.vocab_size
+    buffer = torch.randn(max(STREAM_BYTES // 4, vocab * hidden), generator=gen)
+    windows = [_Windows(buffer, *shape) for shape in shapes.matrices().values()]
+    few = {(rows, width): torch.randn(rows, width, generator=gen)
+           for rows in (*FEW_ROWS, MANY_ROWS) for width in {w.shape[1] for w in windows}}
+
+    # Each sample reads as many layers' weights as STREAM_BYTES holds: long enough (milliseconds) that a busy
+    # machine's hiccups do not decide the race, as a decode step reads them.
+    layers_per_sample = max(1, STREAM_BYTES // (4 * sum(w.n for w in windows)))
+
+    def layer_matmuls(rows_set: tuple[int, ...], how: str) -> Callable[[], None]:
+        def run() -> None:
+            for rows, _layer in itertools.product(rows_set, range(layers_per_sample)):
+                for w in windows:
+                    x = few[rows, w.shape[1]]
+                    if how == COMPILED:
+                        matvec(x, w.take())
+                    else:
+                        F.linear(x, w.take(in_out=how == IN_OUT))
+        return run
+
+    verdict: dict[str, str] = {}
+    times: dict[str, dict[str, float]] = {}
+    times["few_row_linear"] = race("few_row_linear", {o: layer_matmuls(FEW_ROWS, o) for o in (COMPILED, TORCH, IN_OUT)},
+                                   timer)
+    times["many_row_linear"] = race("many_row_linear", {o: layer_matmuls((MANY_ROWS,), o) for o in (TORCH, IN_OUT)},
+                                    timer)
+    candidates = dict(times["few_row_linear"])
+    if times["many_row_linear"][IN_OUT] > LARGE_BATCH_SLACK * times["many_row_linear"][TORCH]:
+        candidates.pop(IN_OUT)                  # faster for a few rows, but slower for a batch: not worth it
+    verdict["few_row_linear"] = fastest(candidates)
+
+    head = _Windows(buffer, vocab, hidden)
+    xs = [torch.randn(rows, hidden, generator=gen) for rows in FEW_ROWS]
+    times["lm_head"] = race("lm_head", {
+        COMPILED: lambda: [matvec(x, head.take()) for x in xs],
+        TORCH: lambda: [vocab_sliced_linear(x, head.take()) for x in xs]}, timer)
+
+    rows16 = 16
+    residual, delta = torch.randn(rows16, hidden, generator=gen), torch.randn(rows16, hidden, generator=gen) * 1e-3
+    norm_weight = torch.ones(hidden)
+    qkv_width = shapes.matrices()["qkv"][0]
+    qkv = torch.randn(rows16, qkv_width, generator=gen)
+    angles = torch.rand(rows16, head_dim // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    caches = torch.zeros(2, 64, 16, shapes.num_kv_heads, head_dim)
+    slots = torch.arange(rows16, dtype=torch.int64)
+    gate_up = torch.randn(rows16, 2 * shapes.intermediate_size, generator=gen)
+
+    def layer_op(name: str, ops: Any) -> Callable[[], None]:
+        def run() -> None:
+            for rows in (1, rows16):
+                for _ in range(10):             # microseconds each: time several
+                    if name == "add_rms_norm":
+                        ops.add_rms_norm(residual[:rows], delta[:rows], norm_weight, 1e-5)
+                    elif name == "rope_and_write_kv":
+                        ops.rope_and_write_kv(qkv[:rows], cos[:rows], sin[:rows], caches[0], caches[1], slots[:rows],
+                                              shapes.num_heads, shapes.num_kv_heads)
+                    else:
+                        ops.silu_and_mul(gate_up[:rows])
+        return run
+
+    for name in LAYER_OPS:
+        times[name] = race(name, {COMPILED: layer_op(name, compiled_ops), TORCH: layer_op(name, TORCH_LAYER_OPS)},
+                           timer)
+
+    logits = torch.randn(rows16, vocab, generator=gen)
+    compiled_argmax = CpuArgmax(head_dim)
+    times["argmax"] = race("argmax", {COMPILED: lambda: compiled_argmax(logits),
+                                      TORCH: lambda: logits.argmax(dim=-1)}, timer)
+
+    num_reqs, context, block_size = 8, 200, 16
+    blocks_each = -(-context // block_size)
+    k_cache = torch.randn(num_reqs * blocks_each, block_size, shapes.num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_reqs * blocks_each, generator=gen).view(num_reqs, blocks_each).to(torch.int32)
+    q = torch.randn(num_reqs, shapes.num_heads, head_dim, generator=gen)
+    seq_lens, starts = [context] * num_reqs, list(range(num_reqs + 1))
+    seq_t, starts_t = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    plan = plan_torch_attention(tables, block_size, seq_lens, starts)
+
+    def attend(decode: Any) -> Callable[[], None]:
+        return lambda: paged_attention_torch(q, k_cache, v_cache, tables, seq_t, starts_t, head_dim ** -0.5,
+                                             plan=plan, decode_attention=decode)
+    times["decode_attention"] = race("decode_attention", {COMPILED: attend(paged_decode_attention_cpu),
+                                                          TORCH: attend(None)}, timer)
+    for name in ("lm_head", *LAYER_OPS, "argmax", "decode_attention"):
+        verdict[name] = fastest(times[name])
+    medians_ms = {op: {o: round(t * 1e3, 4) for o, t in by_option.items()} for op, by_option in times.items()}
+    return CpuChoice(**verdict), medians_ms
+
+
+def calibration_key(shapes: ModelShapes, head_dim: int) -> str:
+    from ..build import library_identity
+    text = json.dumps([CALIBRATION_VERSION, library_identity(), dataclasses.asdict(shapes), head_dim,
+                       torch.get_num_threads()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_folder() -> Path:
+    from minipaged.model.loader import cache_root
+    return cache_root() / "calibration"
+
+
+def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer] = None) -> tuple[CpuChoice, str]:
+    """The verdict for these shapes on this machine (cached, else measured now with ``timer``, by default the
+    wall clock) and where it came from."""
+    forced = os.environ.get("MINIPAGED_CPU_OPS", "measure")
+    if forced == COMPILED:
+        return CpuChoice(), "every op compiled: MINIPAGED_CPU_OPS=compiled"
+    if forced == TORCH:
+        return ALL_TORCH, "every op torch's: MINIPAGED_CPU_OPS=torch"
+    if forced != "measure":
+        raise ValueError(f"MINIPAGED_CPU_OPS must be 'measure', 'compiled' or 'torch', got {forced!r}")
+    path = cache_folder() / f"{calibration_key(shapes, head_dim)}.json"
+    try:
+        return CpuChoice(**json.loads(path.read_text())["choice"]), f"measured on this machine earlier: {path}"
+    except (OSError, ValueError, TypeError, KeyError):
+        pass                                    # not measured yet (or an unreadable file): measure
+    start = time.perf_counter()
+    choice, medians_ms = calibrate(shapes, head_dim, timer or wall_clock)
+    seconds = time.perf_counter() - start
+    record = {"choice": dataclasses.asdict(choice), "median_ms": medians_ms, "seconds": round(seconds, 2),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "shapes": dataclasses.asdict(shapes)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        return choice, f"measured now in {seconds:.1f} s (not cached: {path.parent} is not writable)"
+    return choice, f"measured now in {seconds:.1f} s, cached in {path}"

@@ -1,0 +1,108 @@
+"""The cpu backend: compiled C kernels (kernels/*.c, built by kernels/build.py) for the operations a CPU runs
+slowly through torch, each used only where it measured faster than torch on this machine
+(``calibration.py``; the verdict is a ``CpuChoice``), torch's otherwise:
+
+  decode attention   cpu_paged_attention.c: one query per request, keys and values read in place;
+  few-row linear     cpu_matvec.c: one to seven token rows (a decode, a speculative verification), bound by
+                     reading the weights; or torch with the weights stored [in, out] where that is faster;
+  LM head            the same loop for a few rows, else torch in vocabulary slices;
+  layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
+  argmax             cpu_argmax.c;
+  int8 linear        (``--quantization int8``) cpu_int8_matvec.c for one to seven rows, always (it reads a
+                     quarter of fp32's bytes); the weight widened a slice at a time for more (kernels/int8.py).
+
+Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..cpu_argmax import CpuArgmax, torch_argmax
+from ..cpu_layer_ops import cpu_layer_ops
+from ..cpu_linear import small_batch_linear
+from ..cpu_paged_attention import check_decode_inputs, kernel_can_read, paged_decode_attention_cpu
+from ..int8 import Int8Linear, Int8Weight
+from ..reference import TorchAttentionPlan, paged_attention_torch
+from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
+from .base import ModelShapes
+from .calibration import COMPILED, IN_OUT, LAYER_OPS, CpuChoice
+from .torch_backend import TorchBackend
+
+_CHECKED_DECODE = functools.partial(paged_decode_attention_cpu, checked=True)
+
+
+class ChosenLayerOps:
+    """Each of the three layer ops from the compiled library or from torch, as the calibration chose."""
+
+    def __init__(self, compiled: Any, choice: CpuChoice) -> None:
+        for name in LAYER_OPS:
+            setattr(self, name, getattr(compiled if getattr(choice, name) == COMPILED else TORCH_LAYER_OPS, name))
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, head_dim: int, choice: CpuChoice = CpuChoice(), source: str = "") -> None:
+        super().__init__()
+        self.head_dim, self.choice, self.source = head_dim, choice, source
+        compiled_ops = cpu_layer_ops(head_dim)        # raises CpuKernelUnavailable where it cannot be built
+        every_op_compiled = all(getattr(choice, name) == COMPILED for name in LAYER_OPS)
+        self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
+        self._matvec = small_batch_linear(head_dim)
+        self._int8 = Int8Linear(F.linear, head_dim, compiled=True)
+        self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
+
+    def __reduce__(self) -> tuple:
+        # Sent to tensor-parallel workers inside each step's metadata: rebuilt there from the verdict.
+        return (CpuBackend, (self.head_dim, self.choice, self.source))
+
+    def for_shapes(self, shapes: ModelShapes) -> "CpuBackend":
+        """The same verdict, with the library built for ``shapes``' head size (a draft model's may differ)."""
+        return self if shapes.head_dim == self.head_dim else CpuBackend(shapes.head_dim, self.choice, self.source)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                  plan: TorchAttentionPlan) -> torch.Tensor:
+        decode = None
+        if self.choice.decode_attention == COMPILED and kernel_can_read(q, k_cache, v_cache):
+            if plan.num_decodes and not plan.decode_indices_checked:     # once a step: the first layer
+                check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, k_cache.shape[0], k_cache.shape[1])
+                plan.decode_indices_checked = True
+            decode = _CHECKED_DECODE
+        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan,
+                                     decode_attention=decode)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows
+            return self._int8(x, weight)
+        # The compiled loop takes what it handles (a few rows, a weight stored [out, in]); torch the rest.
+        return self._matvec(x, weight) if self.choice.few_row_linear == COMPILED else F.linear(x, weight)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return self._int8(x, weight)
+        if self.choice.lm_head == COMPILED and self._matvec.handles(x, weight):
+            return self._matvec(x, weight)
+        return vocab_sliced_linear(x, weight)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._argmax(logits)
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Stored [in, out] (one copy, seen as its [out, in] transpose) where torch's matmul measured fastest
+        that way; as it came otherwise. Int8 weights stay [out, in]: the int8 loop and the widening path read
+        them so (a calibration of fp32 matmuls says nothing about them)."""
+        if isinstance(weight, Int8Weight):
+            return weight
+        if self.choice.few_row_linear == IN_OUT and weight.dim() == 2 and weight.is_contiguous():
+            return weight.t().contiguous().t()
+        return weight
+
+    def describe(self, why: bool = True) -> str:
+        int8 = ("; int8 weights: compiled int8 loop for 1-7 rows (cpu_int8_matvec.c), widened to float32 a slice "
+                "at a time for more" if self.quantization else "")
+        return f"cpu, {self.choice.describe()}{int8}" + (f" ({self.source})" if self.source and why else "")

@@ -1,0 +1,53 @@
+"""The triton backend: the Triton PagedAttention and K/V-write kernels (kernels/triton_paged_attention.py) on
+CUDA; everything else is torch's (a GPU's matmuls, norms and argmax need nothing of ours). In Triton's
+interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, slowly: that is how the whole engine
+is tested on this backend without a GPU (tests/test_triton_engine.py)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..torch_ops import TorchLayerOps
+from .torch_backend import TorchBackend
+
+
+def _write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, *, all_slots_new: bool = False) -> None:
+    from ..triton_paged_attention import write_kv_cache_triton     # Triton is imported only when used
+    write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)   # it skips -1 slots itself
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_ops = TorchLayerOps(write_kv=_write_kv_triton)
+
+    def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
+             host_query_start_loc: list[int]) -> dict[str, int]:
+        """The step's longest context and longest query, known on the host: no device sync to find them."""
+        return {"max_seq_len": max(host_seq_lens, default=0),
+                "max_query_len": max((b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])),
+                                     default=0)}
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, plan: Any) -> torch.Tensor:
+        from ..triton_paged_attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **plan)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, *, all_slots_new: bool = False) -> None:
+        _write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def quantization_problem(self, quantization: str) -> Optional[str]:
+        return (f"quantization={quantization!r} has no Triton kernel: the triton backend refuses it; use "
+                "attention_backend='torch' (or the CPU), or leave quantization off")
+
+    def describe(self, why: bool = True) -> str:
+        return "triton, Triton kernels for attention and K/V writes (kernels/triton_paged_attention.py), torch ops"

@@ -1,0 +1,156 @@
+"""The cpu backend chooses each compiled op by racing it against torch (kernels/backends/calibration.py).
+
+A fake timer decides the race here, so that both verdicts (compiled faster, torch faster) and torch's
+[in, out] weight layout are exercised whatever this machine measures; then the engine is checked to run the
+chosen op (and only it), to give the torch backend's greedy tokens, to reuse a cached verdict, and to measure
+again when the key (CPU, library build, torch, threads, shapes) changes.
+"""
+from __future__ import annotations
+
+import pytest
+
+from minipaged import Engine, SamplingParams
+from minipaged.kernels import CpuLayerOps, SmallBatchLinear
+from minipaged.kernels import build
+from minipaged.kernels.backends import calibration
+from minipaged.kernels.backends.calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice
+
+PROMPTS = [[5, 9, 33, 2, 71, 8], [100, 3, 7]]
+PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+class FakeTimer:
+    """Seconds per option as given (the op is not timed at all); counts the samples it was asked for."""
+
+    def __init__(self, seconds: dict[str, float], many_rows: dict[str, float] | None = None) -> None:
+        self.seconds, self.many_rows, self.calls = seconds, many_rows or {}, 0
+
+    def __call__(self, op: str, option: str, run) -> float:
+        self.calls += 1
+        return (self.many_rows if op == "many_row_linear" else self.seconds).get(option, self.seconds[option])
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Calibrate (not the suite's MINIPAGED_CPU_OPS=compiled), into an empty cache folder."""
+    monkeypatch.setenv("MINIPAGED_CPU_OPS", "measure")
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
+
+    def use(timer: FakeTimer) -> FakeTimer:
+        monkeypatch.setattr(calibration, "wall_clock", timer)
+        return timer
+    return use
+
+
+def count_compiled_calls(monkeypatch) -> dict[str, int]:
+    calls = {"linear": 0, "layer_ops": 0, "weights": set()}
+    linear_call = SmallBatchLinear.__call__
+
+    def counted_linear(self, x, weight):
+        if self.handles(x, weight):
+            calls["linear"] += 1
+            calls["weights"].add(tuple(weight.shape))
+        return linear_call(self, x, weight)
+    monkeypatch.setattr(SmallBatchLinear, "__call__", counted_linear)
+    norm = CpuLayerOps.add_rms_norm
+
+    def counted_norm(self, *args, **kwargs):
+        calls["layer_ops"] += 1
+        return norm(self, *args, **kwargs)
+    monkeypatch.setattr(CpuLayerOps, "add_rms_norm", counted_norm)
+    return calls
+
+
+def torch_tokens(model: str) -> list[list[int]]:
+    engine = Engine(model, block_size=4, num_blocks=64, attention_backend="torch")
+    return [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+def test_compiled_faster_everywhere_uses_every_compiled_op(tiny_model_untied, measuring, monkeypatch):
+    timer = measuring(FakeTimer({COMPILED: 1.0, TORCH: 2.0, IN_OUT: 3.0}))
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, load_progress=lambda line: None)
+    calls = count_compiled_calls(monkeypatch)                     # the steps' calls, not the race's
+    assert timer.calls > 0 and engine.backend.name == "cpu" and engine.backend.choice == CpuChoice()
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert calls["linear"] > 0 and calls["layer_ops"] > 0
+    assert engine.model.layers[0].qkv.is_contiguous()              # stored [out, in], as the loop reads it
+    assert tokens == torch_tokens(tiny_model_untied)
+    assert "compiled C kernels for decode attention, 1-7 row matmuls" in engine.backend.describe()
+
+
+def test_torch_faster_everywhere_uses_no_compiled_op(tiny_model_untied, measuring, monkeypatch):
+    measuring(FakeTimer({COMPILED: 2.0, TORCH: 1.0, IN_OUT: 3.0}))
+    lines: list[str] = []
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, load_progress=lines.append)
+    calls = count_compiled_calls(monkeypatch)
+    assert engine.backend.name == "cpu" and engine.backend.choice == ALL_TORCH
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert calls["linear"] == calls["layer_ops"] == 0
+    assert tokens == torch_tokens(tiny_model_untied)
+    assert any(line.startswith("Attention: cpu, compiled C kernels for nothing; torch for decode attention")
+               and "measured now" in line for line in lines), lines
+
+
+def test_torch_in_out_layout_wins_few_rows_and_is_stored_once(tiny_model_untied, measuring, monkeypatch):
+    """Weights stored [in, out] (seen as their [out, in] transpose): one copy, shared with transformers'
+    module; torch multiplies, the compiled loop is never asked."""
+    measuring(FakeTimer({COMPILED: 2.0, TORCH: 3.0, IN_OUT: 1.0}, many_rows={TORCH: 1.0, IN_OUT: 1.05}))
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    calls = count_compiled_calls(monkeypatch)
+    assert engine.backend.choice.few_row_linear == IN_OUT
+    layer, hf_layer = engine.model.layers[0], engine.loaded.hf_model.model.layers[0]
+    for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+    assert layer.o.data_ptr() == hf_layer.self_attn.o_proj.weight.data_ptr()      # never both copies
+    assert layer.down.data_ptr() == hf_layer.mlp.down_proj.weight.data_ptr()
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert calls["weights"] == {tuple(engine.model.lm_head.shape)}   # only the LM head (compiled won there)
+    assert tokens == torch_tokens(tiny_model_untied)
+
+
+def test_a_layout_that_slows_batches_is_not_chosen(measuring):
+    """[in, out] faster for a few rows but 20% slower for a batch: the compiled loop keeps the few rows."""
+    from minipaged.kernels import ModelShapes
+    measuring(FakeTimer({COMPILED: 2.0, TORCH: 3.0, IN_OUT: 1.0}, many_rows={TORCH: 1.0, IN_OUT: 1.2}))
+    choice, _ = calibration.calibrated_choice(ModelShapes(32, 4, 2, 8, 48, 100), 8)
+    assert choice.few_row_linear == COMPILED
+
+
+def test_the_verdict_is_cached_and_measured_again_when_the_key_changes(tiny_model_untied, measuring, monkeypatch):
+    first = measuring(FakeTimer({COMPILED: 2.0, TORCH: 1.0, IN_OUT: 3.0}))
+    Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    assert first.calls > 0
+    second = measuring(FakeTimer({COMPILED: 1.0, TORCH: 2.0, IN_OUT: 3.0}))
+    again = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    assert second.calls == 0 and again.backend.choice == ALL_TORCH            # the cached verdict, not a race
+    assert "measured on this machine earlier" in again.backend.describe()
+    monkeypatch.setattr(build, "library_identity", lambda: "another CPU or compiler")
+    rebuilt = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    assert second.calls > 0 and rebuilt.backend.choice == CpuChoice()        # a new key: measured again
+
+
+def test_the_real_clock_gives_a_verdict_for_every_op(measuring):
+    """No fake: the race runs (on tiny shapes, quickly) and names a side for every op."""
+    from minipaged.kernels import ModelShapes
+    choice, medians = calibration.calibrate(ModelShapes(64, 4, 2, 16, 96, 300), 16)
+    assert set(medians) >= {"few_row_linear", "many_row_linear", "lm_head", "argmax", "decode_attention"}
+    assert all(value in (COMPILED, TORCH, IN_OUT) for value in vars(choice).values())
+    assert all(t > 0 for by_option in medians.values() for t in by_option.values())
+
+
+def test_a_wrong_override_is_refused(monkeypatch):
+    from minipaged.kernels import ModelShapes
+    monkeypatch.setenv("MINIPAGED_CPU_OPS", "fast")
+    with pytest.raises(ValueError, match="MINIPAGED_CPU_OPS must be 'measure', 'compiled' or 'torch'"):
+        calibration.calibrated_choice(ModelShapes(64, 4, 2, 16, 96, 300), 16)
+
+
+def test_a_race_stops_early_when_it_runs_long(monkeypatch):
+    """On a crowded machine an op can be 100 times slower than usual: a race past its budget keeps the
+    rounds it has (at least one) instead of holding start-up."""
+    timer = FakeTimer({COMPILED: 1.0, TORCH: 2.0})
+    options = {COMPILED: lambda: None, TORCH: lambda: None}
+    assert calibration.race("op", options, timer) == {COMPILED: 1.0, TORCH: 2.0} and timer.calls == 2 * 5
+    monkeypatch.setattr(calibration, "RACE_BUDGET_S", 0.0)
+    timer.calls = 0
+    assert calibration.race("op", options, timer) == {COMPILED: 1.0, TORCH: 2.0} and timer.calls == 2
