@@ -1,6 +1,7 @@
-"""Building the compiled CPU kernels: the four C files (cpu_paged_attention.c, cpu_matvec.c, cpu_layer_ops.c,
-cpu_argmax.c) in one shared library, built on first use, cached, loaded with ctypes. The modules that call
-into it (cpu_paged_attention.py, cpu_linear.py, cpu_layer_ops.py, cpu_argmax.py) only ask ``load_kernel``.
+"""Building the compiled CPU kernels: the five C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
+cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with ctypes. The
+modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py, cpu_layer_ops.py, cpu_argmax.py)
+only ask ``load_kernel``.
 
 Why C and ctypes, not a torch C++ extension: the kernels need no torch headers, so the machine's C compiler
 builds them in well under a second (a torch extension takes a minute), and the shared library lands in
@@ -27,7 +28,7 @@ import torch
 from torch.profiler import record_function
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("cpu_paged_attention.c", "cpu_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c"))
+                ("cpu_paged_attention.c", "cpu_matvec.c", "cpu_int8_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c"))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -129,6 +130,9 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
     fn = library.small_batch_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn = library.int8_small_batch_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn = library.add_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]

@@ -16,6 +16,7 @@ PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionBackend = Literal["triton", "cpu", "torch"]
+Quantization = Literal["int8"]
 
 
 # Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
@@ -96,6 +97,10 @@ class EngineConfig:
         "help": "attention code: triton (CUDA), cpu (compiled C kernels: decode attention, and matmuls for steps of "
                 "1-7 tokens), torch (plain torch ops)",
         "shown_default": "triton on CUDA, cpu where it builds, else torch"})
+    # Weight-only int8 (kernels/int8.py, docs/quantization.md): opt-in, not exact; vLLM's flag name.
+    quantization: Optional[Quantization] = field(default=None, metadata={
+        "help": "int8: weights as int8 with per-row scales, computed at load (a quarter of fp32's bytes; not "
+                "exact, see docs/quantization.md); activations and KV stay float32", "shown_default": "off"})
     # Parallelism (minipaged.parallel): world size = tp x pp processes, rank 0 being the engine's own.
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "processes that each hold a slice of every layer (heads, MLP columns, KV heads)",
@@ -146,6 +151,11 @@ class EngineConfig:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a policy name or 'path/to/file.py:ClassName', got "
                                   f"{getattr(self, name)!r}.")
+        one_of("quantization", Quantization, optional=True)
+        if self.quantization and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("quantization='int8' does not combine with tensor or pipeline parallelism yet (the "
+                              "shards are cut from fp32 weights); use tensor_parallel_size=1 and "
+                              "pipeline_parallel_size=1, or leave quantization out.")
         if self.device is not None and str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'mps', got {self.device!r}.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -6,6 +6,8 @@ place to look for how the parts are chosen and wired together.
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from .events import EngineInfo
 from .input_processor import InputProcessor
 from .logits.stage import LogitsStage
 from .kernels import Backend, select_backend
-from .memory import DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks
+from .kernels.int8 import quantization_problem
+from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
+                     return_freed_memory_to_the_os)
 from .model import CompactLlama, load_model
 from .model.families import sliding_window_problem
 from .output_processor import OutputProcessor
@@ -93,7 +97,12 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         backend = select_backend(device, DTYPES[dtype_name], model.shapes(), config.attention_backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model.store_weights_for(backend)
+    if config.quantization:        # once the backend is known (it may refuse), before a self-draft shares the layers
+        quantize(model, backend, config.quantization, DTYPES[dtype_name], layout)
+        loaded = dataclasses.replace(loaded, hf_model=None)     # transformers' module held the fp32 weights:
+        gc.collect()                                            # dropped, so that only int8 stays
+        return_freed_memory_to_the_os()
+    model.store_weights_for(backend)                    # (int8 matrices stay as they are: [out, in])
     spec = config.speculative
     draft_model = load_draft_model(spec, model, tokenizer, DTYPES[dtype_name], str(device),
                                    load_progress) if spec and spec.uses_draft_model else None
@@ -150,6 +159,25 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     logger.info(capacity)
     if load_progress is not None:
         load_progress(capacity)
+        load_progress(weights_line(model, layout))
         load_progress("Attention: " + backend.describe())
     return EngineParts(config, device, layout, model, loaded, tokenizer, backend, draft_model, kv_cache,
                        cpu_kv_cache, kv, cpu_pool, inputs, scheduler, runner, sampler, outputs, logits, speculator, info)
+
+
+def quantize(model: CompactLlama, backend: Backend, quantization: str, dtype: torch.dtype,
+             layout: ParallelLayout) -> None:
+    """Weight-only int8 (kernels/int8.py) multiplied by ``backend``, or a ConfigError saying why this engine
+    cannot."""
+    if problem := quantization_problem(quantization, backend, dtype, layout.world_size):
+        raise ConfigError(problem + ".")
+    model.quantize_int8()
+    backend.use_quantization(quantization)
+
+
+def weights_line(model: CompactLlama, layout: ParallelLayout) -> str:
+    """The start-up line on the weights' memory, beside the KV cache's."""
+    kind = ("int8 matrices with fp32 scales, fp32 embedding and norms (not exact: docs/quantization.md)"
+            if model.quantization else str(model.dtype).removeprefix("torch."))
+    where = " on rank 0" if layout.world_size > 1 else ""
+    return f"Weights{where}: {model.weight_bytes() / 2**20:.1f} MiB ({kind})"

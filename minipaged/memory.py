@@ -104,3 +104,29 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     pool = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)     # the tensor keeps the mapping
     pool.zero_()                             # anonymous memory reads as zeros; writing takes its pages now,
     return pool                              # at start-up, as torch.zeros did, not in the middle of a step
+
+
+def return_freed_memory_to_the_os() -> None:
+    """Ask glibc to give freed heap memory back to the OS (``malloc_trim``), e.g. after int8 quantization dropped
+    the fp32 weights: glibc keeps large freed blocks in its heap for reuse, so the process would go on showing
+    the fp32 weights' size. A no-op where the C library is not glibc (macOS, musl)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; nan elsewhere), for start-up reports and benchmarks."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")

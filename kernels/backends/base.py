@@ -13,13 +13,15 @@ A backend owns:
   layer_ops                     a layer's norms, RoPE with the K/V write, SiLU (``TorchLayerOps``' interface);
   argmax                        greedy sampling;
   allocate_kv_pool              the KV pool's memory;
+  quantization_problem          whether it multiplies quantized weights (``Int8Weight``, kernels/int8.py) in
+                                ``linear`` and ``lm_head``; ``use_quantization`` notes that it does;
   describe                      its one start-up line.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -48,6 +50,7 @@ class Backend(ABC):
 
     name: str
     layer_ops: Any          # add_rms_norm, rope_and_write_kv, silu_and_mul (see kernels/torch_ops.py)
+    quantization: Optional[str] = None       # "int8" once the engine quantized the weights it multiplies
 
     @abstractmethod
     def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
@@ -80,6 +83,15 @@ class Backend(ABC):
         """The weight as this backend wants it stored: the same [out, in] shape, in the memory layout its
         ``linear`` is fastest with. Called once per weight at start-up; the model keeps only what it returns."""
         return weight
+
+    def quantization_problem(self, quantization: str) -> Optional[str]:
+        """None when ``linear`` and ``lm_head`` take ``quantization``'s weights (kernels/int8.py), else why not and
+        what to do instead (one sentence)."""
+        return None
+
+    def use_quantization(self, quantization: str) -> None:
+        """The engine quantized the weights this backend multiplies (its start-up line says which code runs them)."""
+        self.quantization = quantization
 
     @abstractmethod
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

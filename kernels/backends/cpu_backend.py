@@ -7,7 +7,9 @@ slowly through torch, each used only where it measured faster than torch on this
                      reading the weights; or torch with the weights stored [in, out] where that is faster;
   LM head            the same loop for a few rows, else torch in vocabulary slices;
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
-  argmax             cpu_argmax.c.
+  argmax             cpu_argmax.c;
+  int8 linear        (``--quantization int8``) cpu_int8_matvec.c for one to seven rows, always (it reads a
+                     quarter of fp32's bytes); the weight widened a slice at a time for more (kernels/int8.py).
 
 Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
 """
@@ -23,6 +25,7 @@ from ..cpu_argmax import CpuArgmax, torch_argmax
 from ..cpu_layer_ops import cpu_layer_ops
 from ..cpu_linear import small_batch_linear
 from ..cpu_paged_attention import check_decode_inputs, kernel_can_read, paged_decode_attention_cpu
+from ..int8 import Int8Linear, Int8Weight
 from ..reference import TorchAttentionPlan, paged_attention_torch
 from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
 from .base import ModelShapes
@@ -50,6 +53,7 @@ class CpuBackend(TorchBackend):
         every_op_compiled = all(getattr(choice, name) == COMPILED for name in LAYER_OPS)
         self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
         self._matvec = small_batch_linear(head_dim)
+        self._int8 = Int8Linear(F.linear, head_dim, compiled=True)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
 
     def __reduce__(self) -> tuple:
@@ -73,10 +77,14 @@ class CpuBackend(TorchBackend):
                                      decode_attention=decode)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows
+            return self._int8(x, weight)
         # The compiled loop takes what it handles (a few rows, a weight stored [out, in]); torch the rest.
         return self._matvec(x, weight) if self.choice.few_row_linear == COMPILED else F.linear(x, weight)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return self._int8(x, weight)
         if self.choice.lm_head == COMPILED and self._matvec.handles(x, weight):
             return self._matvec(x, weight)
         return vocab_sliced_linear(x, weight)
@@ -86,10 +94,15 @@ class CpuBackend(TorchBackend):
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Stored [in, out] (one copy, seen as its [out, in] transpose) where torch's matmul measured fastest
-        that way; as it came otherwise."""
+        that way; as it came otherwise. Int8 weights stay [out, in]: the int8 loop and the widening path read
+        them so (a calibration of fp32 matmuls says nothing about them)."""
+        if isinstance(weight, Int8Weight):
+            return weight
         if self.choice.few_row_linear == IN_OUT and weight.dim() == 2 and weight.is_contiguous():
             return weight.t().contiguous().t()
         return weight
 
     def describe(self, why: bool = True) -> str:
-        return f"cpu, {self.choice.describe()}" + (f" ({self.source})" if self.source and why else "")
+        int8 = ("; int8 weights: compiled int8 loop for 1-7 rows (cpu_int8_matvec.c), widened to float32 a slice "
+                "at a time for more" if self.quantization else "")
+        return f"cpu, {self.choice.describe()}{int8}" + (f" ({self.source})" if self.source and why else "")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_argmax import torch_argmax
+from ..int8 import Int8Weight, int8_linear_torch
 from ..reference import TorchAttentionPlan, paged_attention_torch, plan_torch_attention, write_kv_cache
 from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
 from .base import Backend
@@ -33,9 +34,13 @@ class TorchBackend(Backend):
         write_kv_cache(key, value, k_cache, v_cache, slot_mapping, all_slots_new=all_slots_new)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):         # --quantization int8: widened a slice at a time (kernels/int8.py)
+            return int8_linear_torch(x, weight)
         return F.linear(x, weight)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return int8_linear_torch(x, weight)
         return vocab_sliced_linear(x, weight)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -50,7 +55,8 @@ class TorchBackend(Backend):
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def describe(self, why: bool = True) -> str:
-        return "torch, torch ops" + (f" ({self.note})" if self.note and why else "")
+        int8 = ", int8 weights widened to float32 a slice at a time" if self.quantization else ""
+        return "torch, torch ops" + int8 + (f" ({self.note})" if self.note and why else "")
 
 
 TORCH_BACKEND = TorchBackend()

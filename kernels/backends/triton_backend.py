@@ -4,7 +4,7 @@ interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, slowly
 is tested on this backend without a GPU (tests/test_triton_engine.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,10 @@ class TritonBackend(TorchBackend):
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
+
+    def quantization_problem(self, quantization: str) -> Optional[str]:
+        return (f"quantization={quantization!r} has no Triton kernel: the triton backend refuses it; use "
+                "attention_backend='torch' (or the CPU), or leave quantization off")
 
     def describe(self, why: bool = True) -> str:
         return "triton, Triton kernels for attention and K/V writes (kernels/triton_paged_attention.py), torch ops"

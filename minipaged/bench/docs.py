@@ -28,6 +28,7 @@ RESULTS = DOCS / "tuning.json"
 TUNING_TEMPLATE, TUNING_DOC = DOCS / "tuning.md.in", DOCS / "tuning.md"
 PEER_TEMPLATE = DOCS / "peer.md.in"
 PERFORMANCE_TEMPLATE, PERFORMANCE_DOC = DOCS / "performance.md.in", DOCS / "performance.md"
+QUANTIZATION_TEMPLATE, QUANTIZATION_DOC = DOCS / "quantization.md.in", DOCS / "quantization.md"
 WEB_VIEW_TEMPLATE, WEB_VIEW_DOC = DOCS / "web-view.md.in", DOCS / "web-view.md"
 RENDER_COMMAND = "python bench/render_docs.py"
 # docs/performance.md's section between these lines is the rendered peer template.
@@ -197,6 +198,14 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
+def quantization_derived(r: dict[str, Any]) -> dict[str, Any]:
+    agreement, ppl = r["agreement"], r["perplexity"]
+    return {"teacher_forced_percent": 100 * agreement["teacher_forced"],
+            "prefix_percent": 100 * agreement["prefix_agreement"],
+            "perplexity_change_percent": 100 * ppl["relative_change"],
+            "weights_ratio": r["weights_mib"]["fp32"] / r["weights_mib"]["int8"]}
+
+
 def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -> dict[str, Any]:
     """What docs/performance.md.in may name: every bench/out JSON by script name, and the tables, derived
     ratios, engine defaults and the peer section built from them."""
@@ -206,6 +215,7 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
             "derived": {"throughput": throughput_derived(results["throughput"]),
                         "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
                                                                    config["max_num_batched_tokens"]),
+                        "quantization": quantization_derived(results["quantization"]),
                         "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"])},
             "peer_section": peer_section(tuning_values)}
 
@@ -213,6 +223,13 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
 def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, Any]) -> str:
     return (generated_note(PERFORMANCE_TEMPLATE, "bench/out/*.json (and docs/tuning.json for the peer section)")
             + render(PERFORMANCE_TEMPLATE.read_text(encoding="utf-8"), performance_values(results, tuning_values)))
+
+
+def rendered_quantization_doc(results: dict[str, Any]) -> str:
+    """docs/quantization.md from its template and bench/out/quantization.json."""
+    values = {**results, "derived": {"quantization": quantization_derived(results["quantization"])}}
+    return (generated_note(QUANTIZATION_TEMPLATE, "bench/out/quantization.json")
+            + render(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"), values))
 
 
 def web_watchers_extra_rss_mb(r: dict[str, Any]) -> float:
@@ -235,6 +252,9 @@ def write_all(values: dict[str, Any] | None = None) -> None:
     """Render both docs (``values``: docs/tuning.json's, when a caller has them at hand)."""
     values = load_values() if values is None else values
     TUNING_DOC.write_text(rendered_tuning_doc(values), encoding="utf-8")
-    PERFORMANCE_DOC.write_text(rendered_performance_doc(bench_results(), values), encoding="utf-8")
-    WEB_VIEW_DOC.write_text(rendered_web_view_doc(bench_results()), encoding="utf-8")
-    print(f"wrote {TUNING_DOC.relative_to(ROOT)} and {PERFORMANCE_DOC.relative_to(ROOT)}")
+    results = bench_results()
+    PERFORMANCE_DOC.write_text(rendered_performance_doc(results, values), encoding="utf-8")
+    WEB_VIEW_DOC.write_text(rendered_web_view_doc(results), encoding="utf-8")
+    QUANTIZATION_DOC.write_text(rendered_quantization_doc(results), encoding="utf-8")
+    print(f"wrote {TUNING_DOC.relative_to(ROOT)}, {PERFORMANCE_DOC.relative_to(ROOT)}, "
+          f"{WEB_VIEW_DOC.relative_to(ROOT)} and {QUANTIZATION_DOC.relative_to(ROOT)}")

