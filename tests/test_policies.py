@@ -100,6 +100,19 @@ def test_lru_evicts_the_block_freed_longest_ago_and_mru_the_newest():
     assert lru == [0] and mru == [1]                       # "old" held block 0, "new" block 1
 
 
+@pytest.mark.parametrize("policy, words", [("lru", "(least recently used)"), ("mru", "(most recently freed first)")])
+def test_the_event_log_names_the_eviction_order_the_engine_used(tiny_engine_factory, policy, words):
+    from minipaged.tui.state import WatchState
+
+    engine = tiny_engine_factory(eviction_policy=policy, num_blocks=8, block_size=4)
+    state = WatchState(engine.info)
+    engine.subscribe(state.apply)
+    for seed in range(4):                                  # distinct prompts: each one's blocks evict the last's
+        engine.generate([[seed * 10 + i + 1 for i in range(16)]], GREEDY)
+    evictions = [line.text for line in state.log if line.kind == "evict"]
+    assert evictions and all(words in text for text in evictions), evictions
+
+
 def test_greedy_tokens_do_not_depend_on_priorities(tiny_engine_factory):
     prompts = [[i + 1] * (3 + 2 * i) for i in range(6)]
     plain = tiny_engine_factory().generate(prompts, GREEDY)

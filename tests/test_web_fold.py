@@ -82,7 +82,8 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     out = {}
     engine = tiny_engine_factory(num_blocks=24, preemption_mode="recompute", max_num_batched_tokens=16)
     out["prefix-chunked-recompute-abort"] = engine.info, record(engine, prompts(0, 10), greedy, abort_at=3)
-    engine = tiny_engine_factory(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, max_num_batched_tokens=20)
+    engine = tiny_engine_factory(num_blocks=24, preemption_mode="swap", num_cpu_blocks=64, max_num_batched_tokens=20,
+                                 eviction_policy="mru")      # the log names the eviction order the engine used
     out["swap"] = engine.info, record(engine, prompts(1, 10), greedy)
     engine = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -115,6 +116,7 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert any(f.finish_reason == "abort" for ev in events for f in ev.finished), "no abort"
     drafts = [s for ev in events for s in ev.scheduled if s.draft_token_ids]
     assert drafts and any(s.num_accepted for s in drafts) and any(s.num_rejected for s in drafts)
+    assert any(ev.kv.evicted for ev in traces["swap"][1]), "no eviction under the MRU policy"
     assert any(ev.new_logprobs for ev in events), "no log-probabilities"
     assert any(ev.constrained for ev in events), "no structured-output mask"
 

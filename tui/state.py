@@ -90,6 +90,10 @@ def verification_totals(ev: StepEvent) -> tuple[int, int, int]:
     return len(verified), sum(len(s.draft_token_ids) for s in verified), sum(s.num_accepted for s in verified)
 
 
+# How the log names the free-block eviction order (minipaged.policies); a user's class is named by its path.
+EVICTION_WORDS = {"lru": "least recently used", "mru": "most recently freed first"}
+
+
 def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
     """What happened in one step, in words, in the order it happened. ``before`` is the view before ``ev``."""
     lines: list[LogLine] = []
@@ -110,7 +114,8 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
         add("swap", f"{rid} swapped in: {len(ev.kv.swapped_in.get(rid, ()))} blocks from CPU", rid)
     if ev.kv.evicted:
         n = len(ev.kv.evicted)
-        add("evict", f"evicted {n} cached block{'s' if n > 1 else ''} (least recently used) for new KV")
+        order = EVICTION_WORDS.get(before.info.eviction_policy, before.info.eviction_policy)
+        add("evict", f"evicted {n} cached block{'s' if n > 1 else ''} ({order}) for new KV")
     for s in ev.scheduled:
         prior = before.requests.get(s.request_id)
         if prior is None or prior.state == "waiting":

@@ -147,6 +147,9 @@ export function verificationTotals(ev) {
     verified.reduce((n, s) => n + s.num_accepted, 0)];
 }
 
+// tui/state.py's EVICTION_WORDS: how the log names the free-block eviction order.
+const EVICTION_WORDS = { lru: "least recently used", mru: "most recently freed first" };
+
 /** tui/state.py's describe_event: what happened in one step, in words; ``st`` is the fold before ``ev``. */
 export function describeEvent(ev, st) {
   const lines = [];
@@ -164,7 +167,9 @@ export function describeEvent(ev, st) {
   }
   const evicted = (ev.kv && ev.kv.evicted) || [];
   if (evicted.length) {
-    add("evict", `evicted ${evicted.length} cached ${plural(evicted.length, "block")} (least recently used) for new KV`);
+    const policy = st.info.eviction_policy ?? "lru";         // traces recorded before policies had no name
+    const order = EVICTION_WORDS[policy] ?? policy;
+    add("evict", `evicted ${evicted.length} cached ${plural(evicted.length, "block")} (${order}) for new KV`);
   }
   for (const s of ev.scheduled || []) {
     const prior = st.requests.get(s.request_id);
