@@ -76,3 +76,9 @@ def server_process(model: str, *flags: str, log_path: str) -> Iterator[tuple[str
             with suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGCONT)          # a frozen one cannot die of SIGTERM
             stop_process(proc, grace_s=5.0)
+
+
+def openai_client(url: str):
+    """The real openai client against a test server: a minute per call, no retries (a retry would hide a 503)."""
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)

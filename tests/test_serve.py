@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_util import running_server, wait_until_idle
+from serve_util import openai_client, running_server, wait_until_idle
 
 MAX_NUM_SEQS = 8
 MAX_WAITING = 16
@@ -37,7 +37,7 @@ def model_name(server) -> str:
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

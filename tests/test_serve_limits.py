@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import running_server, wait_until_idle
+from serve_util import openai_client, running_server, wait_until_idle
 
 MAX_WAITING = 1000
 MAX_N = 1000
@@ -37,7 +37,7 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

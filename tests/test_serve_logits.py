@@ -10,11 +10,10 @@ import threading
 
 import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 
-from serve_util import running_server, wait_until_idle
+from serve_util import openai_client, running_server, wait_until_idle
 
 IDS = {"return_tokens_as_token_ids": True}
 
@@ -29,7 +28,7 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
