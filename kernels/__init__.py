@@ -25,7 +25,7 @@ from .backends import (ALL_TORCH, Backend, CpuBackend, CpuChoice, ModelShapes, T
                        select_backend, triton_available)
 from .cpu_argmax import CpuArgmax, torch_argmax
 from .cpu_layer_ops import CpuLayerOps, cpu_layer_ops
-from .cpu_linear import SMALL_BATCH_ROWS, SmallBatchLinear, small_batch_linear
+from .cpu_linear import PER_ROW_ROWS, SMALL_BATCH_ROWS, CompiledLinear, compiled_linear
 from .cpu_paged_attention import (can_use_cpu_kernel, cpu_kernel_available, cpu_kernel_problem,
                                   paged_decode_attention_cpu)
 from .reference import (TorchAttentionPlan, paged_attention_reference, paged_attention_torch, plan_torch_attention,
@@ -34,8 +34,8 @@ from .torch_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
-           "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "small_batch_linear",
-           "SmallBatchLinear", "SMALL_BATCH_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax", "torch_argmax",
+           "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "compiled_linear",
+           "CompiledLinear", "SMALL_BATCH_ROWS", "PER_ROW_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax", "torch_argmax",
            "TorchLayerOps", "TORCH_LAYER_OPS", "Backend", "TorchBackend", "CpuBackend", "TritonBackend", "CpuChoice",
            "ALL_TORCH", "ModelShapes", "select_backend"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left

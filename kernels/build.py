@@ -1,5 +1,5 @@
-"""Building the compiled CPU kernels: the five C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
-cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with ctypes. The
+"""Building the compiled CPU kernels: the six C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
+cpu_tiled_linear.c, cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with ctypes. The
 modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py, cpu_layer_ops.py, cpu_argmax.py)
 only ask ``load_kernel``.
 
@@ -28,7 +28,8 @@ import torch
 from torch.profiler import record_function
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("cpu_paged_attention.c", "cpu_matvec.c", "cpu_int8_matvec.c", "cpu_layer_ops.c", "cpu_argmax.c"))
+                ("cpu_paged_attention.c", "cpu_matvec.c", "cpu_int8_matvec.c", "cpu_tiled_linear.c", "cpu_layer_ops.c",
+                 "cpu_argmax.c"))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -124,27 +125,21 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
             library = ctypes.CDLL(str(path))
         except OSError as e:
             raise CpuKernelUnavailable(f"could not load the compiled kernel {path}: {e}") from e
-    fn = library.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    fn = library.small_batch_linear
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn = library.int8_small_batch_linear
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn = library.add_rms_norm
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-    fn = library.rope_and_write_kv
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int]
-    fn = library.silu_and_mul
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    fn = library.argmax_rows
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    signatures = {                          # name: (result, argument types)
+        "paged_decode_attention": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+                                   + [ctypes.c_float, ctypes.c_int]),
+        "small_batch_linear": (None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
+        "int8_small_batch_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
+        "tiled_linear": (None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
+        "tiled_int8_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
+        "add_rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
+        "rope_and_write_kv": (ctypes.c_int64, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_int]),
+        "silu_and_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]),
+        "argmax_rows": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]),
+    }
+    for name, (result, arguments) in signatures.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = result, arguments
     return library
 
 

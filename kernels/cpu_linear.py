@@ -1,10 +1,14 @@
-"""Linear layers on a CPU: torch's matmul, except for a handful of token rows, which the compiled
-matrix-vector loop (cpu_matvec.c) multiplies about twice as fast.
+"""Linear layers on a CPU through the compiled loops, which multiply by reading each weight once, in place:
 
-A decode step with one to seven token rows (one request decoding, a speculative draft, a verification of a
-few drafted tokens) is bound by reading the weights, not by arithmetic; cpu_matvec.c says why torch is slow
-there and what was measured. Results equal ``F.linear``'s up to float rounding (the sums run in another
-order), as any change of matmul kernel gives.
+- one to ``PER_ROW_ROWS`` token rows (one request decoding, a small verification): cpu_matvec.c, one weight
+  row at a time against every token row; bound by reading the weights, about twice torch's speed;
+- more rows (a decode batch, a prefill chunk): cpu_tiled_linear.c, a register-tiled multiply that never
+  repacks the weight (torch's matmul packs it on every call); 1.3x to 1.7x torch's speed on the CI machine.
+
+Whether the compiled loops or torch run is the cpu backend's decision, by row count, from its calibration on
+the machine that runs it (``kernels/backends/calibration.py``: ``few_row_linear`` for up to
+``SMALL_BATCH_ROWS`` rows, ``batch_linear`` for more). Results equal ``F.linear``'s up to float rounding (the
+sums run in another order), as any change of matmul kernel gives.
 """
 from __future__ import annotations
 
@@ -15,39 +19,45 @@ import torch.nn.functional as F
 
 from .build import load_kernel, profiler_name
 
-# Up to this many token rows the compiled loop is faster than torch (measured: 1 to 7 rows faster,
-# 8 rows as fast or slower; cpu_matvec.c has the figures).
+# The row count up to which a decode step counts as "a few rows" (the calibration's few_row_linear verdict):
+# one to seven rows covers one request and the verification of up to 6 drafted tokens.
 SMALL_BATCH_ROWS = 7
+# Up to this many rows the one-row loop beats the tiled one (measured, SmolLM2's layers: 4 rows 28.1 vs 32.4 ms,
+# 5 rows 30.6 vs 28.2 ms; cpu_tiled_linear.c has the figures).
+PER_ROW_ROWS = 4
 PROFILER_NAME = "minipaged::small_batch_linear"
+TILED_PROFILER_NAME = "minipaged::tiled_linear"
 
 
-class SmallBatchLinear:
-    """``F.linear(x, weight)``, with the compiled loop for float32 CPU inputs of at most
-    ``SMALL_BATCH_ROWS`` rows (and contiguous weights); anything else goes to torch."""
+class CompiledLinear:
+    """``F.linear(x, weight)`` by the compiled loops for float32 CPU inputs (contiguous weights): the one-row
+    loop for up to ``PER_ROW_ROWS`` token rows, the tiled multiply for more; anything else goes to torch."""
 
     def __init__(self, head_dim: int) -> None:
         self.library = load_kernel(head_dim)      # the kernels' one shared library (built per head size)
 
     def handles(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # The C loop takes the row length from the weight: an x of another width would be read past its end,
+        # The C loops take the row length from the weight: an x of another width would be read past its end,
         # so a mismatch goes to torch, which raises its own error.
-        # (Asked for every matmul of every step: the row count first, which settles most of them.)
-        return (1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dim() == 2 and weight.dim() == 2
-                and x.shape[1] == weight.shape[1] and x.dtype == weight.dtype == torch.float32
-                and x.is_cpu and weight.is_cpu and weight.is_contiguous())
+        return (x.dim() == 2 and x.shape[0] >= 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+                and x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
+                and weight.is_contiguous())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self.handles(x, weight):
             return F.linear(x, weight)
         x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        with profiler_name(PROFILER_NAME):
-            self.library.small_batch_linear(weight.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0],
-                                            weight.shape[0], weight.shape[1], torch.get_num_threads())
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        per_row = rows <= PER_ROW_ROWS
+        with profiler_name(PROFILER_NAME if per_row else TILED_PROFILER_NAME):
+            kernel = self.library.small_batch_linear if per_row else self.library.tiled_linear
+            kernel(weight.data_ptr(), x.data_ptr(), out.data_ptr(), rows, weight.shape[0], weight.shape[1],
+                   torch.get_num_threads())
         return out
 
 
 @functools.lru_cache(maxsize=None)
-def small_batch_linear(head_dim: int) -> SmallBatchLinear:
-    """The compiled small-batch linear (raises CpuKernelUnavailable where the kernels cannot be built)."""
-    return SmallBatchLinear(head_dim)
+def compiled_linear(head_dim: int) -> CompiledLinear:
+    """The compiled linear (raises CpuKernelUnavailable where the kernels cannot be built)."""
+    return CompiledLinear(head_dim)

@@ -10,12 +10,15 @@ Symmetric per-output-channel scales (vLLM's "per-channel" int8 weights): ``scale
 ``q = round(W / scale)``. A row's scale is common to all its products, so it comes out of the dot product:
 ``y[b, i] = scale[i] * sum_j q[i, j] * x[b, j]``.
 
-Two ways to multiply, chosen by the number of token rows like the fp32 path (``cpu_linear.py``); the backend
+Three ways to multiply, chosen by the number of token rows like the fp32 path (``cpu_linear.py``); the backend
 owns the choice (its ``linear`` and ``lm_head`` take an ``Int8Weight`` as they take a float tensor):
-- one to seven rows on the cpu backend: the compiled loop (cpu_int8_matvec.c, built by build.py with the other
-  kernels) reads the int8 bytes and widens them in registers;
-- more rows (prefill, large decode batches), or the torch backend: the weight widened to fp32 a slice at a
-  time and multiplied by torch (``int8_linear_torch``; torch's own int8-weight matmul measured far slower).
+- one to three rows on the cpu backend: the one-row loop (cpu_int8_matvec.c) reads the int8 bytes and widens
+  them in registers;
+- four to seven rows on the cpu backend, and more where its calibration found its tiled fp32 multiply faster
+  than torch (``batch_linear``): the tiled multiply (cpu_tiled_linear.c), which widens each int8 vector once for
+  four token rows;
+- otherwise (the torch backend, or a machine where torch's matmul won): the weight widened to fp32 a slice at
+  a time and multiplied by torch (``int8_linear_torch``; torch's own int8-weight matmul measured far slower).
 The triton backend has no int8 kernel and refuses it at start-up (``Backend.quantization_problem``).
 """
 from __future__ import annotations
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 PROFILER_NAME = "minipaged::int8_small_batch_linear"
+TILED_PROFILER_NAME = "minipaged::tiled_int8_linear"
+# Up to this many token rows the one-row int8 loop beats the tiled one (measured, SmolLM2's layers: 3 rows 11.0
+# vs 11.9 ms, 4 rows 14.5 vs 12.5 ms).
+INT8_PER_ROW_ROWS = 3
 QUANTIZATIONS = ("int8",)
 
 
@@ -99,17 +106,20 @@ def int8_linear_torch(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 class Int8Linear:
-    """A linear layer that takes int8 weights: ``Int8Weight`` goes to the int8 code (the compiled loop for a few
-    rows when ``compiled``: the cpu backend's; else, and for more rows, ``int8_linear_torch``), any float tensor
+    """A linear layer that takes int8 weights: ``Int8Weight`` goes to the int8 code (when ``compiled``, the cpu
+    backend's: the one-row loop for up to INT8_PER_ROW_ROWS token rows, the tiled multiply up to SMALL_BATCH_ROWS,
+    and beyond that too when ``tiled_many_rows``; else, and for the rest, ``int8_linear_torch``), any float tensor
     to ``base`` (the fp32 path, unchanged)."""
 
     def __init__(self, base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], head_dim: int,
-                 compiled: bool) -> None:
+                 compiled: bool, tiled_many_rows: bool = False) -> None:
         self.base = base
         self.library = load_kernel(head_dim) if compiled else None
+        self.max_compiled_rows = None if tiled_many_rows else SMALL_BATCH_ROWS
 
     def handles_compiled(self, x: torch.Tensor, weight: Int8Weight) -> bool:
-        return (self.library is not None and 1 <= x.shape[0] <= SMALL_BATCH_ROWS and x.dim() == 2
+        rows_ok = self.max_compiled_rows is None or x.shape[0] <= self.max_compiled_rows
+        return (self.library is not None and x.dim() == 2 and x.shape[0] >= 1 and rows_ok
                 and x.shape[1] == weight.shape[1] and x.dtype == torch.float32 and x.is_cpu)
 
     def __call__(self, x: torch.Tensor, weight) -> torch.Tensor:
@@ -118,11 +128,13 @@ class Int8Linear:
         if not self.handles_compiled(x, weight):
             return int8_linear_torch(x, weight)
         x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        with profiler_name(PROFILER_NAME):
-            self.library.int8_small_batch_linear(weight.qweight.data_ptr(), weight.scale.data_ptr(), x.data_ptr(),
-                                                 out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
-                                                 torch.get_num_threads())
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        per_row = rows <= INT8_PER_ROW_ROWS
+        with profiler_name(PROFILER_NAME if per_row else TILED_PROFILER_NAME):
+            kernel = self.library.int8_small_batch_linear if per_row else self.library.tiled_int8_linear
+            kernel(weight.qweight.data_ptr(), weight.scale.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
+                   weight.shape[0], weight.shape[1], torch.get_num_threads())
         return out
 
 

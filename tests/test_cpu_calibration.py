@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from minipaged import Engine, SamplingParams
-from minipaged.kernels import CpuLayerOps, SmallBatchLinear
+from minipaged.kernels import CpuLayerOps, CompiledLinear
 from minipaged.kernels import build
 from minipaged.kernels.backends import calibration
 from minipaged.kernels.backends.calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice
@@ -44,14 +44,14 @@ def measuring(monkeypatch, tmp_path):
 
 def count_compiled_calls(monkeypatch) -> dict[str, int]:
     calls = {"linear": 0, "layer_ops": 0, "weights": set()}
-    linear_call = SmallBatchLinear.__call__
+    linear_call = CompiledLinear.__call__
 
     def counted_linear(self, x, weight):
         if self.handles(x, weight):
             calls["linear"] += 1
             calls["weights"].add(tuple(weight.shape))
         return linear_call(self, x, weight)
-    monkeypatch.setattr(SmallBatchLinear, "__call__", counted_linear)
+    monkeypatch.setattr(CompiledLinear, "__call__", counted_linear)
     norm = CpuLayerOps.add_rms_norm
 
     def counted_norm(self, *args, **kwargs):
@@ -114,6 +114,31 @@ def test_a_layout_that_slows_batches_is_not_chosen(measuring):
     measuring(FakeTimer({COMPILED: 2.0, TORCH: 3.0, IN_OUT: 1.0}, many_rows={TORCH: 1.0, IN_OUT: 1.2}))
     choice, _ = calibration.calibrated_choice(ModelShapes(32, 4, 2, 8, 48, 100), 8)
     assert choice.few_row_linear == COMPILED
+
+
+@pytest.mark.parametrize("tiled_wins", [True, False], ids=["tiled-wins", "torch-wins"])
+def test_batches_take_the_tiled_multiply_only_where_it_won(tiny_model_untied, measuring, monkeypatch, tiled_wins):
+    """The batch verdict decides who multiplies eight token rows or more (prefill chunks, decode batches): the
+    compiled tiled loop where it won the race, torch where it lost; a few rows follow their own verdict, and the
+    greedy tokens are transformers' either way."""
+    compiled_batch = 0.5 if tiled_wins else 2.0
+    measuring(FakeTimer({COMPILED: 1.0, TORCH: 2.0, IN_OUT: 3.0},
+                        many_rows={COMPILED: compiled_batch, TORCH: 1.0, IN_OUT: 1.05}))
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    assert engine.backend.choice.batch_linear == (COMPILED if tiled_wins else TORCH)
+    assert engine.backend.choice.few_row_linear == COMPILED
+    rows_seen: list[int] = []
+    linear_call = CompiledLinear.__call__
+
+    def recording(self, x, weight):
+        rows_seen.append(x.shape[0])
+        return linear_call(self, x, weight)
+    monkeypatch.setattr(CompiledLinear, "__call__", recording)
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert tokens == torch_tokens(tiny_model_untied)
+    assert any(rows <= 7 for rows in rows_seen)                     # decode steps: the few-row verdict
+    assert any(rows > 7 for rows in rows_seen) == tiled_wins, rows_seen      # prefill: the batch verdict
+    assert ("matmuls of 8+ rows" in engine.backend.describe().split(";")[0]) == tiled_wins
 
 
 def test_the_verdict_is_cached_and_measured_again_when_the_key_changes(tiny_model_untied, measuring, monkeypatch):

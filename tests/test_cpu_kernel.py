@@ -136,30 +136,33 @@ def test_a_step_builds_the_kernel_only_for_the_models_head_size(monkeypatch):
     assert asked and set(asked) == {32}
 
 
-def test_small_batch_linear_matches_torch_and_leaves_the_rest_to_it():
-    """The compiled matrix-vector loop (1-7 token rows) gives F.linear's values to rounding, for widths that
-    are and are not multiples of a vector; more rows, other dtypes and strided weights go to torch itself."""
+def test_compiled_linear_matches_torch_and_leaves_the_rest_to_it():
+    """The compiled loops (the one-row loop up to PER_ROW_ROWS token rows, the tiled multiply beyond) give
+    F.linear's values to rounding, for widths that are and are not multiples of a vector and for row counts that
+    do and do not fill a tile; other dtypes, strided weights and empty inputs go to torch itself."""
     import torch.nn.functional as F
-    from minipaged.kernels import SMALL_BATCH_ROWS, small_batch_linear
-    linear = small_batch_linear(64)
+    from minipaged.kernels import PER_ROW_ROWS, compiled_linear
+    linear = compiled_linear(64)
     gen = torch.Generator().manual_seed(4)
-    for rows in range(1, SMALL_BATCH_ROWS + 1):
-        for out_features, in_features in ((1, 7), (33, 64), (1000, 577)):
+    for rows in (*range(1, 10), 16, 33):
+        for out_features, in_features in ((1, 7), (3, 20), (33, 64), (1000, 577)):
             x = torch.randn(rows, in_features, generator=gen)
             weight = torch.randn(out_features, in_features, generator=gen)
             assert linear.handles(x, weight)
             # sums of up to 577 products of numbers near 1, in another order: rounding differs by ~1e-5
             torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
-    x, weight = torch.randn(SMALL_BATCH_ROWS + 1, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    assert PER_ROW_ROWS < 9                                  # both loops were exercised above
+    x, weight = torch.randn(PER_ROW_ROWS + 3, 64, generator=gen), torch.randn(40, 64, generator=gen)
     strided = torch.randn(64, 40, generator=gen).t()
-    for args in ((x, weight), (x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x[:0], weight)):
+    for args in ((x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x, strided), (x[:0], weight)):
         assert not linear.handles(*args)
         assert torch.equal(linear(*args), F.linear(*args))
-    # A strided x is copied first (the loop reads rows end to end), and gives the same values.
-    x_strided = torch.randn(64, 3, generator=gen).t()
-    torch.testing.assert_close(linear(x_strided, weight), F.linear(x_strided, weight), rtol=1e-5, atol=1e-4)
+    # A strided x is copied first (the loops read rows end to end), and gives the same values.
+    for cols in (3, PER_ROW_ROWS + 5):
+        x_strided = torch.randn(64, cols, generator=gen).t()
+        torch.testing.assert_close(linear(x_strided, weight), F.linear(x_strided, weight), rtol=1e-5, atol=1e-4)
     # Widths that disagree are torch's to refuse: the loop would read past the end of a narrower x.
-    for bad_x in (torch.randn(2, 63), torch.randn(2, 65)):
+    for bad_x in (torch.randn(2, 63), torch.randn(2, 65), torch.randn(9, 63)):
         assert not linear.handles(bad_x, weight)
         with pytest.raises(RuntimeError):
             linear(bad_x, weight)
@@ -204,18 +207,20 @@ def test_the_profiler_sees_the_kernel_by_name():
     """bench/decode_floor.py splits a profiled step by operator: the C calls must show up as ones."""
     from torch.profiler import ProfilerActivity, profile
     q, k_cache, v_cache, tables, seq_lens, _ = make_batch([(20, 1), (5, 1)], block_size=16, seed=2)
-    from minipaged.kernels import CpuArgmax, cpu_layer_ops, small_batch_linear
+    from minipaged.kernels import CpuArgmax, compiled_linear, cpu_layer_ops
     ops = cpu_layer_ops(16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_decode_attention_cpu(q, k_cache, v_cache, tables.long().clamp(min=0), seq_lens, 0.25)
-        small_batch_linear(16)(torch.randn(2, 16), torch.randn(5, 16))
+        compiled_linear(16)(torch.randn(2, 16), torch.randn(5, 16))
+        compiled_linear(16)(torch.randn(9, 16), torch.randn(5, 16))
         ops.add_rms_norm(torch.randn(2, 16), None, torch.ones(16), 1e-5)
         ops.rope_and_write_kv(torch.randn(1, 6 * 16), torch.ones(1, 16), torch.zeros(1, 16), k_cache, v_cache,
                               torch.tensor([-1]), 2, 2)                 # 2 query heads, the caches' 2 KV heads
         ops.silu_and_mul(torch.randn(2, 8))
         CpuArgmax(16)(torch.randn(2, 50))
     names = {op.key for op in prof.key_averages()}
-    assert {"minipaged::paged_decode_attention_cpu", "minipaged::small_batch_linear", "minipaged::add_rms_norm",
+    assert {"minipaged::paged_decode_attention_cpu", "minipaged::small_batch_linear", "minipaged::tiled_linear",
+            "minipaged::add_rms_norm",
             "minipaged::rope_and_write_kv", "minipaged::silu_and_mul", "minipaged::argmax_rows"} <= names
 
 

@@ -59,17 +59,17 @@ def test_logits_match_transformers_for_a_batch_decoded_together(fixture, lm_head
 def test_one_request_alone_matches_transformers(tiny_model_untied, attention_backend, monkeypatch):
     """A request decoding alone is the small-batch case: on the default CPU backend every projection and the
     LM head of its decode steps run through the compiled matrix-vector loop, on the torch backend F.linear."""
-    from minipaged.kernels.cpu_linear import SmallBatchLinear
+    from minipaged.kernels.cpu_linear import CompiledLinear
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend=attention_backend)
     assert engine.backend.name == (attention_backend or "cpu")
     compiled_calls: list[tuple[int, ...]] = []              # (token rows, *weight shape) the compiled loop took
-    call = SmallBatchLinear.__call__
+    call = CompiledLinear.__call__
 
     def counting_call(self, x, weight):
         if self.handles(x, weight):
             compiled_calls.append((x.shape[0], *weight.shape))
         return call(self, x, weight)
-    monkeypatch.setattr(SmallBatchLinear, "__call__", counting_call)
+    monkeypatch.setattr(CompiledLinear, "__call__", counting_call)
     prompt = random_prompts(random.Random(11), 1, 5, 30)
     outs, captured, _ = run_and_capture_logits(engine, prompt, max_tokens=10)
     model, decode_steps = engine.model, 9                   # the first token comes from the prefill step

@@ -34,15 +34,17 @@ def test_quantize_int8_rounds_each_weight_to_its_rows_nearest_step():
     assert q.nbytes == 37 * 70 + 37 * 4
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 33])
-@pytest.mark.parametrize("compiled", [True, False], ids=["cpu-backend", "torch-backend"])
-def test_int8_linear_is_the_dequantized_matmul(rows, compiled):
-    """Every path (compiled few-row loop, torch's int8 matmul for more rows) computes x @ dequantize(q).T;
-    columns not a multiple of the loop's chunk or vector width included."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33])
+@pytest.mark.parametrize("compiled,tiled_many_rows", [(True, True), (True, False), (False, False)],
+                         ids=["cpu-backend-tiled", "cpu-backend-widened", "torch-backend"])
+def test_int8_linear_is_the_dequantized_matmul(rows, compiled, tiled_many_rows):
+    """Every path (the one-row int8 loop, the tiled multiply, torch on widened slices) computes
+    x @ dequantize(q).T; output rows that do not fill a tile and columns not a multiple of the vector width
+    included."""
     torch.manual_seed(rows)
-    w, x = torch.randn(300, 611), torch.randn(rows, 611)
+    w, x = torch.randn(301, 611), torch.randn(rows, 611)
     q = quantize_int8(w)
-    linear = Int8Linear(torch.nn.functional.linear, head_dim=16, compiled=compiled)
+    linear = Int8Linear(torch.nn.functional.linear, head_dim=16, compiled=compiled, tiled_many_rows=tiled_many_rows)
     expected = x @ q.dequantize().T
     torch.testing.assert_close(linear(x, q), expected, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(int8_linear_torch(x, q), expected, atol=2e-4, rtol=1e-4)

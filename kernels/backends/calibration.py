@@ -33,7 +33,7 @@ from .base import ModelShapes
 
 COMPILED, TORCH, IN_OUT = "compiled", "torch", "torch [in, out]"
 LAYER_OPS = ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2                     # 2: the batch_linear verdict (tiled multiply) was added
 FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
 STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
 REPEATS = 5
@@ -50,6 +50,7 @@ class CpuChoice:
 
     decode_attention: str = COMPILED
     few_row_linear: str = COMPILED
+    batch_linear: str = COMPILED
     lm_head: str = COMPILED
     add_rms_norm: str = COMPILED
     rope_and_write_kv: str = COMPILED
@@ -57,7 +58,8 @@ class CpuChoice:
     argmax: str = COMPILED
 
     def describe(self) -> str:
-        names = {"decode_attention": "decode attention", "few_row_linear": "1-7 row matmuls", "lm_head": "LM head",
+        names = {"decode_attention": "decode attention", "few_row_linear": "1-7 row matmuls",
+                 "batch_linear": "matmuls of 8+ rows", "lm_head": "LM head",
                  "add_rms_norm": "norms", "rope_and_write_kv": "RoPE + K/V write", "silu_and_mul": "SiLU",
                  "argmax": "argmax"}
         compiled = [names[f.name] for f in dataclasses.fields(self) if getattr(self, f.name) == COMPILED]
@@ -114,12 +116,12 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     """Race every compiled op against torch on ``shapes``; the verdict and the medians (ms)."""
     from ..cpu_argmax import CpuArgmax
     from ..cpu_layer_ops import cpu_layer_ops
-    from ..cpu_linear import small_batch_linear
+    from ..cpu_linear import compiled_linear
     from ..cpu_paged_attention import paged_decode_attention_cpu
     from ..reference import paged_attention_torch, plan_torch_attention
     from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
 
-    matvec, compiled_ops = small_batch_linear(head_dim), cpu_layer_ops(head_dim)
+    matvec, compiled_ops = compiled_linear(head_dim), cpu_layer_ops(head_dim)
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = shapes.hidden_size, shapes.vocab_size
     buffer = torch.randn(max(STREAM_BYTES // 4, vocab * hidden), generator=gen)
@@ -146,11 +148,15 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     times: dict[str, dict[str, float]] = {}
     times["few_row_linear"] = race("few_row_linear", {o: layer_matmuls(FEW_ROWS, o) for o in (COMPILED, TORCH, IN_OUT)},
                                    timer)
-    times["many_row_linear"] = race("many_row_linear", {o: layer_matmuls((MANY_ROWS,), o) for o in (TORCH, IN_OUT)},
-                                    timer)
+    times["many_row_linear"] = race("many_row_linear",
+                                    {o: layer_matmuls((MANY_ROWS,), o) for o in (COMPILED, TORCH, IN_OUT)}, timer)
+    many = times["many_row_linear"]
+    verdict["batch_linear"] = COMPILED if many[COMPILED] < min(many[TORCH], many[IN_OUT]) else TORCH
     candidates = dict(times["few_row_linear"])
-    if times["many_row_linear"][IN_OUT] > LARGE_BATCH_SLACK * times["many_row_linear"][TORCH]:
-        candidates.pop(IN_OUT)                  # faster for a few rows, but slower for a batch: not worth it
+    if many[IN_OUT] > LARGE_BATCH_SLACK * many[TORCH] or verdict["batch_linear"] == COMPILED:
+        # Faster for a few rows, but slower for a batch (or it would keep a batch from the tiled multiply, which
+        # reads the weights [out, in]): not worth it.
+        candidates.pop(IN_OUT)
     verdict["few_row_linear"] = fastest(candidates)
 
     head = _Windows(buffer, vocab, hidden)

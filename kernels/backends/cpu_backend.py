@@ -5,11 +5,15 @@ slowly through torch, each used only where it measured faster than torch on this
   decode attention   cpu_paged_attention.c: one query per request, keys and values read in place;
   few-row linear     cpu_matvec.c: one to seven token rows (a decode, a speculative verification), bound by
                      reading the weights; or torch with the weights stored [in, out] where that is faster;
-  LM head            the same loop for a few rows, else torch in vocabulary slices;
+  batch linear       cpu_tiled_linear.c: eight rows or more (decode batches, prefill chunks), a register-tiled
+                     multiply that never repacks the weights, where it beat torch's matmul;
+  LM head            the same loops (few rows, and many where the batch verdict is compiled), else torch in
+                     vocabulary slices;
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
-  int8 linear        (``--quantization int8``) cpu_int8_matvec.c for one to seven rows, always (it reads a
-                     quarter of fp32's bytes); the weight widened a slice at a time for more (kernels/int8.py).
+  int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
+                     always (they read a quarter of fp32's bytes); for more, the tiled multiply where the batch
+                     verdict is compiled, else the weight widened a slice at a time (kernels/int8.py).
 
 Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
 """
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 
 from ..cpu_argmax import CpuArgmax, torch_argmax
 from ..cpu_layer_ops import cpu_layer_ops
-from ..cpu_linear import small_batch_linear
+from ..cpu_linear import SMALL_BATCH_ROWS, compiled_linear
 from ..cpu_paged_attention import check_decode_inputs, kernel_can_read, paged_decode_attention_cpu
 from ..int8 import Int8Linear, Int8Weight
 from ..reference import TorchAttentionPlan, paged_attention_torch
@@ -52,8 +56,8 @@ class CpuBackend(TorchBackend):
         compiled_ops = cpu_layer_ops(head_dim)        # raises CpuKernelUnavailable where it cannot be built
         every_op_compiled = all(getattr(choice, name) == COMPILED for name in LAYER_OPS)
         self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
-        self._matvec = small_batch_linear(head_dim)
-        self._int8 = Int8Linear(F.linear, head_dim, compiled=True)
+        self._matvec = compiled_linear(head_dim)
+        self._int8 = Int8Linear(F.linear, head_dim, compiled=True, tiled_many_rows=choice.batch_linear == COMPILED)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
 
     def __reduce__(self) -> tuple:
@@ -79,13 +83,20 @@ class CpuBackend(TorchBackend):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows
             return self._int8(x, weight)
-        # The compiled loop takes what it handles (a few rows, a weight stored [out, in]); torch the rest.
-        return self._matvec(x, weight) if self.choice.few_row_linear == COMPILED else F.linear(x, weight)
+        # The compiled loops take what they handle (a weight stored [out, in]) where the verdict for this many
+        # rows is theirs; torch the rest.
+        return self._matvec(x, weight) if self._compiled_for(x.shape[0]) else F.linear(x, weight)
+
+    def _compiled_for(self, rows: int) -> bool:
+        verdict = self.choice.few_row_linear if rows <= SMALL_BATCH_ROWS else self.choice.batch_linear
+        return verdict == COMPILED
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
             return self._int8(x, weight)
-        if self.choice.lm_head == COMPILED and self._matvec.handles(x, weight):
+        few_rows = x.shape[0] <= SMALL_BATCH_ROWS
+        compiled = self.choice.lm_head == COMPILED if few_rows else self.choice.batch_linear == COMPILED
+        if compiled and self._matvec.handles(x, weight):
             return self._matvec(x, weight)
         return vocab_sliced_linear(x, weight)
 
@@ -103,6 +114,8 @@ class CpuBackend(TorchBackend):
         return weight
 
     def describe(self, why: bool = True) -> str:
-        int8 = ("; int8 weights: compiled int8 loop for 1-7 rows (cpu_int8_matvec.c), widened to float32 a slice "
-                "at a time for more" if self.quantization else "")
+        many = ("the tiled int8 multiply" if self.choice.batch_linear == COMPILED
+                else "widened to float32 a slice at a time")
+        int8 = (f"; int8 weights: compiled int8 loops for 1-7 rows (cpu_int8_matvec.c, cpu_tiled_linear.c), {many} "
+                "for more" if self.quantization else "")
         return f"cpu, {self.choice.describe()}{int8}" + (f" ({self.source})" if self.source and why else "")

@@ -173,7 +173,12 @@ async def run_load(args: argparse.Namespace, rate: float, requests: list[BenchRe
         advance(1)
         return result
 
-    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=None)) as client:
+    # A fresh connection per request (no keep-alive): a pooled connection the server has closed as idle (llama.cpp's
+    # server does after 5 s; a request that waited that long in its queue left one behind) fails the next request
+    # sent on it with "Server disconnected without sending a response". Connecting on 127.0.0.1 costs well under
+    # a millisecond, the same for every server measured.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         start = time.perf_counter()
         tasks = []
         for request in requests:
