@@ -106,6 +106,42 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return pool                              # at start-up, as torch.zeros did, not in the middle of a step
 
 
+WEIGHT_ALIGNMENT = 64                   # bytes: a cache line, and the widest vector load
+
+
+def copies_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (CPU, each contiguous or the transpose of a contiguous tensor), laid end to end in
+    one buffer whose memory Linux may back with 2 MB pages; each copy keeps its tensor's shape and strides.
+
+    Why: a decode step of one request streams every weight from memory (SmolLM2: 540 MB in fp32), and with
+    4 KB pages the processor also walks the page tables for each 4 KB it reads. One buffer rather than one
+    mapping per matrix, because transparent huge pages cover only whole, aligned 2 MB stretches: most of a
+    layer's matrices are smaller than that or not a multiple of it. Measured on the CI machine (SmolLM2, one
+    thread, quiet): a decode step of one request 18.5 -> 16.9 ms in fp32, of 16 requests 60.5 -> 56.4 ms.
+    Where huge pages are not available (macOS, Windows, a small total) the tensors come back unchanged.
+    """
+    if not tensors:
+        return []
+    sizes = [-(-t.nbytes // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT for t in tensors]
+    if not hasattr(mmap, "MADV_HUGEPAGE") or sum(sizes) < HUGE_PAGE_BYTES:
+        return list(tensors)
+    memory = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)       # a hint: where huge pages are off, nothing changes
+    buffer = torch.frombuffer(memory, dtype=torch.uint8, count=sum(sizes))     # the views keep the mapping
+    copies, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        transposed = not t.is_contiguous()
+        if transposed and not (t.dim() == 2 and t.t().is_contiguous()):
+            raise ValueError(f"copies_on_huge_pages takes contiguous tensors or transposes of them, got strides "
+                             f"{t.stride()} for shape {tuple(t.shape)}")
+        source = t.t() if transposed else t
+        copy = buffer[offset:offset + t.nbytes].view(t.dtype).view(source.shape)
+        copy.copy_(source)
+        copies.append(copy.t() if transposed else copy)
+        offset += size
+    return copies
+
+
 def return_freed_memory_to_the_os() -> None:
     """Ask glibc to give freed heap memory back to the OS (``malloc_trim``), e.g. after int8 quantization dropped
     the fp32 weights: glibc keeps large freed blocks in its heap for reuse, so the process would go on showing

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minipaged import Engine, SamplingParams
-from minipaged.memory import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from minipaged.memory import HUGE_PAGE_BYTES, copies_on_huge_pages, zeros_on_huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -57,3 +57,56 @@ def test_linux_backs_the_engines_kv_pool_with_huge_pages(tiny_model):
     assert huge_page_kib_under(pool.data_ptr()) >= 2 * HUGE_PAGE_BYTES // 1024
     out = engine.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def test_weight_copies_share_one_buffer_and_keep_values_shapes_and_strides():
+    """copies_on_huge_pages: every tensor copied end to end into one buffer (64-byte aligned), values, dtypes,
+    shapes and strides kept, a transposed ([in, out]-stored) weight included; a small total is left alone."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(700, 577, generator=gen), torch.randn(96, 1000, generator=gen).t(),
+               torch.randint(-127, 128, (1001, 513), dtype=torch.int8, generator=gen)]
+    copies = copies_on_huge_pages(weights)
+    for original, copy in zip(weights, copies):
+        assert torch.equal(copy, original) and copy.dtype == original.dtype
+        assert copy.stride() == original.stride() and copy.data_ptr() != original.data_ptr()
+        assert copy.data_ptr() % 64 == 0
+    starts = [c.data_ptr() for c in copies]
+    assert starts == sorted(starts) and starts[-1] - starts[0] < sum(w.nbytes + 64 for w in weights[:-1])
+    gc.collect()
+    copies[0].fill_(1.0)                                 # the views keep the buffer alive and writable
+    assert float(copies[0].sum()) == copies[0].numel()
+    small = [torch.randn(3, 5)]
+    assert copies_on_huge_pages(small)[0] is small[0]
+    with pytest.raises(ValueError, match="contiguous"):
+        copies_on_huge_pages([torch.randn(2000, 600)[:, ::2]])
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_engine_reads_its_weights_from_one_buffer(tmp_path, quantization):
+    """On a CPU every layer matrix and the LM head (tied to the embedding here) are placed in one buffer, the
+    weights transformers shares with the engine are re-pointed at it (never held twice), and greedy tokens are
+    still transformers' (fp32) or the int8 engine's own (int8, placement changes no value)."""
+    from minipaged.kernels.int8 import Int8Weight
+    from minipaged.model.testing import build_tiny_llama
+    path = str(build_tiny_llama(tmp_path / "m", hidden_size=512, intermediate_size=2048, num_layers=2))
+    engine = Engine(path, num_blocks=64, block_size=16, quantization=quantization)
+    model = engine.model
+
+    def raw(w):
+        return w.qweight if isinstance(w, Int8Weight) else w
+    weights = [raw(getattr(layer, name)) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    weights.append(raw(model.lm_head))
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts)
+    assert starts[-1] - starts[0] < sum(w.nbytes + 64 for w in weights[:-1])      # end to end: one buffer
+    if quantization is None:
+        assert model.embed.data_ptr() == model.lm_head.data_ptr()                 # tied: one copy for both
+        hf = engine.loaded.hf_model
+        assert hf.model.layers[0].self_attn.o_proj.weight.data_ptr() == model.layers[0].o.data_ptr()
+        assert hf.model.layers[1].mlp.down_proj.weight.data_ptr() == model.layers[1].down.data_ptr()
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr() == model.lm_head.data_ptr()
+        prompt = [5, 9, 200, 17, 3]
+        ours = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert ours == want[0, len(prompt):].tolist()

@@ -150,7 +150,9 @@ def test_smollm2_int8_agrees_with_fp32_on_held_out_chat_prompts():
     options = dict(num_threads=1, kv_cache_memory=0.25, max_model_len=1024)
     fp32 = Engine("smollm2", **options)
     int8 = Engine("smollm2", quantization="int8", **options)
-    assert int8.model.weight_bytes() < 0.45 * fp32.model.weight_bytes()
+    # SmolLM2's LM head is its embedding (tied): fp32 counts the 113 MB once; int8 keeps it fp32 for the lookup
+    # and adds an int8 copy for the head, so its weights are 0.46 of fp32's rather than a quarter.
+    assert int8.model.weight_bytes() < 0.5 * fp32.model.weight_bytes()
     prompts = [fp32.inputs.chat_prompt([{"role": "user", "content": p}]) for p in OPEN_ENDED[-8:]]
     agreement = greedy_agreement(fp32, int8, dequantized_hf_model(fp32.loaded.hf_model, int8.model), prompts, 48)
     assert agreement.tokens >= 8 * 24

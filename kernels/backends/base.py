@@ -84,6 +84,11 @@ class Backend(ABC):
         ``linear`` is fastest with. Called once per weight at start-up; the model keeps only what it returns."""
         return weight
 
+    def place_weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights (as ``prepare_weight`` laid them out) in the memory this backend reads them fastest from:
+        the same values, shapes and strides; the model keeps what it returns. Called once, at start-up."""
+        return weights
+
     def quantization_problem(self, quantization: str) -> Optional[str]:
         """None when ``linear`` and ``lm_head`` take ``quantization``'s weights (kernels/int8.py), else why not and
         what to do instead (one sentence)."""

@@ -46,6 +46,14 @@ class TorchBackend(Backend):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch_argmax(logits)
 
+    def place_weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """On a CPU, one buffer Linux may back with huge pages (``copies_on_huge_pages`` says why); elsewhere
+        as they are."""
+        if weights and all(w.device.type == "cpu" for w in weights):
+            from minipaged.memory import copies_on_huge_pages
+            return copies_on_huge_pages(weights)
+        return weights
+
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """On a CPU, memory Linux may back with huge pages (``zeros_on_huge_pages`` says why); elsewhere
         ``torch.zeros``."""
