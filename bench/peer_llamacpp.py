@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,8 +31,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from minipaged.bench.peer import distinct_prompts
-from minipaged.bench.report import BENCH_OUT, save
-from minipaged.bench.report import markdown_table as table
+from minipaged.bench.docs import peer_llamacpp_table as peer_table
+from minipaged.bench.report import BENCH_OUT, machine, save
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
 from minipaged.bench.walkthrough import bench, warm_up
 from minipaged.model.loader import embedded_gguf_path
@@ -92,6 +94,24 @@ def run_minipaged(quantization: Optional[str], prompts_file: Path, args: argpars
         return measure(url, prompts_file, args, label, work)
 
 
+# llama-server's own account of each request's decode ("eval time = 463.17 ms / 64 tokens"), a check that the
+# load generator measures the peer as the peer measures itself.
+OWN_EVAL = re.compile(r"\|\s+eval time =\s+([0-9.]+) ms /\s+([0-9]+) tokens")
+
+
+def llama_own_decode_ms(log_path: Path, requests: int, output_len: int) -> float | None:
+    """Median ms per decoded token by llama-server's own log, over the first ``requests`` full-length requests
+    after the warm-up (the "alone" phase)."""
+    per_token = [float(ms) / int(n) for ms, n in OWN_EVAL.findall(log_path.read_text(errors="replace"))
+                 if int(n) == output_len][:requests]
+    return statistics.median(per_token) if per_token else None
+
+
+def llama_version(llama: Path) -> str:
+    done = subprocess.run([str(llama / "bin" / "llama-server"), "--version"], capture_output=True, text=True)
+    return " ".join((done.stdout + done.stderr).split())
+
+
 def run_llama(llama: Path, kind: str, gguf: Path, prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
     port = free_port()
     label = f"llama.cpp-{kind}"
@@ -103,7 +123,30 @@ def run_llama(llama: Path, kind: str, gguf: Path, prompts_file: Path, args: argp
     print(f"\n=== {label}", flush=True)
     with running(command, port, what=label, log_path=str(work / f"{label}.log"), timeout_s=300) as url:
         warm_up(url, SERVED_NAME)
-        return measure(url, prompts_file, args, label, work)
+        result = measure(url, prompts_file, args, label, work)
+    result["alone"]["own_decode_ms"] = llama_own_decode_ms(work / f"{label}.log", args.alone_requests,
+                                                           args.output_len)
+    return result
+
+
+def ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets as ratios (> 1: minipaged ahead): alone, fp32 against llama.cpp F32 and int8 against
+    Q8_0; under load, each minipaged server against the fastest llama.cpp server (named)."""
+    def tok_s(name: str, phase: str) -> Optional[float]:
+        return results.get(name, {}).get(phase, {}).get("output_tok_s")
+    out: dict[str, Any] = {}
+    for key, ours, theirs in (("alone_fp32_vs_f32", "minipaged-fp32", "llama.cpp-F32"),
+                              ("alone_int8_vs_q8_0", "minipaged-int8", "llama.cpp-Q8_0")):
+        if tok_s(ours, "alone") and tok_s(theirs, "alone"):
+            out[key] = tok_s(ours, "alone") / tok_s(theirs, "alone")
+    peers = {name: tok_s(name, "loaded") for name in results if name.startswith("llama.cpp-")}
+    if peers:
+        best = max(peers, key=lambda name: peers[name] or 0.0)
+        out["loaded_best_llama_cpp"] = best
+        for key, ours in (("loaded_fp32_vs_best", "minipaged-fp32"), ("loaded_int8_vs_best", "minipaged-int8")):
+            if tok_s(ours, "loaded") and peers[best]:
+                out[key] = tok_s(ours, "loaded") / peers[best]
+    return out
 
 
 def main() -> int:
@@ -135,11 +178,10 @@ def main() -> int:
             results[server] = run_minipaged(None if quantization == "fp32" else quantization, prompts_file, args, work)
         else:
             results[f"llama.cpp-{server}"] = run_llama(llama, server, files[server], prompts_file, args, work)
-    rows = [[name, r["alone"]["output_tok_s"], r["loaded"]["output_tok_s"], r["loaded"]["median_ttft_s"]]
-            for name, r in results.items()]
-    save("peer_llamacpp", {"args": vars(args), "llama_cpp": str(llama), "results": results},
-         table(["server", "alone: out tok/s", f"{IN_FLIGHT} in flight: out tok/s", "median TTFT (s)"], rows),
-         out=Path(args.out_dir))
+    record = {"args": vars(args), "cpu": machine()["cpu"], "vectors": machine()["vectors"], "llama_cpp": str(llama),
+              "llama_cpp_version": llama_version(llama) if llama else None, "in_flight": IN_FLIGHT,
+              "results": results, "ratios": ratios(results)}
+    save("peer_llamacpp", record, peer_table(record), out=Path(args.out_dir))
     return 0
 
 

@@ -35,7 +35,8 @@ from .torch_ops import TORCH_LAYER_OPS, TorchLayerOps
 __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
            "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "compiled_linear",
-           "CompiledLinear", "SMALL_BATCH_ROWS", "PER_ROW_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax", "torch_argmax",
+           "CompiledLinear", "SMALL_BATCH_ROWS", "PER_ROW_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax",
+           "torch_argmax",
            "TorchLayerOps", "TORCH_LAYER_OPS", "Backend", "TorchBackend", "CpuBackend", "TritonBackend", "CpuChoice",
            "ALL_TORCH", "ModelShapes", "select_backend"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left

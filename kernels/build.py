@@ -1,7 +1,7 @@
 """Building the compiled CPU kernels: the six C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
-cpu_tiled_linear.c, cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with ctypes. The
-modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py, cpu_layer_ops.py, cpu_argmax.py)
-only ask ``load_kernel``.
+cpu_tiled_linear.c, cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with
+ctypes. The modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py, cpu_layer_ops.py,
+cpu_argmax.py) only ask ``load_kernel``.
 
 Why C and ctypes, not a torch C++ extension: the kernels need no torch headers, so the machine's C compiler
 builds them in well under a second (a torch extension takes a minute), and the shared library lands in

@@ -191,10 +191,24 @@ def web_watchers_table(r: dict[str, Any]) -> str:
     return markdown_table(["phase", "output tok/s", "server peak RSS MB", "watchers that got every step"], rows)
 
 
+def peer_llamacpp_table(record: dict[str, Any]) -> str:
+    """bench/peer_llamacpp.py's servers: one request alone, and ``in_flight`` requests in flight."""
+    rows, in_flight = [], record["in_flight"]
+    for name, r in record["results"].items():
+        alone, loaded = r["alone"], r["loaded"]
+        own = alone.get("own_decode_ms")
+        rows.append([name, f"{alone['output_tok_s']:.1f}", f"{alone['median_tpot_ms']:.2f}",
+                     "-" if own is None else f"{own:.2f}", f"{alone['median_ttft_s'] * 1000:.0f}",
+                     f"{loaded['output_tok_s']:.1f}", f"{loaded['median_ttft_s']:.2f}"])
+    return markdown_table(["server", "alone: out tok/s", "alone: ms per token", "(llama.cpp's own count)",
+                           "alone: TTFT ms", f"{in_flight} in flight: out tok/s",
+                           f"{in_flight} in flight: median TTFT s"], rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
-    "web_watchers": web_watchers_table}
+    "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
@@ -226,9 +240,14 @@ def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, A
 
 
 def rendered_quantization_doc(results: dict[str, Any]) -> str:
-    """docs/quantization.md from its template and bench/out/quantization.json."""
-    values = {**results, "derived": {"quantization": quantization_derived(results["quantization"])}}
-    return (generated_note(QUANTIZATION_TEMPLATE, "bench/out/quantization.json")
+    """docs/quantization.md from its template and bench/out/ (quantization, peer_llamacpp, decode_floor)."""
+    floor, peer = results["decode_floor"]["batches"]["1"], results["peer_llamacpp"]["results"]
+    derived = {"quantization": quantization_derived(results["quantization"]),
+               "above_floor_ms": floor["engine_ms"] - floor["floor_ms"],
+               "llama_f32_own_ms": peer["llama.cpp-F32"]["alone"]["own_decode_ms"]}
+    values = {**results, "derived": derived,
+              "tables": {"peer_llamacpp": peer_llamacpp_table(results["peer_llamacpp"])}}
+    return (generated_note(QUANTIZATION_TEMPLATE, "bench/out/quantization.json, peer_llamacpp.json, decode_floor.json")
             + render(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"), values))
 
 

@@ -35,18 +35,36 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]
         yield lambda n: progress.advance(task, n)
 
 
+def cpu_model_and_vectors() -> tuple[str, str]:
+    """The processor's model name and its widest x86 vector extension (AVX-512, AVX2 or neither), from Linux's
+    /proc/cpuinfo: compiled kernels tuned on one can lose on the other, so every measurement names it."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    vectors = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return model, vectors if flags else "vector extensions unknown"
+
+
 def machine() -> dict[str, Any]:
     import torch
-    return {"machine": platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
+    cpu, vectors = cpu_model_and_vectors()
+    return {"machine": platform.machine(), "cpu": cpu, "vectors": vectors, "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def machine_line() -> str:
     """The machine in one line, as the benchmark records and the docs print it."""
     m = machine()
-    return (f"{m['machine']} {m['cpu_count']} cores, torch {m['torch']}, {m['torch_threads']} threads, "
-            + (m["gpu"] or "no GPU"))
+    return (f"{m['machine']} {m['cpu']} ({m['vectors']}), {m['cpu_count']} cores, torch {m['torch']}, "
+            f"{m['torch_threads']} threads, " + (m["gpu"] or "no GPU"))
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], number: str = ".3g") -> str:

@@ -127,7 +127,8 @@ class CompactLlama:
         lm_head = getattr(self, "lm_head", None)
         if lm_head is None:                                   # a tensor-parallel shard holds its rows of it
             lm_head = getattr(self, "lm_head_rows", None)
-        tied = isinstance(lm_head, torch.Tensor) and self.embed is not None and lm_head.data_ptr() == self.embed.data_ptr()
+        tied = (isinstance(lm_head, torch.Tensor) and self.embed is not None
+                and lm_head.data_ptr() == self.embed.data_ptr())
         tensors = [self.embed, self.final_norm] + ([] if tied else [lm_head])
         tensors += [t for w in self.layers for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down,
                                                       w.qkv_bias, w.q_norm, w.k_norm)]
