@@ -169,7 +169,8 @@ def test_quantization_md_is_its_template_filled_from_the_json():
         "docs/quantization.md is not docs/quantization.md.in filled from bench/out/quantization.json: run "
         "python bench/render_docs.py")
     typed = hand_written_numbers(QUANTIZATION_TEMPLATE.read_text(encoding="utf-8"),
-                                 ALLOWED + [r"\bint8\b", r"\bFP8\b", r"\bINT8\b", r"\bfloat32\b"])
+                                 ALLOWED + [r"\bint8\b", r"\bFP8\b", r"\bINT8\b", r"\bfloat32\b",
+                                            r"\bQ\d_\d\b", r"\bF32\b", r"matmuls of 8\+ rows"])
     assert not typed, f"numbers typed into docs/quantization.md.in instead of placeholders: {typed}"
 
 
@@ -191,6 +192,36 @@ def test_peer_llamacpp_finds_llama_server_or_skips_with_a_message(tmp_path, monk
     monkeypatch.setattr("sys.argv", ["peer_llamacpp.py", "--llama-cpp-dir", str(tmp_path / "nowhere")])
     assert peer_llamacpp.main() == 0
     assert "SKIPPED: llama-server and llama-quantize not found" in capsys.readouterr().out
+
+
+def test_peer_llamacpp_reads_llama_servers_own_timing_and_states_the_targets_as_ratios(tmp_path, monkeypatch):
+    """The comparison's cross-check and verdicts: llama-server's own per-token decode time is read from its log
+    (full-length requests of the alone phase only), and the targets are ratios of the measured rates, the
+    loaded one against whichever llama.cpp server was fastest."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import peer_llamacpp
+    log = tmp_path / "llama.log"
+    log.write_text("slot print_timing: id 15 | task 0 |        eval time =      18.87 ms /     4 tokens (...)\n"
+                   "slot print_timing: id 14 | task 5 |        eval time =     480.00 ms /    64 tokens (...)\n"
+                   "slot print_timing: id 13 | task 6 | prompt eval time =  186.80 ms /    95 tokens (...)\n"
+                   "slot print_timing: id 13 | task 70 |        eval time =     448.00 ms /    64 tokens (...)\n"
+                   "slot print_timing: id 12 | task 71 |        eval time =     999.00 ms /    64 tokens (...)\n")
+    assert peer_llamacpp.llama_own_decode_ms(log, requests=2, output_len=64) == pytest.approx((7.5 + 7.0) / 2)
+    assert peer_llamacpp.llama_own_decode_ms(log, requests=2, output_len=32) is None
+
+    def rates(alone, loaded):
+        return {"alone": {"output_tok_s": alone}, "loaded": {"output_tok_s": loaded}}
+    results = {"minipaged-fp32": rates(40.0, 150.0), "minipaged-int8": rates(80.0, 180.0),
+               "llama.cpp-F32": rates(50.0, 120.0), "llama.cpp-Q8_0": rates(100.0, 160.0),
+               "llama.cpp-Q4_1": rates(75.0, 90.0)}
+    ratios = peer_llamacpp.ratios(results)
+    assert ratios["alone_fp32_vs_f32"] == pytest.approx(0.8)
+    assert ratios["alone_int8_vs_q8_0"] == pytest.approx(0.8)
+    assert ratios["loaded_best_llama_cpp"] == "llama.cpp-Q8_0"
+    assert ratios["loaded_fp32_vs_best"] == pytest.approx(150 / 160)
+    assert ratios["loaded_int8_vs_best"] == pytest.approx(180 / 160)
+    assert peer_llamacpp.ratios({"minipaged-int8": rates(80.0, 180.0)}) == {}       # a smoke run: no peers
 
 
 def test_int8_keeps_no_view_of_the_loaded_checkpoint(tiny_model_untied, monkeypatch):
