@@ -26,14 +26,21 @@ def random_weights_like(model, prepare: Callable[[torch.Tensor], torch.Tensor] =
                         prepare_lm_head: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
                         ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
     """Random matrices of the model's fused shapes: per layer (q|k|v, o, gate|up, down), and the LM head,
-    stored as ``prepare`` (a backend's ``prepare_weight``, say) and ``prepare_lm_head`` lay them out."""
+    stored as ``prepare`` (a backend's ``prepare_weight``, say) and ``prepare_lm_head`` lay them out, in the
+    memory the engine keeps its own weights in (``copies_on_huge_pages`` on a Linux CPU): every floor, the
+    engine's and torch's, reads its weights from the same kind of memory as the engine's step does."""
+    from ..memory import copies_on_huge_pages
     gen = torch.Generator().manual_seed(0)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
         return torch.randn(rows, cols, generator=gen, dtype=model.dtype) * 0.02
 
     layers = [tuple(prepare(weight(*m.shape)) for m in (w.qkv, w.o, w.gate_up, w.down)) for w in model.layers]
-    return layers, prepare_lm_head(weight(*model.lm_head.shape))
+    head = prepare_lm_head(weight(*model.lm_head.shape))
+    if head.device.type != "cpu":
+        return layers, head
+    placed = copies_on_huge_pages([w for layer in layers for w in layer] + [head])
+    return [tuple(placed[4 * i:4 * i + 4]) for i in range(len(layers))], placed[-1]
 
 
 def matmul_pass(model, batch: int, *, head_rows: int | None = None, weights: tuple | None = None,
