@@ -14,8 +14,8 @@ Three ways to multiply, chosen by the number of token rows like the fp32 path (`
 owns the choice (its ``linear`` and ``lm_head`` take an ``Int8Weight`` as they take a float tensor):
 - one to three rows on the cpu backend: the one-row loop (cpu_int8_matvec.c) reads the int8 bytes and widens
   them in registers;
-- four to seven rows on the cpu backend, and more where its calibration found its tiled fp32 multiply faster
-  than torch (``batch_linear``): the tiled multiply (cpu_tiled_linear.c), which widens each int8 vector once for
+- four to seven rows on the cpu backend, and more where its calibration found it faster than the widening
+  below (``int8_batch_linear``): the tiled multiply (cpu_tiled_linear.c), which widens each int8 vector once for
   four token rows;
 - otherwise (the torch backend, or a machine where torch's matmul won): the weight widened to fp32 a slice at
   a time and multiplied by torch (``int8_linear_torch``; torch's own int8-weight matmul measured far slower).

@@ -8,6 +8,7 @@ again when the key (CPU, library build, torch, threads, shapes) changes.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minipaged import Engine, SamplingParams
 from minipaged.kernels import CpuLayerOps, CompiledLinear
@@ -22,12 +23,14 @@ PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 class FakeTimer:
     """Seconds per option as given (the op is not timed at all); counts the samples it was asked for."""
 
-    def __init__(self, seconds: dict[str, float], many_rows: dict[str, float] | None = None) -> None:
-        self.seconds, self.many_rows, self.calls = seconds, many_rows or {}, 0
+    def __init__(self, seconds: dict[str, float], many_rows: dict[str, float] | None = None,
+                 ops: dict[str, dict[str, float]] | None = None) -> None:
+        self.seconds, self.calls = seconds, 0
+        self.ops = {"many_row_linear": many_rows or {}, **(ops or {})}      # per-op overrides of ``seconds``
 
     def __call__(self, op: str, option: str, run) -> float:
         self.calls += 1
-        return (self.many_rows if op == "many_row_linear" else self.seconds).get(option, self.seconds[option])
+        return self.ops.get(op, {}).get(option, self.seconds[option])
 
 
 @pytest.fixture
@@ -139,6 +142,27 @@ def test_batches_take_the_tiled_multiply_only_where_it_won(tiny_model_untied, me
     assert any(rows <= 7 for rows in rows_seen)                     # decode steps: the few-row verdict
     assert any(rows > 7 for rows in rows_seen) == tiled_wins, rows_seen      # prefill: the batch verdict
     assert ("matmuls of 8+ rows" in engine.backend.describe().split(";")[0]) == tiled_wins
+
+
+@pytest.mark.parametrize("tiled_wins", [True, False], ids=["tiled-wins", "widening-wins"])
+def test_int8_batches_take_the_tiled_multiply_only_where_it_won(tiny_model_untied, measuring, tiled_wins):
+    """With --quantization int8, eight token rows or more go to the tiled int8 multiply where it beat widening the
+    weights for torch's matmul in the race, to the widening where it lost; fewer rows always to the compiled loops.
+    The int8 engine's greedy tokens are the same either way (the same products, summed in another order)."""
+    from minipaged.kernels.int8 import Int8Weight
+    measuring(FakeTimer({COMPILED: 1.0, TORCH: 2.0, IN_OUT: 3.0},
+                        ops={"int8_batch_linear": {COMPILED: 1.0 if tiled_wins else 3.0, TORCH: 2.0}}))
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, quantization="int8")
+    assert engine.backend.choice.int8_batch_linear == (COMPILED if tiled_wins else TORCH)
+    weight = engine.model.layers[0].qkv
+    assert isinstance(weight, Int8Weight)
+    int8 = engine.backend._int8
+    assert int8.handles_compiled(torch.randn(7, weight.shape[1]), weight)
+    assert int8.handles_compiled(torch.randn(9, weight.shape[1]), weight) == tiled_wins
+    assert ("8+ row int8 matmuls" in engine.backend.describe().split(";")[0]) == tiled_wins
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    other = Engine(tiny_model_untied, block_size=4, num_blocks=64, quantization="int8", attention_backend="torch")
+    assert tokens == [o.token_ids for o in other.generate(PROMPTS, PARAMS)]
 
 
 def test_the_verdict_is_cached_and_measured_again_when_the_key_changes(tiny_model_untied, measuring, monkeypatch):

@@ -33,7 +33,7 @@ from .base import ModelShapes
 
 COMPILED, TORCH, IN_OUT = "compiled", "torch", "torch [in, out]"
 LAYER_OPS = ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")
-CALIBRATION_VERSION = 2                     # 2: the batch_linear verdict (tiled multiply) was added
+CALIBRATION_VERSION = 3                     # 2: batch_linear (the tiled multiply); 3: int8_batch_linear
 FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
 STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
 REPEATS = 5
@@ -51,6 +51,7 @@ class CpuChoice:
     decode_attention: str = COMPILED
     few_row_linear: str = COMPILED
     batch_linear: str = COMPILED
+    int8_batch_linear: str = COMPILED       # --quantization int8, 8+ rows: the tiled int8 multiply or widening
     lm_head: str = COMPILED
     add_rms_norm: str = COMPILED
     rope_and_write_kv: str = COMPILED
@@ -59,7 +60,8 @@ class CpuChoice:
 
     def describe(self) -> str:
         names = {"decode_attention": "decode attention", "few_row_linear": "1-7 row matmuls",
-                 "batch_linear": "matmuls of 8+ rows", "lm_head": "LM head",
+                 "batch_linear": "matmuls of 8+ rows", "int8_batch_linear": "8+ row int8 matmuls",
+                 "lm_head": "LM head",
                  "add_rms_norm": "norms", "rope_and_write_kv": "RoPE + K/V write", "silu_and_mul": "SiLU",
                  "argmax": "argmax"}
         compiled = [names[f.name] for f in dataclasses.fields(self) if getattr(self, f.name) == COMPILED]
@@ -158,6 +160,26 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
         # reads the weights [out, in]): not worth it.
         candidates.pop(IN_OUT)
     verdict["few_row_linear"] = fastest(candidates)
+
+    # Int8 weights (--quantization int8) for 8+ rows: the tiled int8 multiply against the weights widened to
+    # fp32 a slice at a time for torch's matmul. The values do not matter to the time: random bytes, scale 1.
+    from ..int8 import Int8Linear, Int8Weight, int8_linear_torch
+    int8_buffer = torch.randint(-127, 128, (STREAM_BYTES,), dtype=torch.int8, generator=gen)
+    int8_windows = [_Windows(int8_buffer, *shape) for shape in shapes.matrices().values()]
+    int8_scales = {w.shape[0]: torch.ones(w.shape[0]) for w in int8_windows}
+    int8_layers_per_sample = max(1, STREAM_BYTES // sum(w.n for w in int8_windows))
+    tiled_int8 = Int8Linear(F.linear, head_dim, compiled=True, tiled_many_rows=True)
+
+    def int8_matmuls(how: str) -> Callable[[], None]:
+        def run() -> None:
+            for _layer in range(int8_layers_per_sample):
+                for w in int8_windows:
+                    weight = Int8Weight(w.take(), int8_scales[w.shape[0]])
+                    x = few[MANY_ROWS, w.shape[1]]
+                    tiled_int8(x, weight) if how == COMPILED else int8_linear_torch(x, weight)
+        return run
+    times["int8_batch_linear"] = race("int8_batch_linear", {o: int8_matmuls(o) for o in (COMPILED, TORCH)}, timer)
+    verdict["int8_batch_linear"] = fastest(times["int8_batch_linear"])
 
     head = _Windows(buffer, vocab, hidden)
     xs = [torch.randn(rows, hidden, generator=gen) for rows in FEW_ROWS]

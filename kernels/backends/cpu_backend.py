@@ -12,8 +12,8 @@ slowly through torch, each used only where it measured faster than torch on this
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
   int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
-                     always (they read a quarter of fp32's bytes); for more, the tiled multiply where the batch
-                     verdict is compiled, else the weight widened a slice at a time (kernels/int8.py).
+                     always (they read a quarter of fp32's bytes); for more, the tiled multiply where it beat
+                     the weight widened a slice at a time for torch's matmul (kernels/int8.py).
 
 Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
 """
@@ -57,7 +57,8 @@ class CpuBackend(TorchBackend):
         every_op_compiled = all(getattr(choice, name) == COMPILED for name in LAYER_OPS)
         self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
         self._matvec = compiled_linear(head_dim)
-        self._int8 = Int8Linear(F.linear, head_dim, compiled=True, tiled_many_rows=choice.batch_linear == COMPILED)
+        self._int8 = Int8Linear(F.linear, head_dim, compiled=True,
+                                tiled_many_rows=choice.int8_batch_linear == COMPILED)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
 
     def __reduce__(self) -> tuple:
@@ -114,7 +115,7 @@ class CpuBackend(TorchBackend):
         return weight
 
     def describe(self, why: bool = True) -> str:
-        many = ("the tiled int8 multiply" if self.choice.batch_linear == COMPILED
+        many = ("the tiled int8 multiply" if self.choice.int8_batch_linear == COMPILED
                 else "widened to float32 a slice at a time")
         int8 = (f"; int8 weights: compiled int8 loops for 1-7 rows (cpu_int8_matvec.c, cpu_tiled_linear.c), {many} "
                 "for more" if self.quantization else "")
