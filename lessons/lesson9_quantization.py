@@ -23,7 +23,7 @@ SCENARIO = Scenario(
         # Part one: one request alone, so each of its decode steps reads every weight for a single token.
         request(ALONE, 1, Text(DOCUMENTS[0], 48), max_tokens=32),
         # Part two, once r0 has finished: sixteen requests, prefilled in one step, then decoding together: one
-        # read of the weights for sixteen tokens (more rows than the compiled int8 loop takes, kernels/int8.py).
+        # read of the weights for sixteen tokens (the tiled multiply's rows, not the one-row loop: kernels/int8.py).
         *(request(rid, 100, Text(question, 16), max_tokens=24) for rid, question in zip(BATCH, QUESTIONS)),
     ),
     variants={"fp32": {}, "int8": {"quantization": "int8"}},
