@@ -42,6 +42,8 @@ class EngineInfo:
     scheduling_policy: str = "fcfs"      # minipaged.policies: a name, or path/to/file.py:ClassName
     preemption_victim: str = "newest"
     eviction_policy: str = "lru"
+    quantization: Optional[str] = None   # "int8": weight-only int8 (kernels/int8.py); None: the weights' own dtype
+    weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
 
 
 @dataclass(frozen=True)

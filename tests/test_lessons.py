@@ -48,11 +48,11 @@ def results(tiny_model, lesson_model):
 
 def test_lessons_are_listed_in_order_with_titles():
     lessons = list_lessons()
-    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert all(l.title and l.markdown.startswith(f"# Lesson {l.number}: ") for l in lessons)
     assert get_lesson(3).title == "Prefix caching" and get_lesson("4").number == 4
-    with pytest.raises(ValueError, match="no lesson 9"):
-        get_lesson(9)
+    with pytest.raises(ValueError, match="no lesson 10"):
+        get_lesson(10)
 
 
 def test_cli_lists_the_lessons(capsys):
@@ -63,7 +63,7 @@ def test_cli_lists_the_lessons(capsys):
         assert f"{lesson.number}. {lesson.title}: {lesson.summary}" in out and f"--lesson {lesson.number}" in out
     assert main(["lessons", "3"]) == 0
     assert capsys.readouterr().out.strip() == get_lesson(3).markdown.strip()
-    assert main(["lessons", "9"]) == 2 and "no lesson 9" in capsys.readouterr().err
+    assert main(["lessons", "10"]) == 2 and "no lesson 10" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -74,7 +74,7 @@ def _texts(lesson):
     return [lesson.template, *quiz, *checkpoints]
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_every_placeholder_is_filled_from_the_measured_run(number):
     lesson = get_lesson(number)
     measured = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))[str(number)]
@@ -90,10 +90,11 @@ def test_every_placeholder_is_filled_from_the_measured_run(number):
 # Numbers that may stand in the text without being measured: list markers, request ids, share labels (x3),
 # the lesson's own number and other lessons' numbers, and anything quoted, in code, or in a diagram.
 ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson \d+\b", r"SmolLM2", r"\bv1\b",
-           r"et al\.,? (?:[A-Z]+ )?\d{4}"]                         # a citation's year: Kwon et al., SOSP 2023
+           r"et al\.,? (?:[A-Z]+ )?\d{4}",                          # a citation's year: Kwon et al., SOSP 2023
+           r"\b(?:int8|fp32)\b"]                                     # names of number formats (lesson 9)
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_no_number_in_the_text_is_written_by_hand(number):
     # Skipped: diagrams (their numbers are illustrative), code and commands, placeholders, link targets and
     # quotations from vLLM's docs (the docs' templates are checked the same way, without quotations).
@@ -101,7 +102,7 @@ def test_no_number_in_the_text_is_written_by_hand(number):
     assert not leftovers, f"lesson {number} states numbers that are not measured: {leftovers}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
     """Lessons quote vLLM's documents to test their claims: a quoted number never stands alone."""
     text = re.sub(r"```.*?```", "", get_lesson(number).template, flags=re.S)
@@ -111,7 +112,7 @@ def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
                 f"lesson {number}: a quoted number without ours: {paragraph[:80]}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_links_point_at_files_that_exist(number):
     lesson = get_lesson(number)
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
@@ -134,7 +135,7 @@ def test_links_resolve_in_an_installed_wheel_too(monkeypatch, tmp_path):
     assert Lesson.source_path("../kernels/reference.py") == root / "kernels" / "reference.py"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_lesson_text_is_short_paragraphs_with_a_diagram(number):
     text = get_lesson(number).template
     assert "```" in text, "a diagram where it helps"
@@ -253,6 +254,104 @@ def test_lesson8_priority_overtakes_victims_differ_and_lru_keeps_the_alternating
     # alternating two system prompts: LRU keeps each prompt's first blocks, MRU gives block 0 away first
     assert 0 < v["lru_hit_per_repeat"] < v["sys_tokens"] and v["mru_hit_per_repeat"] == 0
     assert v["fcfs_repeat_hit_rate"] > v["mru_repeat_hit_rate"] == 0 and v["mru_evictions"] > v["lru_evictions"]
+
+
+def test_lesson9_int8_shrinks_the_weights_and_changes_no_scheduling(results):
+    v, runs = results[9].values, results[9].runs
+    fp32, int8 = runs["fp32"], runs["int8"]
+    assert fp32.info.quantization is None and int8.info.quantization == "int8"
+    # The matrices take a quarter of their bytes (plus a scale a row); the embedding stays fp32: so the whole
+    # lies between a quarter and a half of fp32's (the docs measure SmolLM2's ratio; the tiny model's is alike).
+    assert 0.25 * fp32.info.weight_bytes < int8.info.weight_bytes < 0.5 * fp32.info.weight_bytes
+    assert v["same_schedule"] and v["same_kv_bytes"] and v["int8_dtype"] == "float32"
+    assert v["fp32_steps"] == v["int8_steps"] == fp32.num_steps
+    # r0's first token comes from its prefill, the others one decode step each, alone; then the batch together
+    assert v["alone_decode_steps"] == v["alone_tokens"] - 1 and v["batch_decode_steps"] == v["batch_tokens"] - 1
+    assert v["compared_tokens"] == v["alone_tokens"] + v["batch"] * v["batch_tokens"] == int8.generated_tokens
+
+
+def _with_token_changed(run, request_id: str, index: int):
+    """A copy of ``run`` in which the ``index``-th generated token of ``request_id`` is another one."""
+    from dataclasses import replace
+    from minipaged.lessons.core import Run
+
+    events, seen = [], 0
+    for ev in run.events:
+        toks = ev.new_token_ids.get(request_id, [])
+        if seen <= index < seen + len(toks):
+            changed = list(toks)
+            changed[index - seen] += 1
+            ev = replace(ev, new_token_ids={**ev.new_token_ids, request_id: changed})
+        seen += len(toks)
+        events.append(ev)
+    return Run(run.variant, run.info, events)
+
+
+def test_lesson9_speed_and_agreement_are_computed_from_the_events(results):
+    """measure_smollm2 is the code behind the lesson's SmolLM2 figures: on the tiny model its values differ,
+    but they are computed, and a token changed by hand moves the agreement exactly where it was changed."""
+    from minipaged.lessons import lesson9_quantization as lesson9
+
+    v, runs = results[9].values, results[9].runs
+    fp32, int8 = runs["fp32"], runs["int8"]
+    m = lesson9.measure_smollm2(runs)
+    assert m["weights_ratio"] == fp32.info.weight_bytes / int8.info.weight_bytes > 2
+    assert m["fp32_weights_mib"] == fp32.info.weight_bytes / 2**20
+    for key in ("fp32_alone_tok_s", "int8_alone_tok_s", "fp32_batch_tok_s", "int8_batch_tok_s"):
+        assert 0 < m[key] < float("inf"), key
+    alone = lesson9.decode_steps(fp32.events, 1)
+    assert len(alone) == v["alone_decode_steps"] and all(len(ev.scheduled) == 1 for ev in alone)
+    assert m["fp32_alone_tok_s"] == 1 / sorted(ev.duration_s for ev in alone)[len(alone) // 2]
+    agree = lesson9.agreement(fp32, int8)
+    assert set(agree) == set(fp32.outputs) and all(0 <= n <= len(fp32.outputs[r]) for r, n in agree.items())
+    assert 0 <= m["prefix_agreement_percent"] <= 100
+    assert m["prefix_agreement_percent"] == 100 * sum(agree.values()) / v["compared_tokens"]
+    # a run against itself agrees everywhere; one token changed by hand is found where it was changed
+    assert lesson9.agreement(fp32, fp32) == {r: len(t) for r, t in fp32.outputs.items()}
+    doctored = _with_token_changed(fp32, "r2", 5)
+    assert lesson9.agreement(fp32, doctored) == {**lesson9.agreement(fp32, fp32), "r2": 5}
+    both = lesson9.measure_smollm2({"fp32": fp32, "int8": doctored})
+    assert both["identical_requests"] == v["num_requests"] - 1
+    assert both["prefix_agreement_percent"] == 100 * (v["compared_tokens"] - (v["batch_tokens"] - 5)) / v["compared_tokens"]
+
+
+def test_lesson9_checkpoints_tick_where_the_runs_show_them(results):
+    from minipaged.lessons import lesson9_quantization as lesson9
+    from minipaged.lessons.core import Trace
+
+    lesson, runs = get_lesson(9), results[9].runs
+    assert lesson.options_for({"quantization": "int8"})[0] == "int8" and lesson.options_for({})[0] == "fp32"
+    text = {i: cp.text for i, cp in enumerate(lesson.checkpoints)}
+    by_words = lambda words: next(i for i, t in text.items() if words in t)
+    for name, run in runs.items():
+        tracker = lesson.tracker(run.info)
+        for event in run.events:
+            tracker.feed(event)
+        assert tracker.ticked[by_words("decodes alone")][0] == run.first_scheduled_step("r0") + 1
+        assert tracker.ticked[by_words("several requests")][0] == run.first_scheduled_step("r1") + 1
+        assert "alone:" in tracker.ticked[by_words("several requests")][1]
+    # The int8 checkpoint reads the engine's header: the fp32 run never shows it, even fed every event.
+    trace = Trace(runs["fp32"].info)
+    for event in runs["fp32"].events:
+        trace.apply(event)
+        assert not lesson9._int8_weights(trace)
+        assert bool(lesson9._alone(trace)) == (lesson9.decodes(event) == 1)
+        assert bool(lesson9._batched(trace)) == (lesson9.decodes(event) == len(lesson9.BATCH))
+
+
+def test_lesson9_stored_smollm2_figures_back_the_text():
+    """The text says int8 is faster alone, helps a batch less, and shrinks the whole weights less than the
+    matrices' four times; measured_smollm2.json must say so too, and be consistent with itself."""
+    from minipaged.lessons.core import SMOLLM2_FILE
+
+    s = json.loads(SMOLLM2_FILE.read_text(encoding="utf-8"))["9"]
+    assert s["_source"].startswith("python -m minipaged.lessons --measure-smollm2")
+    assert 1 < s["alone_speedup"] and s["batch_speedup"] < s["alone_speedup"]
+    assert 2 < s["weights_ratio"] < 4 and s["int8_weights_mib"] < s["fp32_weights_mib"]
+    assert s["weights_ratio"] == pytest.approx(s["fp32_weights_mib"] / s["int8_weights_mib"], abs=0.1)
+    assert s["alone_speedup"] == pytest.approx(s["int8_alone_tok_s"] / s["fp32_alone_tok_s"], abs=0.1)
+    assert 0 <= s["prefix_agreement_percent"] <= 100
+    assert 0 <= s["identical_requests"] <= get_lesson(9).measured["num_requests"]
 
 
 def test_lesson7_pool_from_a_memory_budget_grows_with_the_ranks(lesson_model):
