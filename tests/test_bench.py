@@ -207,3 +207,19 @@ def test_decode_floor_measures_floor_and_engine_steps_in_turns_and_leaves_nothin
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats["blocks_free"] == stats["blocks_total"]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_floor_profile_counts_every_compiled_matmul_as_a_matmul(tiny_model, monkeypatch, quantization):
+    """The profile split puts the compiled matmul loops (one-row and tiled, fp32 and int8) under "matmul": a
+    batch of 9 decodes runs the tiled multiply, 1 the one-row loop, and neither may hide as Python time."""
+    from minipaged import Engine
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_floor
+    engine = Engine(tiny_model, block_size=4, num_blocks=128, max_num_seqs=9, enable_prefix_caching=False,
+                    quantization=quantization)
+    for batch in (9, 1):
+        profile = decode_floor.profile_step(engine, batch, context=6, steps=2)
+        assert profile["ms"]["matmul"] > 0, (batch, profile["table"])
+        names = profile["table"]
+        assert ("tiled" in names) == (batch == 9), names
