@@ -110,3 +110,37 @@ def test_the_engine_reads_its_weights_from_one_buffer(tmp_path, quantization):
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
         assert ours == want[0, len(prompt):].tolist()
+
+
+def test_weights_are_placed_one_at_a_time_and_transformers_follows_each_at_once(tmp_path, monkeypatch):
+    """Placing never holds every weight twice: before the next weight is copied, the engine and transformers'
+    module already point at the previous copy, so its original can be freed (TinyLlama in fp32: 4.2 GB)."""
+    from minipaged.kernels.backends.torch_backend import TorchBackend
+    from minipaged.model.testing import build_tiny_llama
+    path = str(build_tiny_llama(tmp_path / "m", hidden_size=512, intermediate_size=2048, num_layers=2))
+    placed: list[torch.Tensor] = []
+    checks: list[bool] = []
+    real_placer = TorchBackend.weight_placer
+    hf_holder: list = []
+
+    def watching_placer(self, sizes, device):
+        place = real_placer(self, sizes, device)
+
+        def watched(weight):
+            if placed and hf_holder:                    # the previous copy is already what transformers reads
+                shared = {p.data_ptr() for p in hf_holder[0].parameters()}
+                checks.append(placed[-1].data_ptr() in shared)
+            placed.append(place(weight))
+            return placed[-1]
+        return watched
+    monkeypatch.setattr(TorchBackend, "weight_placer", watching_placer)
+    import minipaged.model.llama as llama
+    real_store = llama.CompactLlama.store_weights_for
+
+    def store(self, backend):
+        hf_holder.append(self._hf_model)
+        return real_store(self, backend)
+    monkeypatch.setattr(llama.CompactLlama, "store_weights_for", store)
+    engine = Engine(path, num_blocks=64, block_size=16)
+    assert len(placed) == 4 * engine.model.num_layers + 1 and len(checks) == len(placed) - 1
+    assert all(checks), checks

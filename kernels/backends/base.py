@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -84,10 +84,11 @@ class Backend(ABC):
         ``linear`` is fastest with. Called once per weight at start-up; the model keeps only what it returns."""
         return weight
 
-    def place_weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The weights (as ``prepare_weight`` laid them out) in the memory this backend reads them fastest from:
-        the same values, shapes and strides; the model keeps what it returns. Called once, at start-up."""
-        return weights
+    def weight_placer(self, sizes: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """For weights of these byte sizes on ``device`` (as ``prepare_weight`` laid them out), a function that
+        returns each one, in turn, in the memory this backend reads it fastest from: the same values, shapes and
+        strides. The model keeps what it returns and lets the original go. By default, the weight itself."""
+        return lambda weight: weight
 
     def quantization_problem(self, quantization: str) -> Optional[str]:
         """None when ``linear`` and ``lm_head`` take ``quantization``'s weights (kernels/int8.py), else why not and

@@ -2,7 +2,7 @@
 refine it, op by op) and the fall-back wherever nothing faster is built or measured faster."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +46,13 @@ class TorchBackend(Backend):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return torch_argmax(logits)
 
-    def place_weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """On a CPU, one buffer Linux may back with huge pages (``copies_on_huge_pages`` says why); elsewhere
-        as they are."""
-        if weights and all(w.device.type == "cpu" for w in weights):
-            from minipaged.memory import copies_on_huge_pages
-            return copies_on_huge_pages(weights)
-        return weights
+    def weight_placer(self, sizes: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """On a CPU, one buffer Linux may back with huge pages (``minipaged.memory.HugePageBuffer`` says why),
+        filled one weight at a time; elsewhere the weights as they are."""
+        from minipaged.memory import HugePageBuffer
+        if torch.device(device).type != "cpu" or not HugePageBuffer.available(sizes):
+            return lambda weight: weight
+        return HugePageBuffer(sizes).place
 
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """On a CPU, memory Linux may back with huge pages (``zeros_on_huge_pages`` says why); elsewhere

@@ -160,70 +160,85 @@ class CompactLlama:
 
     def store_weights_for(self, backend: Backend) -> None:
         """Keep each layer's matrices and the LM head in the layout and the memory ``backend`` computes with
-        fastest: laid out by ``prepare_weight``, then all of them, int8 values included, placed by
-        ``place_weights`` (on a CPU, one buffer on huge pages). Then transformers' module is pointed at these
-        copies (``_share_weights_with_transformers``): no weight is held twice."""
+        fastest: laid out by ``prepare_weight``, then placed by its ``weight_placer`` (on a CPU, one buffer on
+        huge pages), int8 values included. One weight at a time, transformers' module pointed at each copy as it
+        is made (``_share_with_transformers``), so that the original can go at once: no weight is held twice,
+        not even while they are being placed."""
         head_name = "lm_head" if getattr(self, "lm_head", None) is not None else "lm_head_rows"  # (a TP shard's)
         slots = [(w, name) for w in self.layers for name in MATRICES]
         if getattr(self, head_name, None) is not None:          # (a pipeline stage before the last has none)
             slots.append((self, head_name))
-        originals = [getattr(owner, name) for owner, name in slots]
-        laid_out = [w if owner is self else backend.prepare_weight(w) for (owner, _), w in zip(slots, originals)]
-        placed = backend.place_weights([w.qweight if isinstance(w, Int8Weight) else w for w in laid_out])
-        for (owner, name), original, new in zip(slots, originals, placed):
-            setattr(owner, name, Int8Weight(new, original.scale) if isinstance(original, Int8Weight) else new)
-            tied = (owner is self and self.embed is not None and not isinstance(original, Int8Weight)
-                    and original.data_ptr() == self.embed.data_ptr())
-            if tied:
+
+        def raw(weight):
+            return weight.qweight if isinstance(weight, Int8Weight) else weight
+        place = backend.weight_placer([raw(getattr(owner, name)).nbytes for owner, name in slots], self.device)
+        hf = getattr(self, "_hf_model", None)
+        hf_layers = dict(zip(map(id, self.layers), hf.model.layers)) if hf is not None else {}
+        for owner, name in slots:
+            original = getattr(owner, name)
+            laid_out = original if owner is self else backend.prepare_weight(original)
+            new = place(raw(laid_out))
+            if isinstance(original, Int8Weight):
+                new = Int8Weight(new, original.scale)
+            elif owner is self and self.embed is not None and original.data_ptr() == self.embed.data_ptr():
                 self.embed = new                                 # tied embeddings: the lookup reads it too
-        if getattr(self, "_hf_model", None) is not None:
-            self._share_weights_with_transformers(self._hf_model)
+            setattr(owner, name, new)
+            if hf is not None and not isinstance(new, Int8Weight):
+                self._share_with_transformers(hf, hf_layers.get(id(owner)), name, new)
+            del original, laid_out
+        if hf is not None:
+            self._share_norms_with_transformers(hf)
 
-    def _share_weights_with_transformers(self, hf_model: torch.nn.Module) -> None:
-        """Point every parameter of transformers' module (kept beside the engine as the reference it is checked
-        against) at the engine's copy of it: q, k and v at rows of the stacked q|k|v, gate and up at rows of
-        gate|up, the norms at copies both share.
+    def _share_with_transformers(self, hf_model: torch.nn.Module, hf_layer: Optional[torch.nn.Module], name: str,
+                                 weight: torch.Tensor) -> None:
+        """Point transformers' parameters (kept beside the engine as the reference it is checked against) at the
+        engine's copy of one weight: q, k and v at rows of the stacked q|k|v, gate and up at rows of gate|up.
 
-        Why: transformers' tensors are views of the checkpoint file, memory-mapped; the pages of it that were
-        read (all of it, once the engine copied the weights) stay resident while any view lives. With every
-        view gone the file is unmapped, and the process holds each weight once. Measured on the CI machine
-        (SmolLM2, fp32, a 0.25 GiB KV pool, after one request): resident 1,492 MiB (813 anonymous, 679 of mapped
-        files) before the weights moved to one buffer and transformers was pointed at it, 1,252 MiB after (1,086
-        anonymous, 166 mapped: the libraries)."""
+        Why: transformers' tensors are views of the checkpoint file, memory-mapped (or copies of their own,
+        from a GGUF file); with every view gone the file is unmapped, and the process holds each weight once.
+        Measured on the CI machine (SmolLM2, fp32, a 0.25 GiB KV pool, after one request): resident 1,492 MiB
+        (813 anonymous, 679 of mapped files) before the weights moved to one buffer and transformers was
+        pointed at it, 1,252 MiB after (1,086 anonymous, 166 mapped: the libraries)."""
+        if hf_layer is None:                                     # the LM head (and the embedding, when tied)
+            for module in (hf_model.lm_head, hf_model.model.embed_tokens):
+                if module.weight.shape == weight.shape and (module is hf_model.lm_head
+                                                            or weight.data_ptr() == self.embed.data_ptr()):
+                    module.weight.data = weight
+            return
+        att, mlp = hf_layer.self_attn, hf_layer.mlp
+        if name in ("o", "down"):
+            (att.o_proj if name == "o" else mlp.down_proj).weight.data = weight
+            return
+        projections = (att.q_proj, att.k_proj, att.v_proj) if name == "qkv" else (mlp.gate_proj, mlp.up_proj)
+        start = 0
+        for proj in projections:
+            rows = proj.weight.shape[0]
+            proj.weight.data = weight[start:start + rows]
+            start += rows
+
+    def _share_norms_with_transformers(self, hf_model: torch.nn.Module) -> None:
+        """The small tensors last: norms (and Qwen2's q/k/v biases) become copies both share, and an untied
+        embedding a copy of its own, so that nothing of transformers' still views the checkpoint file."""
         inner = hf_model.model
-
-        def share(module: torch.nn.Module, tensor: Optional[torch.Tensor], attribute: str = "weight") -> None:
-            if tensor is not None and getattr(module, attribute, None) is not None:
-                getattr(module, attribute).data = tensor
-
         for w, layer in zip(self.layers, inner.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
-                if getattr(w, name) is not None:
-                    setattr(w, name, getattr(w, name).clone())
-            q_rows, kv_rows = att.q_proj.weight.shape[0], att.k_proj.weight.shape[0]
-            inter = mlp.gate_proj.weight.shape[0]
-            bounds = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows),
-                      "v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
-            for proj, (start, stop) in bounds.items():
-                share(getattr(att, proj), w.qkv[start:stop])
-                if w.qkv_bias is not None:
-                    share(getattr(att, proj), w.qkv_bias[start:stop], "bias")
-            share(att.o_proj, w.o)
-            share(mlp.gate_proj, w.gate_up[:inter])
-            share(mlp.up_proj, w.gate_up[inter:])
-            share(mlp.down_proj, w.down)
-            share(layer.input_layernorm, w.input_norm)
-            share(layer.post_attention_layernorm, w.post_norm)
+            att = layer.self_attn
+            pairs = [("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)]
             if w.q_norm is not None:
-                share(att.q_norm, w.q_norm)
-                share(att.k_norm, w.k_norm)
+                pairs += [("q_norm", att.q_norm), ("k_norm", att.k_norm)]
+            for name, module in pairs:
+                setattr(w, name, getattr(w, name).clone())
+                module.weight.data = getattr(w, name)
+            if w.qkv_bias is not None:
+                start = 0
+                for proj in (att.q_proj, att.k_proj, att.v_proj):
+                    rows = proj.bias.shape[0]
+                    proj.bias.data = w.qkv_bias[start:start + rows]
+                    start += rows
         self.final_norm = self.final_norm.clone()
-        share(inner.norm, self.final_norm)
+        inner.norm.weight.data = self.final_norm
         if self.embed.data_ptr() != self.lm_head.data_ptr():          # untied: the embedding becomes a copy
             self.embed = self.embed.clone()
-        share(inner.embed_tokens, self.embed)
-        share(hf_model.lm_head, self.lm_head)
+            inner.embed_tokens.weight.data = self.embed
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
