@@ -290,12 +290,14 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_frees_its_blocks(se
     assert after.get(aborted, 0) - before.get(aborted, 0) == 1
     generated = total(after, "minipaged:generation_tokens_total") - total(before, "minipaged:generation_tokens_total")
     assert generated < 1500
-    # 3 steps measured on a quiet machine (a tiny-model step takes ~2 ms); on a loaded one the HTTP thread can
-    # wait for the CPU while the engine keeps stepping, hence the margin (still far below the 1500 asked).
+    # Bounded in time, not in steps: a tiny-model step takes well under a millisecond on a quiet machine, so the
+    # ~0.1 s the server may take to see the closed connection (measured here: 0.04 to 0.11 s, 6 to 181 steps
+    # after the last health check before the close) is many steps, and more the faster the machine.
+    freed_after_s = time.monotonic() - start
     steps_after = health["steps"] - closed_at_step
-    assert steps_after <= 150, f"the request ran {steps_after} steps after its client hung up"
-    print(f"freed {time.monotonic() - start:.3f} s after the close, {health['steps'] - closed_at_step} steps after "
-          f"the last health check before it")
+    assert freed_after_s < 1.0, f"the request ran {freed_after_s:.2f} s ({steps_after} steps) after its client hung up"
+    assert steps_after < 1000                            # far below the 1500 tokens it asked for
+    print(f"freed {freed_after_s:.3f} s after the close, {steps_after} steps after the last health check before it")
 
 
 def test_a_non_streaming_client_that_gives_up_is_aborted_too(server, model_name):
