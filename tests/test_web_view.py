@@ -337,7 +337,9 @@ def test_with_an_api_key_the_page_asks_once_and_a_frozen_view_keeps_buffering(ti
                     await asyncio.sleep(0.2)
                 await evaluate(page, """(() => { document.getElementById('key').value = 'class-secret';
                     document.getElementById('key-form').requestSubmit(); })()""")
-                while not await evaluate(page, "window.minipaged.view.connected"):
+                # Connected (the stream's headers came) and drawn (its snapshot came: the page has a state to
+                # freeze); the two are a moment apart, and freezing in between left no step to compare with.
+                while not await evaluate(page, "window.minipaged.view.connected && window.minipaged.state !== null"):
                     assert time.monotonic() < deadline, "the page did not connect with the key"
                     await asyncio.sleep(0.2)
                 await evaluate(page, "window.minipaged.freeze(true)")
