@@ -200,21 +200,16 @@ class CompactLlama:
         (813 anonymous, 679 of mapped files) before the weights moved to one buffer and transformers was
         pointed at it, 1,252 MiB after (1,086 anonymous, 166 mapped: the libraries)."""
         if hf_layer is None:                                     # the LM head (and the embedding, when tied)
-            for module in (hf_model.lm_head, hf_model.model.embed_tokens):
-                if module.weight.shape == weight.shape and (module is hf_model.lm_head
-                                                            or weight.data_ptr() == self.embed.data_ptr()):
-                    module.weight.data = weight
+            hf_model.lm_head.weight.data = weight
+            if weight.data_ptr() == self.embed.data_ptr():
+                hf_model.model.embed_tokens.weight.data = weight
             return
         att, mlp = hf_layer.self_attn, hf_layer.mlp
         if name in ("o", "down"):
             (att.o_proj if name == "o" else mlp.down_proj).weight.data = weight
-            return
-        projections = (att.q_proj, att.k_proj, att.v_proj) if name == "qkv" else (mlp.gate_proj, mlp.up_proj)
-        start = 0
-        for proj in projections:
-            rows = proj.weight.shape[0]
-            proj.weight.data = weight[start:start + rows]
-            start += rows
+        else:
+            projections = (att.q_proj, att.k_proj, att.v_proj) if name == "qkv" else (mlp.gate_proj, mlp.up_proj)
+            point_at_rows([proj.weight for proj in projections], weight)
 
     def _share_norms_with_transformers(self, hf_model: torch.nn.Module) -> None:
         """The small tensors last: norms (and Qwen2's q/k/v biases) become copies both share, and an untied
@@ -229,11 +224,7 @@ class CompactLlama:
                 setattr(w, name, getattr(w, name).clone())
                 module.weight.data = getattr(w, name)
             if w.qkv_bias is not None:
-                start = 0
-                for proj in (att.q_proj, att.k_proj, att.v_proj):
-                    rows = proj.bias.shape[0]
-                    proj.bias.data = w.qkv_bias[start:start + rows]
-                    start += rows
+                point_at_rows([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias], w.qkv_bias)
         self.final_norm = self.final_norm.clone()
         inner.norm.weight.data = self.final_norm
         if self.embed.data_ptr() != self.lm_head.data_ptr():          # untied: the embedding becomes a copy
@@ -297,6 +288,16 @@ class CompactLlama:
         if mlp_out is not None:
             h += mlp_out
         return h
+
+
+def point_at_rows(parameters: list[torch.nn.Parameter], stacked: torch.Tensor) -> None:
+    """Point each of ``parameters`` at its rows of ``stacked`` (the tensors were stacked in this order, as
+    q|k|v and gate|up are), so that both share one copy."""
+    start = 0
+    for parameter in parameters:
+        rows = parameter.shape[0]
+        parameter.data = stacked[start:start + rows]
+        start += rows
 
 
 def norm_heads_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
