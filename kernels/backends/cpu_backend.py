@@ -86,18 +86,18 @@ class CpuBackend(TorchBackend):
             return self._int8(x, weight)
         # The compiled loops take what they handle (a weight stored [out, in]) where the verdict for this many
         # rows is theirs; torch the rest.
-        return self._matvec(x, weight) if self._compiled_for(x.shape[0]) else F.linear(x, weight)
+        compiled = self._compiled_for(x.shape[0], self.choice.few_row_linear)
+        return self._matvec(x, weight) if compiled else F.linear(x, weight)
 
-    def _compiled_for(self, rows: int) -> bool:
-        verdict = self.choice.few_row_linear if rows <= SMALL_BATCH_ROWS else self.choice.batch_linear
-        return verdict == COMPILED
+    def _compiled_for(self, rows: int, few_rows_verdict: str) -> bool:
+        """Whether the compiled loops won for this many token rows: ``few_rows_verdict`` up to SMALL_BATCH_ROWS
+        (the layers' or the LM head's), the batch verdict beyond."""
+        return (few_rows_verdict if rows <= SMALL_BATCH_ROWS else self.choice.batch_linear) == COMPILED
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
             return self._int8(x, weight)
-        few_rows = x.shape[0] <= SMALL_BATCH_ROWS
-        compiled = self.choice.lm_head == COMPILED if few_rows else self.choice.batch_linear == COMPILED
-        if compiled and self._matvec.handles(x, weight):
+        if self._compiled_for(x.shape[0], self.choice.lm_head) and self._matvec.handles(x, weight):
             return self._matvec(x, weight)
         return vocab_sliced_linear(x, weight)
 
