@@ -387,6 +387,19 @@ def test_api_key_guards_v1_but_not_health_or_metrics(tiny_engine_factory):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_no_middleware_copies_each_streamed_chunk(tiny_engine_factory):
+    """The wrappers in front of the routes are plain ASGI (http_guards.py): Starlette's BaseHTTPMiddleware, which
+    ``@app.middleware("http")`` makes, passes every chunk of a stream through a memory stream and a task of its
+    own, and with one token per chunk that was most of the server's work per token."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from minipaged.serve.api_server import ServerSettings, build_app
+
+    for settings in (ServerSettings("tiny"), ServerSettings("tiny", api_key="sekret")):
+        app = build_app(tiny_engine_factory(), settings)
+        assert app.user_middleware and not any(issubclass(m.cls, BaseHTTPMiddleware) for m in app.user_middleware)
+
+
 def test_serve_binds_localhost_unless_told():
     from minipaged.cli import make_parser
 

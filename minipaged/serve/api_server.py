@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
@@ -44,7 +43,7 @@ from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine, Update
 from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
-from .http_guards import BodyLimit, HeadAsGet
+from .http_guards import ApiKeyCheck, BodyLimit, HeadAsGet
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
@@ -133,18 +132,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next: Any) -> Response:
-        """With --api-key, every /v1 route wants ``Authorization: Bearer KEY`` (health and metrics stay open,
-        as in vLLM)."""
-        if settings.api_key and (request.url.path.startswith("/v1") or request.url.path == "/openapi.json"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return JSONResponse(p.error_body(401, "missing or wrong API key: send the header "
-                                                      "'Authorization: Bearer <key>' with the server's --api-key."),
-                                    status_code=401)
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(ApiKeyCheck, api_key=settings.api_key)      # the outermost: before any body is read
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != settings.served_model_name:
