@@ -12,8 +12,10 @@ Symmetric per-output-channel scales (vLLM's "per-channel" int8 weights): ``scale
 
 Three ways to multiply, chosen by the number of token rows like the fp32 path (``cpu_linear.py``); the backend
 owns the choice (its ``linear`` and ``lm_head`` take an ``Int8Weight`` as they take a float tensor):
-- one to three rows on the cpu backend: the one-row loop (cpu_int8_matvec.c) reads the int8 bytes and widens
-  them in registers;
+- one to three rows on the cpu backend: a one-row loop (cpu_int8_matvec.c), which reads the int8 bytes once;
+  it either widens them to float in registers, or (faster where the calibration found it so: ``int8_one_row``)
+  multiplies them as integers by the activations written in fixed point, two int16 planes that hold them finer
+  than float32 does (the C file says how, and why that is not rounding the activations);
 - four to seven rows on the cpu backend, and more where its calibration found it faster than the widening
   below (``int8_batch_linear``): the tiled multiply (cpu_tiled_linear.c), which widens each int8 vector once for
   four token rows;
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 PROFILER_NAME = "minipaged::int8_small_batch_linear"
+FIXED_POINT_PROFILER_NAME = "minipaged::int8_fixed_point_linear"
 TILED_PROFILER_NAME = "minipaged::tiled_int8_linear"
 # Up to this many token rows the one-row int8 loop beats the tiled one (measured, SmolLM2's layers: 3 rows 11.0
 # vs 11.9 ms, 4 rows 14.5 vs 12.5 ms).
@@ -107,15 +110,19 @@ def int8_linear_torch(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 class Int8Linear:
     """A linear layer that takes int8 weights: ``Int8Weight`` goes to the int8 code (when ``compiled``, the cpu
-    backend's: the one-row loop for up to INT8_PER_ROW_ROWS token rows, the tiled multiply up to SMALL_BATCH_ROWS,
-    and beyond that too when ``tiled_many_rows``; else, and for the rest, ``int8_linear_torch``), any float tensor
-    to ``base`` (the fp32 path, unchanged)."""
+    backend's: a one-row loop for up to INT8_PER_ROW_ROWS token rows, the fixed-point one when ``fixed_point``,
+    else the widening one; the tiled multiply up to SMALL_BATCH_ROWS, and beyond that too when
+    ``tiled_many_rows``; else, and for the rest, ``int8_linear_torch``), any float tensor to ``base`` (the fp32
+    path, unchanged)."""
 
     def __init__(self, base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], head_dim: int,
-                 compiled: bool, tiled_many_rows: bool = False) -> None:
+                 compiled: bool, tiled_many_rows: bool = False, fixed_point: bool = True) -> None:
         self.base = base
         self.library = load_kernel(head_dim) if compiled else None
         self.max_compiled_rows = None if tiled_many_rows else SMALL_BATCH_ROWS
+        if self.library is not None:
+            self.one_row = (self.library.int8_fixed_point_linear, FIXED_POINT_PROFILER_NAME) if fixed_point else (
+                self.library.int8_small_batch_linear, PROFILER_NAME)
 
     def handles_compiled(self, x: torch.Tensor, weight: Int8Weight) -> bool:
         rows_ok = self.max_compiled_rows is None or x.shape[0] <= self.max_compiled_rows
@@ -130,9 +137,9 @@ class Int8Linear:
         x = x.contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        per_row = rows <= INT8_PER_ROW_ROWS
-        with profiler_name(PROFILER_NAME if per_row else TILED_PROFILER_NAME):
-            kernel = self.library.int8_small_batch_linear if per_row else self.library.tiled_int8_linear
+        kernel, name = self.one_row if rows <= INT8_PER_ROW_ROWS else (self.library.tiled_int8_linear,
+                                                                        TILED_PROFILER_NAME)
+        with profiler_name(name):
             kernel(weight.qweight.data_ptr(), weight.scale.data_ptr(), x.data_ptr(), out.data_ptr(), rows,
                    weight.shape[0], weight.shape[1], torch.get_num_threads())
         return out

@@ -14,7 +14,7 @@ from minipaged import Engine, SamplingParams
 from minipaged.kernels import CpuLayerOps, CompiledLinear
 from minipaged.kernels import build
 from minipaged.kernels.backends import calibration
-from minipaged.kernels.backends.calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice
+from minipaged.kernels.backends.calibration import ALL_TORCH, COMPILED, FIXED_POINT, IN_OUT, TORCH, CpuChoice
 
 PROMPTS = [[5, 9, 33, 2, 71, 8], [100, 3, 7]]
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -30,7 +30,8 @@ class FakeTimer:
 
     def __call__(self, op: str, option: str, run) -> float:
         self.calls += 1
-        return self.ops.get(op, {}).get(option, self.seconds[option])
+        # (the fixed-point int8 loop is a compiled op: it takes the compiled time unless told otherwise)
+        return self.ops.get(op, {}).get(option, self.seconds.get(option, self.seconds.get(COMPILED)))
 
 
 @pytest.fixture
@@ -165,6 +166,32 @@ def test_int8_batches_take_the_tiled_multiply_only_where_it_won(tiny_model_untie
     assert tokens == [o.token_ids for o in other.generate(PROMPTS, PARAMS)]
 
 
+@pytest.mark.parametrize("fixed_point_wins", [True, False], ids=["fixed-point-wins", "widening-wins"])
+def test_one_request_int8_decodes_take_the_one_row_loop_that_won(tiny_model_untied, measuring, fixed_point_wins):
+    """With --quantization int8, one to three token rows go to the fixed-point loop where it won its race against
+    the widening loop, to the widening loop where it lost; the greedy tokens are the same either way (the two
+    compute the same products, to float32's rounding)."""
+    measuring(FakeTimer({COMPILED: 1.0, TORCH: 2.0, IN_OUT: 3.0},
+                        ops={"int8_one_row": {FIXED_POINT: 1.0 if fixed_point_wins else 3.0, COMPILED: 2.0}}))
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, quantization="int8")
+    assert engine.backend.choice.int8_one_row == (FIXED_POINT if fixed_point_wins else COMPILED)
+    kernel, _name = engine.backend._int8.one_row
+    assert kernel.__name__ == ("int8_fixed_point_linear" if fixed_point_wins else "int8_small_batch_linear")
+    assert ("fixed point for 1-3" if fixed_point_wins else "widening for 1-3") in engine.backend.describe()
+    calls = []
+    library = engine.backend._int8.library
+    original = getattr(library, kernel.__name__)
+
+    def counted(*args):
+        calls.append(args[4])                                   # token rows
+        return original(*args)
+    engine.backend._int8.one_row = (counted, _name)
+    tokens = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    assert calls and all(rows <= 3 for rows in calls)
+    other = Engine(tiny_model_untied, block_size=4, num_blocks=64, quantization="int8", attention_backend="torch")
+    assert tokens == [o.token_ids for o in other.generate(PROMPTS, PARAMS)]
+
+
 def test_the_verdict_is_cached_and_measured_again_when_the_key_changes(tiny_model_untied, measuring, monkeypatch):
     first = measuring(FakeTimer({COMPILED: 2.0, TORCH: 1.0, IN_OUT: 3.0}))
     Engine(tiny_model_untied, block_size=4, num_blocks=64)
@@ -182,8 +209,9 @@ def test_the_real_clock_gives_a_verdict_for_every_op(measuring):
     """No fake: the race runs (on tiny shapes, quickly) and names a side for every op."""
     from minipaged.kernels import ModelShapes
     choice, medians = calibration.calibrate(ModelShapes(64, 4, 2, 16, 96, 300), 16)
-    assert set(medians) >= {"few_row_linear", "many_row_linear", "lm_head", "argmax", "decode_attention"}
-    assert all(value in (COMPILED, TORCH, IN_OUT) for value in vars(choice).values())
+    assert set(medians) >= {"few_row_linear", "many_row_linear", "lm_head", "argmax", "decode_attention", "int8_one_row"}
+    assert all(value in (COMPILED, TORCH, IN_OUT, FIXED_POINT) for value in vars(choice).values())
+    assert choice.int8_one_row in (FIXED_POINT, COMPILED)           # two compiled loops, never torch
     assert all(t > 0 for by_option in medians.values() for t in by_option.values())
 
 

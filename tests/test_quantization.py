@@ -35,21 +35,65 @@ def test_quantize_int8_rounds_each_weight_to_its_rows_nearest_step():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 33])
-@pytest.mark.parametrize("compiled,tiled_many_rows", [(True, True), (True, False), (False, False)],
-                         ids=["cpu-backend-tiled", "cpu-backend-widened", "torch-backend"])
-def test_int8_linear_is_the_dequantized_matmul(rows, compiled, tiled_many_rows):
-    """Every path (the one-row int8 loop, the tiled multiply, torch on widened slices) computes
+@pytest.mark.parametrize("compiled,tiled_many_rows,fixed_point", [(True, True, True), (True, True, False),
+                                                                   (True, False, True), (False, False, False)],
+                         ids=["cpu-backend-tiled", "cpu-backend-widening-one-row", "cpu-backend-widened",
+                              "torch-backend"])
+def test_int8_linear_is_the_dequantized_matmul(rows, compiled, tiled_many_rows, fixed_point):
+    """Every path (the two one-row int8 loops, the tiled multiply, torch on widened slices) computes
     x @ dequantize(q).T; output rows that do not fill a tile and columns not a multiple of the vector width
     included."""
     torch.manual_seed(rows)
     w, x = torch.randn(301, 611), torch.randn(rows, 611)
     q = quantize_int8(w)
-    linear = Int8Linear(torch.nn.functional.linear, head_dim=16, compiled=compiled, tiled_many_rows=tiled_many_rows)
+    linear = Int8Linear(torch.nn.functional.linear, head_dim=16, compiled=compiled, tiled_many_rows=tiled_many_rows,
+                        fixed_point=fixed_point)
     expected = x @ q.dequantize().T
     torch.testing.assert_close(linear(x, q), expected, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(int8_linear_torch(x, q), expected, atol=2e-4, rtol=1e-4)
     plain = torch.randn(5, 611)                                          # a float weight takes the base path
     assert torch.equal(linear(x, plain), torch.nn.functional.linear(x, plain))
+
+
+def one_row_loop(name: str, x: torch.Tensor, q: Int8Weight) -> torch.Tensor:
+    from minipaged.kernels.build import load_kernel
+    out = torch.empty(x.shape[0], q.shape[0])
+    getattr(load_kernel(16), name)(q.qweight.data_ptr(), q.scale.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                   x.shape[0], q.shape[0], q.shape[1], 1)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("cols", [64, 611, 5000])          # 5000: summed in chunks (CHUNK_COLS in the C file)
+def test_the_fixed_point_loop_is_as_close_to_the_exact_product_as_float_math(rows, cols):
+    """The fixed-point one-row loop writes the activations as two int16 planes (2^-31 of the row's largest value):
+    against the exact product (float64), its error is no larger than the widening loop's, which multiplies in
+    float32, for activations spanning seven orders of magnitude; and the largest weights against the largest
+    activations, summed over many columns, do not overflow its int32 sums."""
+    torch.manual_seed(cols + rows)
+    q = quantize_int8(torch.randn(37, cols))
+    x = torch.randn(rows, cols) * 10.0 ** torch.randint(-5, 3, (rows, cols))       # 1e-5 .. 1e2
+    exact = (x.double() @ q.dequantize(torch.float64).T)
+    errors = {name: (one_row_loop(name, x, q).double() - exact).abs().max().item()
+              for name in ("int8_fixed_point_linear", "int8_small_batch_linear")}
+    scale = exact.abs().max().item()
+    assert errors["int8_fixed_point_linear"] <= max(1.5 * errors["int8_small_batch_linear"], 1e-6 * scale), errors
+    worst = Int8Weight(torch.full((3, cols), 127, dtype=torch.int8), torch.ones(3))
+    worst.qweight[1] = -127
+    big = torch.full((rows, cols), 3.0e4)
+    torch.testing.assert_close(one_row_loop("int8_fixed_point_linear", big, worst),
+                               torch.tensor([[127 * 3.0e4 * cols, -127 * 3.0e4 * cols, 127 * 3.0e4 * cols]] * rows),
+                               rtol=1e-6, atol=0)
+
+
+def test_the_fixed_point_loop_passes_inf_and_nan_through_and_zeros_to_zero():
+    """A row that is not finite cannot be written in fixed point: it goes to float math, which says what it is
+    (the library is compiled with -ffast-math, so the C file tests the exponent bits, not isfinite)."""
+    q = quantize_int8(torch.randn(9, 70))
+    x = torch.randn(3, 70)
+    x[0, 5], x[1, 6], x[2] = float("nan"), float("inf"), 0.0
+    out = one_row_loop("int8_fixed_point_linear", x, q)
+    assert out[0].isnan().all() and not out[1].isfinite().any() and torch.equal(out[2], torch.zeros(9))
 
 
 def check_int8_logits(path: str, options: dict, attention_backend) -> None:

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from .base import ModelShapes
 
 COMPILED, TORCH, IN_OUT = "compiled", "torch", "torch [in, out]"
+FIXED_POINT = "compiled, fixed point"        # int8_one_row: the int8 loop over activations in fixed point
 LAYER_OPS = ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")
-CALIBRATION_VERSION = 3                     # 2: batch_linear (the tiled multiply); 3: int8_batch_linear
+CALIBRATION_VERSION = 4                     # 2: batch_linear (the tiled multiply); 3: int8_batch_linear; 4: int8_one_row
 FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
 STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
 REPEATS = 5
@@ -46,12 +47,14 @@ Timer = Callable[[str, str, Callable[[], Any]], float]
 
 @dataclass(frozen=True)
 class CpuChoice:
-    """Which side runs each op: COMPILED or TORCH (few_row_linear may also be IN_OUT: torch, weights [in, out])."""
+    """Which side runs each op: COMPILED or TORCH (few_row_linear may also be IN_OUT: torch, weights [in, out];
+    int8_one_row is FIXED_POINT or COMPILED, two compiled loops: the activations in fixed point, or widening)."""
 
     decode_attention: str = COMPILED
     few_row_linear: str = COMPILED
     batch_linear: str = COMPILED
     int8_batch_linear: str = COMPILED       # --quantization int8, 8+ rows: the tiled int8 multiply or widening
+    int8_one_row: str = FIXED_POINT         # --quantization int8, 1-3 rows: which of the two one-row loops
     lm_head: str = COMPILED
     add_rms_norm: str = COMPILED
     rope_and_write_kv: str = COMPILED
@@ -64,14 +67,17 @@ class CpuChoice:
                  "lm_head": "LM head",
                  "add_rms_norm": "norms", "rope_and_write_kv": "RoPE + K/V write", "silu_and_mul": "SiLU",
                  "argmax": "argmax"}
-        compiled = [names[f.name] for f in dataclasses.fields(self) if getattr(self, f.name) == COMPILED]
-        torch_side = [names[f.name] + (" (weights stored [in, out])" if getattr(self, f.name) == IN_OUT else "")
-                      for f in dataclasses.fields(self) if getattr(self, f.name) != COMPILED]
+        # (int8_one_row picks between two compiled loops: the backend's int8 clause names the one it runs)
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "int8_one_row"]
+        compiled = [names[name] for name in fields if getattr(self, name) == COMPILED]
+        torch_side = [names[name] + (" (weights stored [in, out])" if getattr(self, name) == IN_OUT else "")
+                      for name in fields if getattr(self, name) != COMPILED]
         return (f"compiled C kernels for {', '.join(compiled) or 'nothing'}"
                 + (f"; torch for {', '.join(torch_side)}" if torch_side else ""))
 
 
-ALL_TORCH = CpuChoice(**{f.name: TORCH for f in dataclasses.fields(CpuChoice)})
+# Every op torch's, except the choice between two compiled loops that torch has no counterpart for.
+ALL_TORCH = CpuChoice(**{f.name: TORCH for f in dataclasses.fields(CpuChoice) if f.name != "int8_one_row"})
 
 
 def wall_clock(op: str, option: str, run: Callable[[], Any]) -> float:
@@ -114,6 +120,33 @@ class _Windows:
         return flat.view(self.shape[1], self.shape[0]).t() if in_out else flat.view(self.shape)
 
 
+class _Layers:
+    """The layers' matrices end to end, layer after layer, as the engine places its weights (``store_weights_for``),
+    cut from a big buffer and walked in that order, wrapping around: ``take`` gives the next matrix. Where a loop
+    asks for its weights ahead of use, what lies after a matrix (the next one, or anything) changes its speed."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: list[tuple[int, int]]) -> None:
+        self.buffer, self.shapes, self.next, self.offset = buffer, shapes, 0, 0
+
+    def take(self) -> torch.Tensor:
+        rows, cols = self.shapes[self.next % len(self.shapes)]
+        if self.offset + rows * cols > self.buffer.numel():
+            self.offset = 0
+        matrix = self.buffer[self.offset:self.offset + rows * cols].view(rows, cols)
+        self.offset += rows * cols
+        self.next += 1
+        return matrix
+
+
+def on_huge_pages(buffer: torch.Tensor) -> torch.Tensor:
+    """The race's weights in the memory the engine keeps its own in (``Backend.weight_placer``: on Linux, huge
+    pages). It matters to the verdict: the int8 one-row loops ask for their weights 4 KB ahead, which on 4 KB pages
+    runs into a page not yet in the TLB at every step. Measured on the CI machine, one token row over SmolLM2-shaped
+    int8 layers (64 MB), fixed point and widening: 2.67 and 2.57 ms on 4 KB pages, 2.26 and 2.30 ms on huge pages."""
+    from minipaged.memory import copies_on_huge_pages
+    return copies_on_huge_pages([buffer])[0]
+
+
 def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> tuple[CpuChoice, dict[str, Any]]:
     """Race every compiled op against torch on ``shapes``; the verdict and the medians (ms)."""
     from ..cpu_argmax import CpuArgmax
@@ -126,7 +159,7 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     matvec, compiled_ops = compiled_linear(head_dim), cpu_layer_ops(head_dim)
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = shapes.hidden_size, shapes.vocab_size
-    buffer = torch.randn(max(STREAM_BYTES // 4, vocab * hidden), generator=gen)
+    buffer = on_huge_pages(torch.randn(max(STREAM_BYTES // 4, vocab * hidden), generator=gen))
     windows = [_Windows(buffer, *shape) for shape in shapes.matrices().values()]
     few = {(rows, width): torch.randn(rows, width, generator=gen)
            for rows in (*FEW_ROWS, MANY_ROWS) for width in {w.shape[1] for w in windows}}
@@ -164,7 +197,7 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     # Int8 weights (--quantization int8) for 8+ rows: the tiled int8 multiply against the weights widened to
     # fp32 a slice at a time for torch's matmul. The values do not matter to the time: random bytes, scale 1.
     from ..int8 import Int8Linear, Int8Weight, int8_linear_torch
-    int8_buffer = torch.randint(-127, 128, (STREAM_BYTES,), dtype=torch.int8, generator=gen)
+    int8_buffer = on_huge_pages(torch.randint(-127, 128, (STREAM_BYTES,), dtype=torch.int8, generator=gen))
     int8_windows = [_Windows(int8_buffer, *shape) for shape in shapes.matrices().values()]
     int8_scales = {w.shape[0]: torch.ones(w.shape[0]) for w in int8_windows}
     int8_layers_per_sample = max(1, STREAM_BYTES // sum(w.n for w in int8_windows))
@@ -180,6 +213,22 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
         return run
     times["int8_batch_linear"] = race("int8_batch_linear", {o: int8_matmuls(o) for o in (COMPILED, TORCH)}, timer)
     verdict["int8_batch_linear"] = fastest(times["int8_batch_linear"])
+
+    # Int8 weights for one request's decode (1-3 rows): the two one-row loops, each reading the layers cold.
+    one_row_loops = {FIXED_POINT: Int8Linear(F.linear, head_dim, compiled=True, fixed_point=True),
+                     COMPILED: Int8Linear(F.linear, head_dim, compiled=True, fixed_point=False)}
+
+    layers = _Layers(int8_buffer, [w.shape for w in int8_windows])
+
+    def int8_one_row(how: str) -> Callable[[], None]:
+        def run() -> None:
+            for _matrix in range(int8_layers_per_sample * len(int8_windows)):
+                w = layers.take()
+                x = few[MANY_ROWS, w.shape[1]][:1]                  # one token row
+                one_row_loops[how](x, Int8Weight(w, int8_scales[w.shape[0]]))
+        return run
+    times["int8_one_row"] = race("int8_one_row", {o: int8_one_row(o) for o in (FIXED_POINT, COMPILED)}, timer)
+    verdict["int8_one_row"] = fastest(times["int8_one_row"])
 
     head = _Windows(buffer, vocab, hidden)
     xs = [torch.randn(rows, hidden, generator=gen) for rows in FEW_ROWS]
@@ -281,3 +330,4 @@ def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer]
     except OSError:
         return choice, f"measured now in {seconds:.1f} s (not cached: {path.parent} is not writable)"
     return choice, f"measured now in {seconds:.1f} s, cached in {path}"
+

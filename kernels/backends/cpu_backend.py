@@ -12,8 +12,10 @@ slowly through torch, each used only where it measured faster than torch on this
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
   int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
-                     always (they read a quarter of fp32's bytes); for more, the tiled multiply where it beat
-                     the weight widened a slice at a time for torch's matmul (kernels/int8.py).
+                     always (they read a quarter of fp32's bytes): for one to three rows, the one-row loop over
+                     activations in fixed point or the widening one, whichever measured faster; for more, the
+                     tiled multiply where it beat the weight widened a slice at a time for torch's matmul
+                     (kernels/int8.py).
 
 Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
 """
@@ -33,7 +35,7 @@ from ..int8 import Int8Linear, Int8Weight
 from ..reference import TorchAttentionPlan, paged_attention_torch
 from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
 from .base import ModelShapes
-from .calibration import COMPILED, IN_OUT, LAYER_OPS, CpuChoice
+from .calibration import COMPILED, FIXED_POINT, IN_OUT, LAYER_OPS, CpuChoice
 from .torch_backend import TorchBackend
 
 _CHECKED_DECODE = functools.partial(paged_decode_attention_cpu, checked=True)
@@ -58,7 +60,8 @@ class CpuBackend(TorchBackend):
         self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
         self._matvec = compiled_linear(head_dim)
         self._int8 = Int8Linear(F.linear, head_dim, compiled=True,
-                                tiled_many_rows=choice.int8_batch_linear == COMPILED)
+                                tiled_many_rows=choice.int8_batch_linear == COMPILED,
+                                fixed_point=choice.int8_one_row == FIXED_POINT)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
 
     def __reduce__(self) -> tuple:
@@ -117,6 +120,7 @@ class CpuBackend(TorchBackend):
     def describe(self, why: bool = True) -> str:
         many = ("the tiled int8 multiply" if self.choice.int8_batch_linear == COMPILED
                 else "widened to float32 a slice at a time")
-        int8 = (f"; int8 weights: compiled int8 loops for 1-7 rows (cpu_int8_matvec.c, cpu_tiled_linear.c), {many} "
-                "for more" if self.quantization else "")
+        one_row = "fixed point" if self.choice.int8_one_row == FIXED_POINT else "widening"
+        int8 = (f"; int8 weights: compiled int8 loops for 1-7 rows (cpu_int8_matvec.c, {one_row} for 1-3; "
+                f"cpu_tiled_linear.c), {many} for more" if self.quantization else "")
         return f"cpu, {self.choice.describe()}{int8}" + (f" ({self.source})" if self.source and why else "")
