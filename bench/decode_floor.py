@@ -42,6 +42,7 @@ from minipaged.kernels.cpu_argmax import PROFILER_NAME as ARGMAX_NAME
 from minipaged.kernels.cpu_layer_ops import PROFILER_NAMES as LAYER_OP_NAMES
 from minipaged.kernels.cpu_linear import PROFILER_NAME as SMALL_BATCH_LINEAR_NAME
 from minipaged.kernels.cpu_linear import TILED_PROFILER_NAME as TILED_LINEAR_NAME
+from minipaged.kernels.int8 import FIXED_POINT_PROFILER_NAME as FIXED_POINT_INT8_LINEAR_NAME
 from minipaged.kernels.int8 import PROFILER_NAME as INT8_LINEAR_NAME
 from minipaged.kernels.int8 import TILED_PROFILER_NAME as TILED_INT8_LINEAR_NAME
 from minipaged.kernels.cpu_paged_attention import PROFILER_NAME as DECODE_ATTENTION_NAME
@@ -108,7 +109,7 @@ def side_by_side_ms(floor_passes: list[Callable[[], float]], engines: list[Engin
 # computes (norms, RoPE, SiLU, residual adds, argmax, ...) is "elementwise and small ops", the compiled
 # layer ops and argmax of the cpu backend included (its RoPE call also writes the step's K/V to the cache).
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", SMALL_BATCH_LINEAR_NAME, TILED_LINEAR_NAME, INT8_LINEAR_NAME,
-              TILED_INT8_LINEAR_NAME}
+              FIXED_POINT_INT8_LINEAR_NAME, TILED_INT8_LINEAR_NAME}
 ATTENTION_OPS = {DECODE_ATTENTION_NAME,
                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",

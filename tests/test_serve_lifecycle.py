@@ -200,7 +200,9 @@ def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(tiny_mod
             got["long_chunks"] = len(chunks)
 
         def short_stream() -> None:
-            chunks = list(client.completions.create(model=model, prompt="short", max_tokens=30, stream=True,
+            # (100 tokens: enough that the health poll sees it running beside the long one, a tiny-model step
+            # being under a millisecond; few enough to finish within the 1 s grace period)
+            chunks = list(client.completions.create(model=model, prompt="short", max_tokens=100, stream=True,
                                                     extra_body={"ignore_eos": True}))
             got["short_finish"] = chunks[-1].choices[0].finish_reason
 
