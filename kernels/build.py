@@ -1,7 +1,7 @@
-"""Building the compiled CPU kernels: the six C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
-cpu_tiled_linear.c, cpu_layer_ops.c, cpu_argmax.c) in one shared library, built on first use, cached, loaded with
-ctypes. The modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py, cpu_layer_ops.py,
-cpu_argmax.py) only ask ``load_kernel``.
+"""Building the compiled CPU kernels: the seven C files (cpu_paged_attention.c, cpu_matvec.c, cpu_int8_matvec.c,
+cpu_tiled_linear.c, cpu_layer_ops.c, cpu_argmax.c, cpu_decode_layers.c) in one shared library, built on first use,
+cached, loaded with ctypes. The modules that call into it (cpu_paged_attention.py, cpu_linear.py, int8.py,
+cpu_layer_ops.py, cpu_argmax.py, cpu_decode_layers.py) only ask ``load_kernel``.
 
 Why C and ctypes, not a torch C++ extension: the kernels need no torch headers, so the machine's C compiler
 builds them in well under a second (a torch extension takes a minute), and the shared library lands in
@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("cpu_paged_attention.c", "cpu_matvec.c", "cpu_int8_matvec.c", "cpu_tiled_linear.c", "cpu_layer_ops.c",
-                 "cpu_argmax.c"))
+                 "cpu_argmax.c", "cpu_decode_layers.c"))
 
 # Tried in order: the first set the compiler accepts wins. -ffast-math lets the compiler reorder the dot
 # products' sums and vectorize expf; it is given only when compiling, never when linking, because linking a
@@ -131,6 +131,13 @@ def load_kernel(head_dim: int) -> ctypes.CDLL:
         "small_batch_linear": (None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
         "int8_small_batch_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
         "int8_fixed_point_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
+        # decode_layers(weights, scales, int8_loop, per_row_rows, kv_cache, num_layers, num_blocks, block_size, h,
+        #               cos, sin, slots, block_tables, seq_lens, max_blocks, scratch, rows, hidden, num_heads,
+        #               num_kv_heads, inter, eps, scale, num_threads): cpu_decode_layers.c
+        "decode_layers": (ctypes.c_int64, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                           ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 6
+                          + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
+                          + [ctypes.c_float, ctypes.c_float, ctypes.c_int]),
         "tiled_linear": (None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
         "tiled_int8_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]),
         "add_rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),

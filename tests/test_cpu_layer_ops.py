@@ -111,7 +111,8 @@ def test_every_layer_of_a_step_runs_the_compiled_ops(tiny_model_untied, monkeypa
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     compiled = Engine(tiny_model_untied, block_size=4, num_blocks=64)
     assert compiled.backend.name == "cpu"
-    events: list = []
+    compiled.backend._decode_layers = None     # the loop in Python, each op a call (else decodes run the whole loop
+    events: list = []                          # as one compiled call: tests/test_decode_layers.py)
     compiled.subscribe(events.append)
     outs = compiled.generate(prompts, params)
     layers, steps = compiled.model.num_layers, sum(1 for event in events if event.scheduled)

@@ -57,28 +57,39 @@ def test_logits_match_transformers_for_a_batch_decoded_together(fixture, lm_head
 
 @pytest.mark.parametrize("attention_backend", [None, "torch"])
 def test_one_request_alone_matches_transformers(tiny_model_untied, attention_backend, monkeypatch):
-    """A request decoding alone is the small-batch case: on the default CPU backend every projection and the
-    LM head of its decode steps run through the compiled matrix-vector loop, on the torch backend F.linear."""
+    """A request decoding alone is the small-batch case: on the default CPU backend its decode steps run the
+    layers as one compiled call (cpu_decode_layers.c, over the compiled matrix-vector loop) and the LM head through
+    the compiled loop; on the torch backend F.linear."""
+    from minipaged.kernels.cpu_decode_layers import CompiledDecodeLayers
     from minipaged.kernels.cpu_linear import CompiledLinear
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend=attention_backend)
     assert engine.backend.name == (attention_backend or "cpu")
     compiled_calls: list[tuple[int, ...]] = []              # (token rows, *weight shape) the compiled loop took
-    call = CompiledLinear.__call__
+    call, decode_call = CompiledLinear.__call__, CompiledDecodeLayers.__call__
+    decode_layer_calls: list[int] = []                      # token rows of each compiled layer loop that ran
 
     def counting_call(self, x, weight):
         if self.handles(x, weight):
             compiled_calls.append((x.shape[0], *weight.shape))
         return call(self, x, weight)
+
+    def counting_decode_call(self, model, h, *args, **kwargs):
+        done = decode_call(self, model, h, *args, **kwargs)
+        if done is not None:
+            decode_layer_calls.append(h.shape[0])
+        return done
     monkeypatch.setattr(CompiledLinear, "__call__", counting_call)
+    monkeypatch.setattr(CompiledDecodeLayers, "__call__", counting_decode_call)
     prompt = random_prompts(random.Random(11), 1, 5, 30)
     outs, captured, _ = run_and_capture_logits(engine, prompt, max_tokens=10)
     model, decode_steps = engine.model, 9                   # the first token comes from the prefill step
-    if attention_backend is None:          # 4 projections a layer at every decode step, the LM head at every step
+    if attention_backend is None:          # the layers in one call at every decode step, the LM head at every step
+        assert decode_layer_calls == [1] * decode_steps
         one_row_layers = [c for c in compiled_calls if c[0] == 1 and c[1:] != tuple(model.lm_head.shape)]
-        assert len(one_row_layers) == decode_steps * 4 * model.num_layers
+        assert one_row_layers == []                         # (inside the compiled layer loop, in C)
         assert compiled_calls.count((1, *model.lm_head.shape)) == decode_steps + 1
     else:
-        assert compiled_calls == []
+        assert compiled_calls == [] and decode_layer_calls == []
     out = outs[0]
     with torch.no_grad():
         ref = engine.loaded.hf_model(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0].float()

@@ -79,6 +79,13 @@ class Backend(ABC):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sampling: the first index of each row's maximum."""
 
+    def decode_layers(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
+                      kv_cache: torch.Tensor, plan: Any) -> Optional[torch.Tensor]:
+        """The model's whole layer loop for this step as one call, where this backend has one for the step (the cpu
+        backend: decodes only, a few rows; kernels/cpu_decode_layers.c): ``h`` after the layers. None (the
+        default): the model runs its own loop, which is the specification such a call must equal."""
+        return None
+
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight as this backend wants it stored: the same [out, in] shape, in the memory layout its
         ``linear`` is fastest with. Called once per weight at start-up; the model keeps only what it returns."""

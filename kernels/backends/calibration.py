@@ -34,7 +34,7 @@ from .base import ModelShapes
 COMPILED, TORCH, IN_OUT = "compiled", "torch", "torch [in, out]"
 FIXED_POINT = "compiled, fixed point"        # int8_one_row: the int8 loop over activations in fixed point
 LAYER_OPS = ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")
-CALIBRATION_VERSION = 4                     # 2: batch_linear (the tiled multiply); 3: int8_batch_linear; 4: int8_one_row
+CALIBRATION_VERSION = 4                     # 2: batch_linear; 3: int8_batch_linear; 4: int8_one_row
 FEW_ROWS, MANY_ROWS = (1, 4), 32           # token rows a decode step of one or a few requests has; a batch
 STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weights come from memory
 REPEATS = 5

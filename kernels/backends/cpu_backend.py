@@ -11,6 +11,8 @@ slowly through torch, each used only where it measured faster than torch on this
                      vocabulary slices;
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
+  a decode step      cpu_decode_layers.c: for a step of one to seven decodes where every kernel above is the
+                     compiled one, the model's whole layer loop as one call (the CPU's CUDA graph);
   int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
                      always (they read a quarter of fp32's bytes): for one to three rows, the one-row loop over
                      activations in fixed point or the widening one, whichever measured faster; for more, the
@@ -22,12 +24,14 @@ Prefill chunks' attention is torch's (``paged_attention_torch``) in every case.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_decode_layers
 from ..cpu_argmax import CpuArgmax, torch_argmax
+from ..build import _profiling
 from ..cpu_layer_ops import cpu_layer_ops
 from ..cpu_linear import SMALL_BATCH_ROWS, compiled_linear
 from ..cpu_paged_attention import check_decode_inputs, kernel_can_read, paged_decode_attention_cpu
@@ -63,6 +67,11 @@ class CpuBackend(TorchBackend):
                                 tiled_many_rows=choice.int8_batch_linear == COMPILED,
                                 fixed_point=choice.int8_one_row == FIXED_POINT)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
+        # The layer loop in one call needs every kernel it replays to be the chosen one (fp32 matmuls: the few-row
+        # verdict; int8's are always compiled for a few rows).
+        replays_choice = every_op_compiled and choice.decode_attention == COMPILED
+        self._decode_layers = (cpu_decode_layers.CompiledDecodeLayers(head_dim)
+                               if replays_choice and cpu_decode_layers.ENABLED else None)
 
     def __reduce__(self) -> tuple:
         # Sent to tensor-parallel workers inside each step's metadata: rebuilt there from the verdict.
@@ -83,6 +92,15 @@ class CpuBackend(TorchBackend):
             decode = _CHECKED_DECODE
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan,
                                      decode_attention=decode)
+
+    def decode_layers(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
+                      kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> Optional[torch.Tensor]:
+        compiled = self._decode_layers
+        if compiled is None or _profiling():                 # (a profile shows the loop's parts)
+            return None
+        if not isinstance(model.layers[0].qkv, Int8Weight) and self.choice.few_row_linear != COMPILED:
+            return None
+        return compiled(model, h, cos, sin, meta, kv_cache, plan, fixed_point=self.choice.int8_one_row == FIXED_POINT)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows

@@ -266,6 +266,13 @@ class CompactLlama:
         backend = meta.backend
         attention_plan = backend.plan(meta.block_tables, kv_cache.shape[3], meta.host_seq_lens,
                                       meta.host_query_start_loc)
+        if all_reduce is None:
+            # A step of a few decodes may run this whole loop as one compiled call (the cpu backend's
+            # cpu_decode_layers.c, the CPU's CUDA graph: the same kernels, in this order): at batch 1 the loop's
+            # ten calls a layer cost more than the math between them. Everything else runs the loop below.
+            done = backend.decode_layers(self, h, cos, sin, meta, kv_cache, attention_plan)
+            if done is not None:
+                return done
         linear = backend.linear           # F.linear, or the compiled loop for a few rows where it is faster
         ops = backend.layer_ops           # norms, RoPE, SiLU: torch's, or compiled
         mlp_out = None              # each sublayer's output joins the residual stream inside the next norm

@@ -1,0 +1,98 @@
+"""The layer loop as one compiled call for decode steps (kernels/cpu_decode_layers.c, the cpu backend's
+``decode_layers``): it must compute exactly what the model's own loop computes with the same compiled kernels (the
+logits bit for bit, fp32 and int8), run for every decode step it covers, and leave the rest (prefill chunks,
+families whose layers it does not have, a profiler recording) to the loop."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minipaged import Engine, SamplingParams
+from minipaged.kernels import cpu_decode_layers
+from tests.test_model_families import family_model  # noqa: F401  (a fixture)
+
+PARAMS = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+
+
+def generate_capturing(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor], list]:
+    """Greedy tokens, every step's logits, and what each decode_layers call answered (None: the loop ran)."""
+    logits, answers = [], []
+    final_logits, decode_layers = engine.model.final_logits, engine.backend.decode_layers
+
+    def capture_logits(*args, **kwargs):
+        out = final_logits(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    def capture_answer(*args, **kwargs):
+        answer = decode_layers(*args, **kwargs)
+        answers.append((args[1].shape[0], answer is not None))
+        return answer
+    engine.model.final_logits, engine.backend.decode_layers = capture_logits, capture_answer
+    try:
+        tokens = [o.token_ids for o in engine.generate(prompts, PARAMS)]
+    finally:
+        engine.model.final_logits, engine.backend.decode_layers = final_logits, decode_layers
+    return tokens, logits, answers
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("num_prompts", [1, 3, 7])
+def test_decode_steps_run_as_one_call_and_give_the_loops_logits_bit_for_bit(tiny_model_untied, quantization,
+                                                                             num_prompts):
+    """One, three and seven requests decoding together (the one-row loops, and the tiled multiply for more rows),
+    fp32 and int8: every decode step runs as one compiled call, every prefill runs the loop, and the logits equal
+    those of the same engine with the compiled call switched off, to the bit."""
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(3 + i)] for i in range(num_prompts)]
+    options = dict(block_size=4, num_blocks=128, max_num_seqs=8, enable_prefix_caching=False)
+    engine = Engine(tiny_model_untied, quantization=quantization, **options)
+    assert engine.backend._decode_layers is not None
+    tokens, logits, answers = generate_capturing(engine, prompts)
+    assert any(ran for _rows, ran in answers), answers
+    decode_rows = {rows for rows, ran in answers if ran}
+    assert decode_rows and max(decode_rows) <= num_prompts               # decodes: one row a request
+    assert not any(ran for rows, ran in answers if rows > num_prompts)   # a prefill: the loop
+
+    engine.backend._decode_layers = None                                 # the Python loop, same kernels
+    loop_tokens, loop_logits, loop_answers = generate_capturing(engine, prompts)
+    assert not any(ran for _rows, ran in loop_answers)
+    assert tokens == loop_tokens
+    assert len(logits) == len(loop_logits) and all(torch.equal(a, b) for a, b in zip(logits, loop_logits))
+
+
+def test_families_with_biases_or_qk_norms_run_the_loop(family_model):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms are not in the C loop: those models' decodes run the Python
+    loop (and still generate)."""
+    for name in ("qwen2-gqa-tied", "qwen3-gqa-untied"):
+        path, options = family_model(name)
+        engine = Engine(path, block_size=4, num_blocks=64, **options)
+        tokens, _logits, answers = generate_capturing(engine, [[1, 2, 3]])
+        assert answers and not any(ran for _rows, ran in answers) and len(tokens[0]) == PARAMS.max_tokens
+
+
+def test_a_profiler_sees_the_loops_parts(tiny_model):
+    """While torch.profiler records, decode steps run the loop, so that a profile shows each kernel (the compiled
+    call would be one opaque operator)."""
+    engine = Engine(tiny_model, block_size=4, num_blocks=64)
+    with torch.profiler.profile() as profile:
+        _tokens, _logits, answers = generate_capturing(engine, [[5, 6, 7]])
+    assert answers and not any(ran for _rows, ran in answers)
+    names = {event.name for event in profile.events()}
+    assert "minipaged::small_batch_linear" in names and cpu_decode_layers.PROFILER_NAME not in names
+
+
+def test_a_bad_slot_raises_instead_of_writing_outside_the_cache(tiny_model):
+    """The C loop counts the slots it refused to write (outside the pool), and the call raises, as the loop's
+    RoPE-and-write does."""
+    engine = Engine(tiny_model, block_size=4, num_blocks=64)
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+    runner_prepare = engine.runner.prepare
+
+    def corrupt(*args, **kwargs):
+        model_input = runner_prepare(*args, **kwargs)
+        if model_input.meta.slot_mapping.numel() == 1:                  # a decode step
+            model_input.meta.slot_mapping.fill_(10 ** 9)
+        return model_input
+    engine.runner.prepare = corrupt
+    with pytest.raises(ValueError, match="cache slots outside"):
+        engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=3))
