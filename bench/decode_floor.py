@@ -177,6 +177,12 @@ def main() -> None:
     torch_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
                           attention_backend="torch") if backend.name != "torch" and args.torch_path else None
     side_by_side = torch_engine is not None
+    # The same engine with its decode steps' layer loop in Python (each compiled kernel a call of its own), where
+    # the backend runs it as one compiled call (kernels/cpu_decode_layers.c): what that call saves.
+    loop_engine = None
+    if getattr(backend, "_decode_layers", None) is not None:
+        loop_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False)
+        loop_engine.backend._decode_layers = None
     rows, record = [], {"context": args.context, "attention_backend": backend.name,
                         "backend": backend.describe(why=False),
                         "batches": {}}
@@ -190,7 +196,7 @@ def main() -> None:
                                     lm_head=backend.lm_head),
                         matmul_pass(engine.model, batch, weights=out_in_weights),
                         matmul_pass(engine.model, batch, weights=in_out_weights, lm_head=F.linear)]
-        engines = [engine] + ([torch_engine] if side_by_side else [])
+        engines = [engine] + ([torch_engine] if side_by_side else []) + ([loop_engine] if loop_engine else [])
         medians = side_by_side_ms(floor_passes, engines, batch, args.context, args.steps)
         floor, out_in, in_out, step = medians[0], medians[1], medians[2], medians[len(floor_passes)]
         best = min(out_in, in_out)
@@ -212,17 +218,27 @@ def main() -> None:
             row += [torch_step, best / torch_step]
             record["batches"][batch].update(torch_path_ms=torch_step, torch_path_efficiency=best / torch_step)
             line += f" (torch path: step {torch_step:.1f} ms, {best / torch_step:.2f})"
+        if loop_engine is not None:       # the same engine, its layer loop in Python
+            loop_step = medians[-1]
+            row += [loop_step, loop_step / step]
+            record["batches"][batch].update(python_loop_ms=loop_step, one_call_speedup=loop_step / step)
+            line += f" (layer loop in Python: {loop_step:.1f} ms)"
         rows.append(row)
         print(line, flush=True)
-    del torch_engine
+    loop_engine_used = loop_engine is not None
+    del torch_engine, loop_engine
     headers = ["batch", "own floor ms", "torch [out, in] ms", "torch [in, out] ms", "engine ms", "vs own floor",
                "vs torch's best", "engine tok/s", "KV read ms", "vs torch's best + KV read"]
     if side_by_side:
         headers += ["torch-path ms", "torch-path vs torch's best"]
+    if "python_loop_ms" in next(iter(record["batches"].values())):
+        headers += ["layer loop in Python ms", "one call's speed-up"]
     md = (f"### Decode step vs the matmul floor: {args.model}, {args.context}-token contexts\n\n{machine_line()}\n\n"
           f"Engine backend: **{record['backend']}**"
           + (" (torch-path columns: the same engine with `attention_backend='torch'`, same run)"
              if side_by_side else "")
+          + (". Layer loop in Python: the same engine with the compiled layer loop for decode steps "
+             "(kernels/cpu_decode_layers.c) switched off, same run" if loop_engine_used else "")
           + ". KV read ms: reading the step's keys and values once at this machine's "
           "streaming speed, which attention cannot avoid and the matmul floor leaves out.\n\n"
           + table(headers, rows))
@@ -234,7 +250,8 @@ def main() -> None:
             shares = parts[batch]["ms"]
             breakdown_rows.append([batch, parts[batch]["step_ms"], *shares.values(), parts[batch]["ops_per_layer"]])
         md += ("\n\nWhere a profiled decode step's time goes (ms per step; the profiler itself adds a little; "
-               "ops/layer counts the operators that compute or copy, not views):\n\n"
+               "ops/layer counts the operators that compute or copy, not views; while a profiler records, decode "
+               "steps run the layer loop in Python, so that each kernel shows):\n\n"
                + table(["batch", "step ms", *next(iter(parts.values()))["ms"].keys(), "ops/layer"], breakdown_rows))
         largest = max(args.batches)
         md += f"\n\nEngine step by operator (batch {largest}, 5 steps):\n\n```\n{parts[largest]['table']}\n```"
