@@ -26,8 +26,9 @@
  * cache, 44 G weights/s (the widening loop 34); streamed from memory, SmolLM2's 30 layers and LM head end to end,
  * the next rows asked for PREFETCH_BYTES ahead (the widening loop gets the same), 3.9 ms against 4.6 ms, where
  * merely reading the bytes takes 3.8 ms. In the engine, a decode step of one request: 6.75 ms against 7.01 (the
- * widening loop without the prefetch: 7.68). The calibration's race, which reads layers but not the LM head,
- * finds the two within a few percent of each other, either way: it keeps whichever it measured faster.
+ * widening loop without the prefetch: 7.68); with the layers run as one call (cpu_decode_layers.c), 4.6-5.0 ms
+ * against 5.0-5.4. The calibration's race reads a decode step's matrices in the engine's order, LM head
+ * included (3.03-3.18 ms against 3.17-3.31 here); without the LM head it had been a tie, either way.
  *
  * Overflow: each int32 lane sums at most CHUNK_COLS / 8 products of |q| <= 128 and |plane| <= 32768 (2^30 at
  * most), then the lane sums move to a double; rows wider than CHUNK_COLS are summed chunk by chunk.

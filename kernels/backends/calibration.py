@@ -197,7 +197,8 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     # Int8 weights (--quantization int8) for 8+ rows: the tiled int8 multiply against the weights widened to
     # fp32 a slice at a time for torch's matmul. The values do not matter to the time: random bytes, scale 1.
     from ..int8 import Int8Linear, Int8Weight, int8_linear_torch
-    int8_buffer = on_huge_pages(torch.randint(-127, 128, (STREAM_BYTES,), dtype=torch.int8, generator=gen))
+    int8_buffer = on_huge_pages(torch.randint(-127, 128, (max(STREAM_BYTES, vocab * hidden),), dtype=torch.int8,
+                                              generator=gen))
     int8_windows = [_Windows(int8_buffer, *shape) for shape in shapes.matrices().values()]
     int8_scales = {w.shape[0]: torch.ones(w.shape[0]) for w in int8_windows}
     int8_layers_per_sample = max(1, STREAM_BYTES // sum(w.n for w in int8_windows))
@@ -214,15 +215,17 @@ def calibrate(shapes: ModelShapes, head_dim: int, timer: Timer = wall_clock) -> 
     times["int8_batch_linear"] = race("int8_batch_linear", {o: int8_matmuls(o) for o in (COMPILED, TORCH)}, timer)
     verdict["int8_batch_linear"] = fastest(times["int8_batch_linear"])
 
-    # Int8 weights for one request's decode (1-3 rows): the two one-row loops, each reading the layers cold.
+    # Int8 weights for one request's decode (1-3 rows): the two one-row loops, each reading a decode step's
+    # matrices cold, in the engine's order: as many layers as the buffer holds, then the LM head (a fifth of
+    # SmolLM2's int8 bytes; leaving it out made the race a tie that the engine's steps were not).
     one_row_loops = {FIXED_POINT: Int8Linear(F.linear, head_dim, compiled=True, fixed_point=True),
                      COMPILED: Int8Linear(F.linear, head_dim, compiled=True, fixed_point=False)}
-
-    layers = _Layers(int8_buffer, [w.shape for w in int8_windows])
+    step_shapes = [w.shape for w in int8_windows] * int8_layers_per_sample + [(vocab, hidden)]
+    layers, int8_scales[vocab] = _Layers(int8_buffer, step_shapes), torch.ones(vocab)
 
     def int8_one_row(how: str) -> Callable[[], None]:
         def run() -> None:
-            for _matrix in range(int8_layers_per_sample * len(int8_windows)):
+            for _matrix in step_shapes:
                 w = layers.take()
                 x = few[MANY_ROWS, w.shape[1]][:1]                  # one token row
                 one_row_loops[how](x, Int8Weight(w, int8_scales[w.shape[0]]))
