@@ -47,6 +47,7 @@ def test_decode_steps_run_as_one_call_and_give_the_loops_logits_bit_for_bit(tiny
     options = dict(block_size=4, num_blocks=128, max_num_seqs=8, enable_prefix_caching=False)
     engine = Engine(tiny_model_untied, quantization=quantization, **options)
     assert engine.backend._decode_layers is not None
+    assert "the layer loop as one call" in engine.backend.describe()        # (the start-up line says so)
     tokens, logits, answers = generate_capturing(engine, prompts)
     assert any(ran for _rows, ran in answers), answers
     decode_rows = {rows for rows, ran in answers if ran}

@@ -141,4 +141,7 @@ class CpuBackend(TorchBackend):
         one_row = "fixed point" if self.choice.int8_one_row == FIXED_POINT else "widening"
         int8 = (f"; int8 weights: compiled int8 loops for 1-7 rows (cpu_int8_matvec.c, {one_row} for 1-3; "
                 f"cpu_tiled_linear.c), {many} for more" if self.quantization else "")
-        return f"cpu, {self.choice.describe()}{int8}" + (f" ({self.source})" if self.source and why else "")
+        one_call = ("; decode steps of 1-7 rows: the layer loop as one call (cpu_decode_layers.c)"
+                    if self._decode_layers is not None else "")
+        return (f"cpu, {self.choice.describe()}{int8}{one_call}"
+                + (f" ({self.source})" if self.source and why else ""))
