@@ -301,6 +301,13 @@ class Checkpoint:
     variants: Optional[tuple[str, ...]] = None   # runs in which it can happen (None: any run)
 
 
+def every_request_finished(scenario: "Scenario") -> Checkpoint:
+    """The closing checkpoint several lessons share: every request of ``scenario`` finished with all its tokens."""
+    def check(t: Trace) -> Any:
+        return t.all_complete(scenario) and f"your run: {len(t.events)} steps, every request got all its tokens"
+    return Checkpoint("every request finished with all its tokens", check, "let the run finish")
+
+
 @dataclass(frozen=True)
 class QuizQuestion:
     question: str

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core import Checkpoint, QuizQuestion, Run, Scenario, Trace, Text, pct, request
+from .core import Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, every_request_finished, pct, request
 from .texts import DOCUMENTS, OTHER_SYSTEM, QUESTIONS, SYSTEM
 
 NUMBER = 8
@@ -123,10 +123,6 @@ def _mru_forgot(t: Trace) -> Any:
     return None
 
 
-def _all_done(t: Trace) -> Any:
-    return t.all_complete(SCENARIO) and f"your run: {len(t.events)} steps, every request got all its tokens"
-
-
 CHECKPOINTS = [
     Checkpoint("more requests than seats: some wait", _queue, "press n until the waiting queue fills"),
     Checkpoint("under priority, the late urgent request r4 overtakes r0", _overtakes,
@@ -138,7 +134,7 @@ CHECKPOINTS = [
                variants=("fcfs", "priority", "most-blocks")),
     Checkpoint("with MRU, a system prompt that was just used is gone", _mru_forgot,
                "run with --eviction-policy mru into part two", variants=("mru",)),
-    Checkpoint("every request finished with all its tokens", _all_done, "let the run finish"),
+    every_request_finished(SCENARIO),
 ]
 
 QUIZ = [

@@ -7,7 +7,7 @@ from typing import Any
 
 from minipaged.events import StepEvent
 
-from .core import Checkpoint, QuizQuestion, Run, Scenario, Trace, Text, request
+from .core import Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, every_request_finished, request
 from .texts import DOCUMENTS, QUESTIONS
 
 NUMBER = 9
@@ -131,10 +131,6 @@ def _batched(t: Trace) -> Any:
             f"(alone: {1e3 * statistics.median(e.duration_s for e in alone):.1f} ms)")
 
 
-def _all_done(t: Trace) -> Any:
-    return t.all_complete(SCENARIO) and f"your run: {len(t.events)} steps, every request got all its tokens"
-
-
 CHECKPOINTS = [
     Checkpoint("one request decodes alone: every weight is read for a single token", _alone,
                "press n past r0's prefill"),
@@ -142,7 +138,7 @@ CHECKPOINTS = [
                "run with --quantization int8 and press n once", variants=("int8",)),
     Checkpoint("several requests decode in one step: one read of the weights, several tokens", _batched,
                "run on (space) until the batch decodes together"),
-    Checkpoint("every request finished with all its tokens", _all_done, "let the run finish"),
+    every_request_finished(SCENARIO),
 ]
 
 QUIZ = [
