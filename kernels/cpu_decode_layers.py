@@ -16,9 +16,10 @@ from typing import Any, Optional
 import torch
 
 from .build import load_kernel, profiler_name
+from .cpu_layer_ops import bad_slots_error
 from .cpu_linear import PER_ROW_ROWS, SMALL_BATCH_ROWS
-from .cpu_paged_attention import check_decode_inputs
-from .int8 import INT8_PER_ROW_ROWS, Int8Weight
+from .cpu_paged_attention import check_plan_once
+from .int8 import INT8_PER_ROW_ROWS, Int8Weight, stored_tensor
 
 PROFILER_NAME = "minipaged::decode_layers"
 # MINIPAGED_COMPILED_DECODE=0 keeps every step on the Python loop (to compare the two: bench/decode_floor.py).
@@ -33,10 +34,6 @@ class _WeightTable:
     weights: torch.Tensor                  # [layers * 6] int64 addresses
     scales: torch.Tensor                   # [layers * 4] int64 addresses (zeros for float32)
     int8: bool
-
-
-def _address(matrix: Any) -> int:
-    return (matrix.qweight if isinstance(matrix, Int8Weight) else matrix).data_ptr()
 
 
 class CompiledDecodeLayers:
@@ -57,14 +54,14 @@ class CompiledDecodeLayers:
         layers = model.layers
         if not layers:
             return None
-        key = (_address(layers[0].qkv), _address(layers[-1].down))
+        key = (stored_tensor(layers[0].qkv).data_ptr(), stored_tensor(layers[-1].down).data_ptr())
         if id(model) in self._tables and self._tables[id(model)][0] == key:
             return self._tables[id(model)][1]
-        table = self._build_table(model, key)
+        table = self._build_table(model)
         self._tables[id(model)] = (key, table)
         return table
 
-    def _build_table(self, model: Any, key: tuple[int, int]) -> Optional[_WeightTable]:
+    def _build_table(self, model: Any) -> Optional[_WeightTable]:
         layers = model.layers
         if (model.head_dim != self.head_dim or model.dtype != torch.float32
                 or any(w.qkv_bias is not None or w.q_norm is not None for w in layers)):
@@ -73,12 +70,12 @@ class CompiledDecodeLayers:
         int8 = isinstance(matrices[0], Int8Weight)
         if any(isinstance(m, Int8Weight) != int8 for m in matrices):
             return None
-        norms = [n for w in layers for n in (w.input_norm, w.post_norm)]
-        tensors = [m.qweight if int8 else m for m in matrices] + norms
+        # per layer, in the C loop's order: input_norm, qkv, o, post_norm, gate_up, down
+        tensors = [stored_tensor(t) for w in layers
+                   for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)]
         if not all(t.is_contiguous() and t.is_cpu for t in tensors):
             return None                     # (a weight stored [in, out] for torch's matmul: the loop reads [out, in])
-        weights = [p for w in layers for p in (w.input_norm.data_ptr(), _address(w.qkv), _address(w.o),
-                                               w.post_norm.data_ptr(), _address(w.gate_up), _address(w.down))]
+        weights = [t.data_ptr() for t in tensors]
         scales = [m.scale.data_ptr() if int8 else 0 for m in matrices]
         return _WeightTable(torch.tensor(weights, dtype=torch.int64), torch.tensor(scales, dtype=torch.int64), int8)
 
@@ -96,13 +93,11 @@ class CompiledDecodeLayers:
         if table is None:
             return None
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        check_plan_once(plan, num_blocks, block_size)
         tables, lens = plan.decode_tables.contiguous(), plan.decode_seq_lens.contiguous()
-        if not plan.decode_indices_checked:
-            check_decode_inputs(tables, lens, num_blocks, block_size)
-            plan.decode_indices_checked = True
         hidden, inter = h.shape[1], model.layers[0].gate_up.shape[0] // 2
         qkv_width = (model.num_heads + 2 * model.num_kv_heads) * self.head_dim
-        scratch = torch.empty(rows * (3 * hidden + qkv_width + model.num_heads * self.head_dim + 3 * inter))
+        scratch = torch.empty(rows * (2 * hidden + qkv_width + model.num_heads * self.head_dim + 3 * inter))
         int8_loop = (FIXED_POINT if fixed_point else WIDENING) if table.int8 else 0
         with profiler_name(PROFILER_NAME):
             result = self.library.decode_layers(
@@ -114,7 +109,6 @@ class CompiledDecodeLayers:
         if result < 0:
             raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
         if result > 0:
-            raise ValueError(f"{result} cache slots outside 0..{num_blocks * block_size - 1} (or -1 to skip): "
-                             f"{meta.slot_mapping.tolist()}")
+            raise bad_slots_error(result, num_blocks * block_size, meta.slot_mapping)
         return h
 

@@ -17,6 +17,11 @@ from .build import load_kernel, profiler_name
 PROFILER_NAMES = {name: f"minipaged::{name}" for name in ("add_rms_norm", "rope_and_write_kv", "silu_and_mul")}
 
 
+def bad_slots_error(bad: int, num_slots: int, slot_mapping: torch.Tensor) -> ValueError:
+    """What a compiled K/V write says when ``bad`` of its slots lay outside the cache (it wrote none of those)."""
+    return ValueError(f"{bad} cache slots outside 0..{num_slots - 1} (or -1 to skip): {slot_mapping.tolist()}")
+
+
 def _readable(t: torch.Tensor) -> bool:
     """C reads the memory as it lies: float32, on the CPU, contiguous. (Checked on every call, so that a
     wrong tensor raises instead of being read out of bounds; a few hundred nanoseconds each.)"""
@@ -65,7 +70,7 @@ class CpuLayerOps:
                                                  k_cache.data_ptr(), v_cache.data_ptr(), tokens, num_heads,
                                                  num_kv_heads, head_dim, num_slots, torch.get_num_threads())
         if bad:
-            raise ValueError(f"{bad} cache slots outside 0..{num_slots - 1} (or -1 to skip): {slot_mapping.tolist()}")
+            raise bad_slots_error(bad, num_slots, slot_mapping)
         return qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,15 @@ def check_decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_
         raise ValueError(f"block ids must be 0..{num_blocks - 1}; pad short tables with any valid id")
 
 
+def check_plan_once(plan, num_blocks: int, block_size: int) -> None:
+    """``check_decode_inputs`` on a step's attention plan (reference.TorchAttentionPlan), once a step: every
+    layer reads the same tables, so the first call checks them (the first layer's attention, or the compiled
+    layer loop) and marks the plan."""
+    if plan.num_decodes and not plan.decode_indices_checked:
+        check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, num_blocks, block_size)
+        plan.decode_indices_checked = True
+
+
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                                checked: bool = False) -> torch.Tensor:

@@ -78,6 +78,11 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scale.contiguous())
 
 
+def stored_tensor(weight) -> torch.Tensor:
+    """The tensor holding a weight's values in memory: an ``Int8Weight``'s int8 matrix, or the float tensor itself."""
+    return weight.qweight if isinstance(weight, Int8Weight) else weight
+
+
 def weight_bytes(tensor_or_int8) -> int:
     """Bytes a weight holds in memory, float tensor or Int8Weight."""
     if isinstance(tensor_or_int8, Int8Weight):

@@ -34,7 +34,7 @@ from ..cpu_argmax import CpuArgmax, torch_argmax
 from ..build import _profiling
 from ..cpu_layer_ops import cpu_layer_ops
 from ..cpu_linear import SMALL_BATCH_ROWS, compiled_linear
-from ..cpu_paged_attention import check_decode_inputs, kernel_can_read, paged_decode_attention_cpu
+from ..cpu_paged_attention import check_plan_once, kernel_can_read, paged_decode_attention_cpu
 from ..int8 import Int8Linear, Int8Weight
 from ..reference import TorchAttentionPlan, paged_attention_torch
 from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
@@ -86,9 +86,7 @@ class CpuBackend(TorchBackend):
                   plan: TorchAttentionPlan) -> torch.Tensor:
         decode = None
         if self.choice.decode_attention == COMPILED and kernel_can_read(q, k_cache, v_cache):
-            if plan.num_decodes and not plan.decode_indices_checked:     # once a step: the first layer
-                check_decode_inputs(plan.decode_tables, plan.decode_seq_lens, k_cache.shape[0], k_cache.shape[1])
-                plan.decode_indices_checked = True
+            check_plan_once(plan, k_cache.shape[0], k_cache.shape[1])
             decode = _CHECKED_DECODE
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan,
                                      decode_attention=decode)
