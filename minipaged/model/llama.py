@@ -16,7 +16,7 @@ import torch
 
 from minipaged.kernels import Backend, ModelShapes
 from minipaged.kernels.backends import TORCH_BACKEND
-from minipaged.kernels.int8 import Int8Weight, quantize_int8, weight_bytes
+from minipaged.kernels.int8 import Int8Weight, quantize_int8, stored_tensor, weight_bytes
 # The small ops' torch specification lives beside the kernels that replace it; re-exported for the model's readers.
 from minipaged.kernels.torch_ops import (TORCH_LAYER_OPS, TorchLayerOps,  # noqa: F401
                                          apply_rope, rms_norm, vocab_sliced_linear)
@@ -122,14 +122,17 @@ class CompactLlama:
         self._hf_model = None          # transformers' module holds the fp32 matrices: let them go with it
         self.quantization = "int8"
 
+    def _is_the_embedding(self, weight: object) -> bool:
+        """Whether ``weight`` is the embedding's memory: a tied LM head (or its placed copy) is."""
+        return (isinstance(weight, torch.Tensor) and self.embed is not None
+                and weight.data_ptr() == self.embed.data_ptr())
+
     def weight_bytes(self) -> int:
         """Bytes of the weights this model computes with (a tied LM head counted once)."""
         lm_head = getattr(self, "lm_head", None)
         if lm_head is None:                                   # a tensor-parallel shard holds its rows of it
             lm_head = getattr(self, "lm_head_rows", None)
-        tied = (isinstance(lm_head, torch.Tensor) and self.embed is not None
-                and lm_head.data_ptr() == self.embed.data_ptr())
-        tensors = [self.embed, self.final_norm] + ([] if tied else [lm_head])
+        tensors = [self.embed, self.final_norm] + ([] if self._is_the_embedding(lm_head) else [lm_head])
         tensors += [t for w in self.layers for t in (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down,
                                                       w.qkv_bias, w.q_norm, w.k_norm)]
         return sum(weight_bytes(t) for t in tensors if t is not None)
@@ -168,19 +171,17 @@ class CompactLlama:
         slots = [(w, name) for w in self.layers for name in MATRICES]
         if getattr(self, head_name, None) is not None:          # (a pipeline stage before the last has none)
             slots.append((self, head_name))
-
-        def raw(weight):
-            return weight.qweight if isinstance(weight, Int8Weight) else weight
-        place = backend.weight_placer([raw(getattr(owner, name)).nbytes for owner, name in slots], self.device)
+        place = backend.weight_placer([stored_tensor(getattr(owner, name)).nbytes for owner, name in slots],
+                                      self.device)
         hf = getattr(self, "_hf_model", None)
         hf_layers = dict(zip(map(id, self.layers), hf.model.layers)) if hf is not None else {}
         for owner, name in slots:
             original = getattr(owner, name)
             laid_out = original if owner is self else backend.prepare_weight(original)
-            new = place(raw(laid_out))
+            new = place(stored_tensor(laid_out))
             if isinstance(original, Int8Weight):
                 new = Int8Weight(new, original.scale)
-            elif owner is self and self.embed is not None and original.data_ptr() == self.embed.data_ptr():
+            elif owner is self and self._is_the_embedding(original):
                 self.embed = new                                 # tied embeddings: the lookup reads it too
             setattr(owner, name, new)
             if hf is not None and not isinstance(new, Int8Weight):
@@ -201,7 +202,7 @@ class CompactLlama:
         pointed at it, 1,252 MiB after (1,086 anonymous, 166 mapped: the libraries)."""
         if hf_layer is None:                                     # the LM head (and the embedding, when tied)
             hf_model.lm_head.weight.data = weight
-            if weight.data_ptr() == self.embed.data_ptr():
+            if self._is_the_embedding(weight):
                 hf_model.model.embed_tokens.weight.data = weight
             return
         att, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -227,7 +228,7 @@ class CompactLlama:
                 point_at_rows([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias], w.qkv_bias)
         self.final_norm = self.final_norm.clone()
         inner.norm.weight.data = self.final_norm
-        if self.embed.data_ptr() != self.lm_head.data_ptr():          # untied: the embedding becomes a copy
+        if not self._is_the_embedding(self.lm_head):                  # untied: the embedding becomes a copy
             self.embed = self.embed.clone()
             inner.embed_tokens.weight.data = self.embed
 
