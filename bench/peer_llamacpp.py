@@ -178,7 +178,8 @@ def main() -> int:
             results[server] = run_minipaged(None if quantization == "fp32" else quantization, prompts_file, args, work)
         else:
             results[f"llama.cpp-{server}"] = run_llama(llama, server, files[server], prompts_file, args, work)
-    record = {"args": vars(args), "cpu": machine()["cpu"], "vectors": machine()["vectors"], "llama_cpp": str(llama),
+    here = machine()
+    record = {"args": vars(args), "cpu": here["cpu"], "vectors": here["vectors"], "llama_cpp": str(llama),
               "llama_cpp_version": llama_version(llama) if llama else None, "in_flight": IN_FLIGHT,
               "results": results, "ratios": ratios(results)}
     save("peer_llamacpp", record, peer_table(record), out=Path(args.out_dir))

@@ -333,4 +333,3 @@ def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer]
     except OSError:
         return choice, f"measured now in {seconds:.1f} s (not cached: {path.parent} is not writable)"
     return choice, f"measured now in {seconds:.1f} s, cached in {path}"
-
