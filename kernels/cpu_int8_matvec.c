@@ -210,7 +210,8 @@ void int8_fixed_point_linear(const int8_t *qweight, const float *scale, const fl
         else
             fixed_point_tile(qweight, scale, planes, x_scale, out, i, rows, cols, 1, 3);
     }
-    for (int64_t i = full; i < rows; i++) {                  /* the rows left over: one at a time */
+    /* The rows left over, one at a time: only one and two token rows leave any (three take tiles of one). */
+    for (int64_t i = full; i < rows; i++) {
         if (batch == 1)
             fixed_point_tile(qweight, scale, planes, x_scale, out, i, rows, cols, 1, 1);
         else
