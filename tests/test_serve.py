@@ -305,9 +305,13 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_frees_its_blocks(se
 def test_a_non_streaming_client_that_gives_up_is_aborted_too(server, model_name):
     wait_until_idle(server)
     before = metric_samples(server)
-    body = {"model": model_name, "prompt": "I will not wait", "max_tokens": 1500, "ignore_eos": True}
+    # (2000 tokens, the context's most: a tiny-model step takes a fraction of a millisecond, so the client gives
+    # up after 0.15 s, well before they are done)
+    body = {"model": model_name, "prompt": "I will not wait", "max_tokens": 2000, "ignore_eos": True}
+    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.5))
+        httpx.post(server + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.15))
+    print(f"gave up after {time.monotonic() - started:.3f} s")
     health = wait_until_idle(server, timeout=5.0)
     assert health["blocks_free"] == health["blocks_total"]
     aborted = ("minipaged:request_success_total", (("finished_reason", "abort"),))

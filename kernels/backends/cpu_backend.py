@@ -94,11 +94,14 @@ class CpuBackend(TorchBackend):
     def decode_layers(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
                       kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> Optional[torch.Tensor]:
         compiled = self._decode_layers
-        if compiled is None or _profiling():                 # (a profile shows the loop's parts)
-            return None
-        if not isinstance(model.layers[0].qkv, Int8Weight) and self.choice.few_row_linear != COMPILED:
-            return None
-        return compiled(model, h, cos, sin, meta, kv_cache, plan, fixed_point=self.choice.int8_one_row == FIXED_POINT)
+        done = None
+        if (compiled is not None and not _profiling()         # (a profile shows the loop's parts)
+                and (isinstance(model.layers[0].qkv, Int8Weight) or self.choice.few_row_linear == COMPILED)):
+            done = compiled(model, h, cos, sin, meta, kv_cache, plan,
+                            fixed_point=self.choice.int8_one_row == FIXED_POINT, before_call=self.hand_off)
+        if done is None:
+            self.hand_off()           # the loop in Python: its first call that lets go of the GIL is as good as any
+        return done
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows

@@ -11,12 +11,21 @@ there too; fast tokenizers must not be used from two threads at once). A handler
 sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
 The engine thread also serialises every StepEvent, once, for ``/v1/events``; ``event_hub`` fans the bytes
 out to the watchers on the event loop.
+
+When the engine thread hands things to the event loop matters as much as what it hands. Python runs one
+thread at a time (the GIL): if the HTTP thread wakes while the engine thread is between two calls, the
+engine waits for the HTTP thread's Python to finish (about a millisecond per streamed token, on every token).
+So the engine thread keeps its hand-offs in an outbox and passes them on when it lets go of the GIL for
+long: the backend calls ``Backend.hand_off`` just before a decode step's compiled call (kernels/backends), and
+the HTTP thread streams step N's tokens while step N+1 computes. vLLM V1 takes the same cost away with two
+processes (an engine core and an API server); one thread and one well-placed hand-off do it here.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,6 +42,8 @@ logger = logging.getLogger("minipaged.serve")
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
+# MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/serve_hand_off.py).
+HAND_OFF_AT_MODEL_CALL = os.environ.get("MINIPAGED_HAND_OFF", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,11 @@ class AsyncEngine:
         self.last_alive = time.monotonic()              # the engine thread's last loop (/health: is it stuck?)
         self._aborts_unpublished = False                # engine thread only
         self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
+        self._outbox: list[tuple[Callable[..., Any], tuple]] = []   # engine thread only: for the event loop
+        self._handed_off = False                        # engine thread only: the backend called hand_off this step
         engine.subscribe(self._on_event)
+        if HAND_OFF_AT_MODEL_CALL:
+            engine.backend.hand_off = self._hand_off
 
     # ------------------------------------------------------------------ life cycle (event-loop side)
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -183,18 +198,41 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self.last_alive = time.monotonic()
-            self._handle_commands(wait=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests()
+            if idle:
+                self._flush_outbox()              # nothing will run: hand everything over before waiting
+            self._handle_commands(wait=idle)
             if not (self.engine.has_unfinished_requests() or self._aborts_unpublished):
                 continue
             # An abort frees blocks at once, but only the next StepEvent tells metrics and watchers; when
             # nothing else runs, an empty step publishes it.
             self._aborts_unpublished = False
+            self._handed_off = False
             try:
                 self.engine.step()                # subscribers (metrics, _on_event) run inside
             except Exception as exc:              # a bug: fail the requests in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(ServerError(500, f"the engine failed: {exc}"))
+            if not self._handed_off:              # this backend (or this step) has no hand-off point: now
+                self._flush_outbox()
         self._fail_all(ServerError(503, "the server is shutting down."))
+        self._flush_outbox()
+
+    def _hand_off(self) -> None:
+        """The backend is about to let go of the GIL for the model's long call (``Backend.hand_off``): what
+        the last step produced goes to the event loop now, to be streamed while the model runs."""
+        self._handed_off = True
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        callbacks, self._outbox = self._outbox, []
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_run_in_order, callbacks)   # one wake-up of the loop for all of them
+        except RuntimeError:                          # the event loop is closed: the server is going down
+            pass
 
     def _handle_commands(self, wait: bool) -> None:
         try:
@@ -302,11 +340,16 @@ class AsyncEngine:
         self._call_soon(q.put_nowait, item)
 
     def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
-        assert self._loop is not None
+        """Run ``callback(*args)`` on the event loop, at the engine thread's next hand-off, in order."""
+        self._outbox.append((callback, args))
+
+
+def _run_in_order(callbacks: list[tuple[Callable[..., Any], tuple]]) -> None:
+    for callback, args in callbacks:
         try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:                          # the event loop is closed: the server is going down
-            pass
+            callback(*args)
+        except Exception:                             # one failing hand-off must not drop the others
+            logger.exception("a hand-off from the engine thread failed")
 
 
 def snapshot_event(view: EngineView) -> StepEvent:
