@@ -3,6 +3,10 @@ SmolLM2 weights: one request alone and 16 in flight, one thread per server, one 
 server driven by the same load generator (``minipaged bench serve``, OpenAI completions, the same text
 prompts, ``ignore_eos`` so every answer has the same length). Writes bench/out/peer_llamacpp.json.
 
+These machines are noisy (the same server measured a minute apart can differ by a tenth), so the servers take
+turns over ``--rounds`` rounds (all of them once, then again): each figure is a server's median over the
+rounds, and each target's ratio is also given round by round, its two servers measured minutes apart.
+
 Where llama.cpp comes from: ``--llama-cpp-dir`` or ``$LLAMA_CPP_DIR``, a llama.cpp build folder (or its
 source folder with a ``build/``) holding ``bin/llama-server`` and ``bin/llama-quantize``. This script never
 builds llama.cpp, and never inside the repository; without it, it says so and exits with status 0, writing
@@ -13,8 +17,9 @@ The GGUF files: the wheel's own Q4_1 file (what ``smollm2`` is made from); F32 r
 transformers dequantizes from the same file); Q8_0 from the F32 file. They are written to ``--work-dir``.
 
     python bench/peer_llamacpp.py [--llama-cpp-dir DIR] [--alone-requests 4] [--loaded-requests 32] [--output-len 64]
+                                  [--rounds 3]
     python bench/peer_llamacpp.py --servers minipaged-fp32 minipaged-int8 --alone-requests 2 --loaded-requests 4 \
-        --output-len 16 --out-dir /tmp/peer      # a smoke run of minipaged's half, without llama.cpp
+        --output-len 16 --rounds 1 --out-dir /tmp/peer      # a smoke run of minipaged's half, without llama.cpp
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from minipaged.model.loader import embedded_gguf_path
 
 SERVED_NAME = "smollm2"
 IN_FLIGHT = 16
+AFTER_STEP = "-hand-off-after-step"          # the fp32 server handing tokens over after each step
 
 
 def find_llama_cpp(given: Optional[str]) -> Optional[Path]:
@@ -82,14 +88,19 @@ def measure(url: str, prompts_file: Path, args: argparse.Namespace, label: str, 
     return out
 
 
-def run_minipaged(quantization: Optional[str], prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
+def run_minipaged(server: str, prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
+    """``server``: minipaged-fp32, minipaged-int8, or minipaged-fp32-hand-off-after-step (fp32 with
+    MINIPAGED_HAND_OFF=0: tokens handed to the HTTP thread after each step, as before the hand-off point, to
+    measure what that point is worth in the same run)."""
     port = free_port()
+    quantization = server.removeprefix("minipaged-").removesuffix(AFTER_STEP)
     flags = ["--threads", "1", "--served-model-name", SERVED_NAME] + (["--quantization", quantization]
-                                                                     if quantization else [])
-    label = f"minipaged-{quantization or 'fp32'}"
+                                                                     if quantization != "fp32" else [])
+    env = {**os.environ, "MINIPAGED_HAND_OFF": "0"} if server.endswith(AFTER_STEP) else None
+    label = server
     print(f"\n=== {label}", flush=True)
     with running(minipaged_serve_command("smollm2", port, flags), port, what=label,
-                 log_path=str(work / f"{label}.log"), timeout_s=300) as url:
+                 log_path=str(work / f"{label}.log"), timeout_s=300, env=env) as url:
         warm_up(url, SERVED_NAME)
         return measure(url, prompts_file, args, label, work)
 
@@ -129,9 +140,31 @@ def run_llama(llama: Path, kind: str, gguf: Path, prompts_file: Path, args: argp
     return result
 
 
+def median_or_same(values: list[Any]) -> Any:
+    """One figure for the rounds: the value every round had (a request count), else the median of those given."""
+    given = [v for v in values if v is not None]
+    if not given or all(v == given[0] for v in given):
+        return given[0] if given else None
+    return statistics.median(given)
+
+
+def median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each server's figures as the median over the rounds it ran in, with each round's tok/s kept beside them."""
+    combined: dict[str, Any] = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        combined[name] = {phase: {key: median_or_same([run[phase].get(key) for run in runs])
+                                  for key in runs[0][phase]}
+                          for phase in ("alone", "loaded")}
+        combined[name]["rounds_output_tok_s"] = {phase: [run[phase]["output_tok_s"] for run in runs]
+                                                 for phase in ("alone", "loaded")}
+    return combined
+
+
 def ratios(results: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets as ratios (> 1: minipaged ahead): alone, fp32 against llama.cpp F32 and int8 against
-    Q8_0; under load, each minipaged server against the fastest llama.cpp server (named)."""
+    Q8_0; under load, each minipaged server against the fastest llama.cpp server (named). Where the fp32 server
+    also ran handing its tokens over after each step: what the hand-off point gains alone."""
     def tok_s(name: str, phase: str) -> Optional[float]:
         return results.get(name, {}).get(phase, {}).get("output_tok_s")
     out: dict[str, Any] = {}
@@ -139,6 +172,8 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                               ("alone_int8_vs_q8_0", "minipaged-int8", "llama.cpp-Q8_0")):
         if tok_s(ours, "alone") and tok_s(theirs, "alone"):
             out[key] = tok_s(ours, "alone") / tok_s(theirs, "alone")
+    if tok_s("minipaged-fp32", "alone") and tok_s("minipaged-fp32" + AFTER_STEP, "alone"):
+        out["alone_hand_off_gain"] = tok_s("minipaged-fp32", "alone") / tok_s("minipaged-fp32" + AFTER_STEP, "alone")
     peers = {name: tok_s(name, "loaded") for name in results if name.startswith("llama.cpp-")}
     if peers:
         best = max(peers, key=lambda name: peers[name] or 0.0)
@@ -156,7 +191,9 @@ def main() -> int:
     parser.add_argument("--alone-requests", type=int, default=4, help="requests sent one at a time")
     parser.add_argument("--loaded-requests", type=int, default=32, help=f"requests sent {IN_FLIGHT} in flight")
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8", "F32", "Q8_0", "Q4_1"])
+    parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8", "minipaged-fp32" + AFTER_STEP,
+                                                         "F32", "Q8_0", "Q4_1"])
+    parser.add_argument("--rounds", type=int, default=3, help="times every server is measured, in turns")
     parser.add_argument("--out-dir", default=str(BENCH_OUT), help="where peer_llamacpp.json goes (a smoke run: elsewhere)")
     args = parser.parse_args()
     llama = find_llama_cpp(args.llama_cpp_dir)
@@ -171,17 +208,25 @@ def main() -> int:
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                     for p in distinct_prompts(max(args.alone_requests, args.loaded_requests))))
     files = gguf_files(llama, work) if wants_llama else {}
-    results: dict[str, Any] = {}
-    for server in args.servers:
-        if server.startswith("minipaged-"):
-            quantization = server.removeprefix("minipaged-")
-            results[server] = run_minipaged(None if quantization == "fp32" else quantization, prompts_file, args, work)
-        else:
-            results[f"llama.cpp-{server}"] = run_llama(llama, server, files[server], prompts_file, args, work)
+    rounds: list[dict[str, Any]] = []
+    for round_number in range(1, args.rounds + 1):
+        results: dict[str, Any] = {}
+        round_work = work / f"round-{round_number}"
+        round_work.mkdir(exist_ok=True)
+        for server in args.servers:
+            print(f"\n--- round {round_number} of {args.rounds}", flush=True)
+            if server.startswith("minipaged-"):
+                results[server] = run_minipaged(server, prompts_file, args, round_work)
+            else:
+                results[f"llama.cpp-{server}"] = run_llama(llama, server, files[server], prompts_file, args,
+                                                           round_work)
+        rounds.append(results)
+    combined = median_over_rounds(rounds)
     here = machine()
     record = {"args": vars(args), "cpu": here["cpu"], "vectors": here["vectors"], "llama_cpp": str(llama),
               "llama_cpp_version": llama_version(llama) if llama else None, "in_flight": IN_FLIGHT,
-              "results": results, "ratios": ratios(results)}
+              "results": combined, "ratios": ratios(combined),
+              "ratios_each_round": [ratios(results) for results in rounds]}
     save("peer_llamacpp", record, peer_table(record), out=Path(args.out_dir))
     return 0
 

@@ -266,6 +266,29 @@ def test_peer_llamacpp_reads_llama_servers_own_timing_and_states_the_targets_as_
     assert ratios["loaded_fp32_vs_best"] == pytest.approx(150 / 160)
     assert ratios["loaded_int8_vs_best"] == pytest.approx(180 / 160)
     assert peer_llamacpp.ratios({"minipaged-int8": rates(80.0, 180.0)}) == {}       # a smoke run: no peers
+    after_step = {"minipaged-fp32": rates(40.0, 150.0), "minipaged-fp32" + peer_llamacpp.AFTER_STEP: rates(32.0, 150.0)}
+    assert peer_llamacpp.ratios(after_step) == {"alone_hand_off_gain": pytest.approx(1.25)}
+
+
+def test_peer_llamacpp_takes_each_servers_median_over_its_rounds(tmp_path, monkeypatch):
+    """Servers take turns over several rounds (the machine is noisy): each figure is the median of the rounds,
+    a figure every round shares (how many requests) stays as it is, and each round's rate is kept."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import peer_llamacpp
+
+    def run(alone, loaded, own=None):
+        return {"alone": {"requests": 4, "output_tok_s": alone, "own_decode_ms": own},
+                "loaded": {"requests": 32, "output_tok_s": loaded}}
+    rounds = [{"minipaged-fp32": run(50.0, 170.0), "llama.cpp-F32": run(55.0, 150.0, 15.0)},
+              {"minipaged-fp32": run(56.0, 160.0), "llama.cpp-F32": run(50.0, 155.0, None)},
+              {"minipaged-fp32": run(53.0, 180.0), "llama.cpp-F32": run(54.0, 140.0, 16.0)}]
+    combined = peer_llamacpp.median_over_rounds(rounds)
+    assert combined["minipaged-fp32"]["alone"] == {"requests": 4, "output_tok_s": 53.0, "own_decode_ms": None}
+    assert combined["minipaged-fp32"]["loaded"]["output_tok_s"] == 170.0
+    assert combined["llama.cpp-F32"]["alone"]["own_decode_ms"] == 15.5             # of the rounds that had it
+    assert combined["llama.cpp-F32"]["rounds_output_tok_s"]["alone"] == [55.0, 50.0, 54.0]
+    assert peer_llamacpp.ratios(combined)["alone_fp32_vs_f32"] == pytest.approx(53 / 54)
 
 
 def test_int8_keeps_no_view_of_the_loaded_checkpoint(tiny_model_untied, monkeypatch):

@@ -230,7 +230,8 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
                         "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
                                                                    config["max_num_batched_tokens"]),
                         "quantization": quantization_derived(results["quantization"]),
-                        "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"])},
+                        "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"]),
+                        "peer": peer_derived(results["peer_llamacpp"])},
             "peer_section": peer_section(tuning_values)}
 
 
@@ -239,12 +240,26 @@ def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, A
             + render(PERFORMANCE_TEMPLATE.read_text(encoding="utf-8"), performance_values(results, tuning_values)))
 
 
+def peer_derived(record: dict[str, Any]) -> dict[str, Any]:
+    """From bench/peer_llamacpp.py's record: each alone target's lowest and highest ratio over the rounds, and
+    the fp32 server's ms per token alone with its tokens handed over at the hand-off point and after each step."""
+    rounds = record.get("ratios_each_round") or [record["ratios"]]
+    spread = {key: {"low": min(r[key] for r in rounds), "high": max(r[key] for r in rounds)}
+              for key in ("alone_fp32_vs_f32", "alone_int8_vs_q8_0") if all(key in r for r in rounds)}
+    results = record["results"]
+    after_step = results.get("minipaged-fp32-hand-off-after-step")
+    return {"rounds": len(rounds), "spread": spread,
+            "fp32_tpot_ms": results["minipaged-fp32"]["alone"]["median_tpot_ms"],
+            "after_step_tpot_ms": after_step["alone"]["median_tpot_ms"] if after_step else None}
+
+
 def rendered_quantization_doc(results: dict[str, Any]) -> str:
     """docs/quantization.md from its template and bench/out/ (quantization, peer_llamacpp, decode_floor)."""
     floor, peer = results["decode_floor"]["batches"]["1"], results["peer_llamacpp"]["results"]
     derived = {"quantization": quantization_derived(results["quantization"]),
                "above_floor_ms": floor["engine_ms"] - floor["floor_ms"],
-               "llama_f32_own_ms": peer["llama.cpp-F32"]["alone"]["own_decode_ms"]}
+               "llama_f32_own_ms": peer["llama.cpp-F32"]["alone"]["own_decode_ms"],
+               "peer": peer_derived(results["peer_llamacpp"])}
     values = {**results, "derived": derived,
               "tables": {"peer_llamacpp": peer_llamacpp_table(results["peer_llamacpp"])}}
     return (generated_note(QUANTIZATION_TEMPLATE, "bench/out/quantization.json, peer_llamacpp.json, decode_floor.json")
