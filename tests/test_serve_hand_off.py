@@ -95,3 +95,13 @@ def test_handed_off_tokens_equal_the_engines_own(tiny_model_untied, backend):
                                                                   ignore_eos=True))[0].outputs[0].token_ids
     tokens, _ = serve_one_request(engine)
     assert tokens == list(expected)
+
+
+def test_a_stopped_server_gives_the_backend_its_own_hand_off_back(tiny_model_untied):
+    """The engine may be driven directly again (``Engine.generate``) once its server has stopped."""
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    own = engine.backend.hand_off
+    async_engine = AsyncEngine(engine)
+    assert engine.backend.hand_off == async_engine._hand_off
+    async_engine.stop()
+    assert engine.backend.hand_off is own

@@ -107,6 +107,7 @@ class AsyncEngine:
         self._outbox: list[tuple[Callable[..., Any], tuple]] = []   # engine thread only: for the event loop
         self._handed_off = False                        # engine thread only: the backend called hand_off this step
         engine.subscribe(self._on_event)
+        self._backend_hand_off = engine.backend.hand_off  # put back on stop: the engine may be driven directly again
         if HAND_OFF_AT_MODEL_CALL:
             engine.backend.hand_off = self._hand_off
 
@@ -120,6 +121,8 @@ class AsyncEngine:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.engine.backend.hand_off == self._hand_off:
+            self.engine.backend.hand_off = self._backend_hand_off
 
     @property
     def engine_thread_alive(self) -> bool:
