@@ -15,7 +15,7 @@ Each ``EngineMetrics`` has its own registry, so two engines in one process do no
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -29,7 +29,10 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0,
 class EngineMetrics:
     """Gauges of the engine's state after each step, counters of what it did, histograms of latencies."""
 
-    def __init__(self, engine: Any = None, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, engine: Any = None, registry: Optional[CollectorRegistry] = None,
+                 subscribe: Optional[Callable[[Callable[[StepEvent], None]], Any]] = None) -> None:
+        """``subscribe``: how ``observe`` is to get the engine's StepEvents (by default ``engine.subscribe``: in
+        the engine's thread; a server passes ``AsyncEngine.subscribe_in_loop``, to fold them on its event loop)."""
         self.registry = registry or CollectorRegistry()
         r, p = self.registry, PREFIX
         self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
@@ -74,7 +77,7 @@ class EngineMetrics:
             stats = engine.stats()
             self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits",
                                                                        "communication_seconds") if name in stats}
-            engine.subscribe(self.observe)
+            (subscribe or engine.subscribe)(self.observe)
 
     def observe(self, event: StepEvent) -> None:
         """Fold one StepEvent in (the engine calls this after every step once subscribed)."""

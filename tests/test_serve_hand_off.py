@@ -8,21 +8,43 @@ call gets them after each step. Either way every token arrives, in order, and a 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
+from typing import Callable
 
 import pytest
 
 from minipaged import Engine
+from minipaged.events import StepEvent
 from minipaged.request import SamplingParams
 from minipaged.serve.async_engine import AsyncEngine, Update
 
 MAX_TOKENS = 6
 
 
-def serve_one_request(engine: Engine) -> tuple[list[int], list[tuple[bool, int]]]:
-    """Stream one request through an AsyncEngine; its tokens, and for every wake-up of the event loop by the engine
-    thread: (was it inside a hand-off, how many steps had ended)."""
+class _NotedQueue(queue.SimpleQueue):
+    """The AsyncEngine's queue of outboxes for its courier, noting (inside a hand-off?, steps ended) for each
+    outbox the engine thread puts on it."""
+
+    def __init__(self, inside_hand_off: list[bool], steps: list[int], noted: list[tuple[bool, int]]) -> None:
+        super().__init__()
+        self.inside_hand_off, self.steps, self.noted = inside_hand_off, steps, noted
+
+    def put(self, item, block=True, timeout=None):
+        if item is not None:
+            assert threading.current_thread().name == "minipaged-engine"
+            self.noted.append((self.inside_hand_off[0], self.steps[0]))
+        super().put(item, block, timeout)
+
+
+def serve_one_request(engine: Engine, in_loop: Callable[[StepEvent], None] = lambda _event: None,
+                      on_update: Callable[[Update], None] = lambda _update: None,
+                      ) -> tuple[list[int], list[tuple[bool, int]]]:
+    """Stream one request through an AsyncEngine; its tokens, and for every outbox the engine thread handed over
+    (each wakes the event loop once): (was it inside a hand-off, how many steps had ended). ``in_loop`` is
+    subscribed on the event loop; ``on_update`` sees each Update as the request gets it."""
     async_engine = AsyncEngine(engine)
+    async_engine.subscribe_in_loop(in_loop)
     inside_hand_off = [False]
     steps = [0]
     engine.subscribe(lambda _event: steps.__setitem__(0, steps[0] + 1))
@@ -35,16 +57,18 @@ def serve_one_request(engine: Engine) -> tuple[list[int], list[tuple[bool, int]]
         finally:
             inside_hand_off[0] = False
     engine.backend.hand_off = noted_hand_off
-    wake_ups: list[tuple[bool, int]] = []
+    handed_over: list[tuple[bool, int]] = []
+    async_engine._batches = _NotedQueue(inside_hand_off, steps, handed_over)
     served: list[tuple[bool, int]] = []
+
+    waking_threads: set[str] = set()
 
     async def main() -> list[int]:
         loop = asyncio.get_running_loop()
         call_soon_threadsafe = loop.call_soon_threadsafe
 
-        def noted_call(*args):
-            if threading.current_thread().name == "minipaged-engine":     # (not asyncio's own threads)
-                wake_ups.append((inside_hand_off[0], steps[0]))
+        def noted_call(*args):                 # (a wake-up writes to a socket: a system call, which lets go of the GIL)
+            waking_threads.add(threading.current_thread().name)
             return call_soon_threadsafe(*args)
         loop.call_soon_threadsafe = noted_call
         async_engine.start(loop)
@@ -53,19 +77,22 @@ def serve_one_request(engine: Engine) -> tuple[list[int], list[tuple[bool, int]]
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
             async for item in async_engine.generate("r1", lambda _engine: ([3, 4, 5, 6, 7], params)):
                 if isinstance(item, Update):
+                    on_update(item)
                     tokens.extend(t for delta in item.deltas for t in delta.token_ids)
                     if item.output is not None:
                         assert tokens == list(item.output.outputs[0].token_ids)
-                        served.extend(wake_ups)                 # (stopping wakes the loop once more)
+                        served.extend(handed_over)              # (stopping hands over once more)
         finally:
             await asyncio.to_thread(async_engine.stop, 10.0)
+        assert not async_engine._courier.is_alive()
         return tokens
     tokens = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    assert "minipaged-courier" in waking_threads and "minipaged-engine" not in waking_threads, waking_threads
     return tokens, served
 
 
 def test_tokens_go_to_the_event_loop_inside_the_next_steps_hand_off(tiny_model_untied):
-    """The cpu backend's decode steps are one compiled call: each step's tokens wake the loop once, from inside
+    """The cpu backend's decode steps are one compiled call: each step's tokens go to the loop once, from inside
     the next step's hand-off; the last step's (nothing follows it) at once, after it."""
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
     assert engine.backend._decode_layers is not None
@@ -105,3 +132,24 @@ def test_a_stopped_server_gives_the_backend_its_own_hand_off_back(tiny_model_unt
     assert engine.backend.hand_off == async_engine._hand_off
     async_engine.stop()
     assert engine.backend.hand_off is own
+
+
+def test_a_loop_subscriber_sees_each_step_on_the_event_loop_before_its_tokens_arrive(tiny_model_untied):
+    """``subscribe_in_loop`` (the server's metrics): called on the event loop's thread for every step, and for a
+    step that gave the request tokens, before the request gets them (a client that got its answer finds it
+    counted)."""
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    seen: list[tuple[str, int]] = []                  # (thread, tokens of r1 counted so far)
+    counted = [0]
+
+    def in_loop(event: StepEvent) -> None:
+        counted[0] += len(event.new_token_ids.get("r1", ()))
+        seen.append((threading.current_thread().name, counted[0]))
+    received = [0]
+
+    def on_update(update: Update) -> None:
+        received[0] += sum(d.num_tokens for d in update.deltas)
+        assert counted[0] >= received[0]              # counted before it arrived
+    tokens, _ = serve_one_request(engine, in_loop, on_update)
+    assert len(tokens) == MAX_TOKENS and counted[0] == MAX_TOKENS
+    assert {thread for thread, _ in seen} == {threading.main_thread().name}   # asyncio.run's loop thread

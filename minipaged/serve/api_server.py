@@ -76,8 +76,10 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
-    metrics = EngineMetrics(engine)      # subscribed first: a client that got its answer finds it counted
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
+    # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
+    # a client that got its answer finds it counted.
+    metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

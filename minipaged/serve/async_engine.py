@@ -17,8 +17,11 @@ thread at a time (the GIL): if the HTTP thread wakes while the engine thread is 
 engine waits for the HTTP thread's Python to finish (about a millisecond per streamed token, on every token).
 So the engine thread keeps its hand-offs in an outbox and passes them on when it lets go of the GIL for
 long: the backend calls ``Backend.hand_off`` just before a decode step's compiled call (kernels/backends), and
-the HTTP thread streams step N's tokens while step N+1 computes. vLLM V1 takes the same cost away with two
-processes (an engine core and an API server); one thread and one well-placed hand-off do it here.
+the HTTP thread streams step N's tokens while step N+1 computes. Even waking the event loop would give the GIL
+away (writing to its wake-up socket is a system call, which releases the GIL, and the woken loop takes it), so
+the engine thread only drops the outbox on a queue: a courier thread, woken without a system call, takes the GIL
+when the compiled call lets go of it and wakes the loop. vLLM V1 takes the same cost away with two processes (an
+engine core and an API server); two threads and one well-placed hand-off do it here.
 """
 from __future__ import annotations
 
@@ -105,6 +108,9 @@ class AsyncEngine:
         self._aborts_unpublished = False                # engine thread only
         self.stats: dict[str, float] = dict(engine.stats())   # replaced (never mutated) by the engine thread
         self._outbox: list[tuple[Callable[..., Any], tuple]] = []   # engine thread only: for the event loop
+        self._batches: queue.SimpleQueue = queue.SimpleQueue()      # outboxes for the courier; None: stop
+        self._courier: Optional[threading.Thread] = None
+        self._loop_subscribers: list[Callable[[StepEvent], None]] = []
         self._handed_off = False                        # engine thread only: the backend called hand_off this step
         engine.subscribe(self._on_event)
         self._backend_hand_off = engine.backend.hand_off  # put back on stop: the engine may be driven directly again
@@ -114,6 +120,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ life cycle (event-loop side)
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._courier = threading.Thread(target=self._carry, name="minipaged-courier", daemon=True)
+        self._courier.start()
         self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
         self._thread.start()
 
@@ -121,6 +129,8 @@ class AsyncEngine:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._courier is not None:
+            self._courier.join(timeout)
         if self.engine.backend.hand_off == self._hand_off:
             self.engine.backend.hand_off = self._backend_hand_off
 
@@ -188,6 +198,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def subscribe_in_loop(self, callback: Callable[[StepEvent], None]) -> None:
+        """Call ``callback(event)`` on the event loop for every StepEvent, before that step's tokens reach their
+        requests (metrics: a client that got its answer finds it counted). Subscribe before ``start``."""
+        self._loop_subscribers.append(callback)
+
     def watch(self, watcher: Watcher) -> None:
         """Register ``watcher``: it gets the engine header, a snapshot of the current state, then every
         StepEvent (call ``unwatch`` when its connection ends)."""
@@ -220,6 +235,7 @@ class AsyncEngine:
                 self._flush_outbox()
         self._fail_all(ServerError(503, "the server is shutting down."))
         self._flush_outbox()
+        self._batches.put(None)                       # the courier's last batch
 
     def _hand_off(self) -> None:
         """The backend is about to let go of the GIL for the model's long call (``Backend.hand_off``): what
@@ -228,14 +244,19 @@ class AsyncEngine:
         self._flush_outbox()
 
     def _flush_outbox(self) -> None:
-        if not self._outbox:
-            return
-        callbacks, self._outbox = self._outbox, []
+        """Give the outbox to the courier (a queue put: no system call, so the engine thread keeps the GIL)."""
+        if self._outbox:
+            callbacks, self._outbox = self._outbox, []
+            self._batches.put(callbacks)
+
+    def _carry(self) -> None:
+        """The courier thread: wakes the event loop once for each outbox, in order."""
         assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(_run_in_order, callbacks)   # one wake-up of the loop for all of them
-        except RuntimeError:                          # the event loop is closed: the server is going down
-            pass
+        while (callbacks := self._batches.get()) is not None:
+            try:
+                self._loop.call_soon_threadsafe(_run_in_order, callbacks)
+            except RuntimeError:                      # the event loop is closed: the server is going down
+                return
 
     def _handle_commands(self, wait: bool) -> None:
         try:
@@ -292,6 +313,8 @@ class AsyncEngine:
 
     def _on_event(self, event: StepEvent) -> None:
         """Called by the engine after every step, in the engine thread."""
+        for callback in self._loop_subscribers:
+            self._call_soon(callback, event)
         self._view.apply(event)
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
