@@ -133,11 +133,13 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
         max_blocks = (decode_len + block_size - 1) // block_size
         picked = block_tables if every_row else block_tables[torch.tensor(decodes, device=device)]
         lens = [seq_list[i] for i in decodes]
-        # A shorter context's table ends in padding, which may be any id (-1, say): read block 0 there
-        # instead; the mask hides it.
-        owned = torch.tensor([(n + block_size - 1) // block_size for n in lens], device=device)
-        padding = torch.arange(max_blocks, device=device) >= owned[:, None]
-        tables = picked[:, :max_blocks].long().masked_fill(padding, 0)     # int64: index_select's own type
+        blocks_owned = [(n + block_size - 1) // block_size for n in lens]
+        tables = picked[:, :max_blocks].long()                             # int64: index_select's own type
+        if min(blocks_owned) < max_blocks:
+            # A shorter context's table ends in padding, which may be any id (-1, say): read block 0 there
+            # instead; the mask hides it. (One request alone, the usual decode on a laptop, has none.)
+            owned = torch.tensor(blocks_owned, device=device)
+            tables = tables.masked_fill(torch.arange(max_blocks, device=device) >= owned[:, None], 0)
         decode_seq_lens = torch.tensor(lens, device=device)
         if min(lens) < decode_len:                      # shorter contexts must not see the padding
             valid = torch.arange(decode_len, device=device)[None, :] < decode_seq_lens[:, None]
