@@ -51,13 +51,13 @@ def stream_completions_until(url: str, prompt: str, max_tokens: int, current_id:
     for _ in range(most):
         if enough.is_set():
             return
-        got_id: list[str] = []
         body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            first = True
             for line in response.iter_lines():
-                if line.startswith("data: {") and not got_id:
-                    got_id.append(json.loads(line[6:])["id"])
-                    current_id[:] = got_id
+                if first and line.startswith("data: {"):
+                    current_id[:] = [json.loads(line[6:])["id"]]
+                    first = False
 
 
 @needs_chromium

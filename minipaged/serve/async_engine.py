@@ -45,7 +45,8 @@ logger = logging.getLogger("minipaged.serve")
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
-# MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/serve_hand_off.py).
+# MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/peer_llamacpp.py's
+# minipaged-fp32-hand-off-after-step server).
 HAND_OFF_AT_MODEL_CALL = os.environ.get("MINIPAGED_HAND_OFF", "1") != "0"
 
 
