@@ -70,16 +70,15 @@ def decode_step_ms(engine: Engine, batch: int, context: int, max_steps: int) -> 
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_steps + 8, ignore_eos=True))
            for p in prompts]
     try:
-        while any(s.kind != "decode" for s in engine.step().scheduled):
+        while any(s.kind != "decode" for s in engine.step().event.scheduled):
             pass                                         # every prompt's prefill done
         while True:
-            event = engine.step()
+            event = engine.step().event
             assert len(event.scheduled) == batch and all(s.kind == "decode" for s in event.scheduled)
             yield event.duration_s * 1000
     finally:
         for rid in ids:
             engine.abort(rid)
-        engine.pop_finished()
         engine.reset_prefix_cache()
 
 
@@ -134,13 +133,12 @@ def profile_step(engine: Engine, batch: int, context: int, steps: int = 5) -> di
     prompts = random_token_prompts(batch, context, context, seed=99, vocab=engine.model.embed.shape[0])
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
            for p in prompts]
-    while any(s.kind != "decode" for s in engine.step().scheduled):
+    while any(s.kind != "decode" for s in engine.step().event.scheduled):
         pass
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        events = [engine.step() for _ in range(steps)]
+        events = [engine.step().event for _ in range(steps)]
     for rid in ids:
         engine.abort(rid)
-    engine.pop_finished()
     step_ms = sum(e.duration_s for e in events) / steps * 1000
     ms = {"matmul": 0.0, "attention": 0.0, "elementwise and small ops": 0.0}
     working_ops = 0

@@ -39,17 +39,16 @@ def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[fl
     prompts = random_token_prompts(batch, 100, 100, seed=11, vocab=engine.model.embed.shape[0])
     probe = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
              for p in prompts]
-    while any(e.kind != "decode" for e in engine.step().scheduled):
+    while any(e.kind != "decode" for e in engine.step().event.scheduled):
         pass                                   # let every prompt finish its prefill
     total = forward = 0.0
     for _ in range(steps):
-        event = engine.step()
+        event = engine.step().event
         assert len(event.scheduled) == batch
         total += event.duration_s
         forward += event.model_s
     for rid in probe:                          # clean up the remaining tokens of the probe
         engine.abort(rid)
-    engine.pop_finished()
     return (total - forward) / total, total / steps
 
 

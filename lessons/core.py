@@ -225,7 +225,7 @@ def run_variant(scenario: Scenario, model: str, variant: Optional[str] = None, *
             feed.add_due(engine, len(events))
             if not engine.has_unfinished_requests():
                 break
-            events.append(engine.step())
+            events.append(engine.step().event)
             if len(events) > max_steps:
                 raise RuntimeError(f"the scenario did not finish in {max_steps} steps")
     return Run(variant, engine.info, events)

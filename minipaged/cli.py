@@ -37,11 +37,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Stream: one prompt prints as it grows; several print in turn when each finishes.
     stream = ids[0] if len(ids) == 1 else None
     while engine.has_unfinished_requests():
-        event = engine.step()
-        if stream is not None and stream in event.new_text:
-            sys.stdout.write(event.new_text[stream])
-            sys.stdout.flush()
-        for out in engine.pop_finished():
+        for delta in engine.step().outputs:
+            if delta.request_id == stream and delta.samples[0].text:
+                sys.stdout.write(delta.samples[0].text)
+                sys.stdout.flush()
+            if delta.output is None:
+                continue
+            out = delta.output
             if stream is None:
                 sys.stdout.write(f"--- [{out.request_id}] {asked[out.request_id]}\n{out.text}\n")
             else:

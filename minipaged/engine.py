@@ -14,12 +14,19 @@ Follow a request from top to bottom:
      picks a token for each request that reached the end of its known tokens.
   6. ``Scheduler.update_from_output`` advances ``num_computed_tokens``, appends the tokens, finishes requests
      on EOS, stop ids and lengths, and returns each one's new tokens; finished ones free their blocks at once.
-  7. The ``OutputProcessor`` turns tokens into text and builds ``RequestOutput``s; a stop string it finds
-     ends its request through the scheduler (``finish_on_stop_string``). The engine writes no request field.
+  7. The ``OutputProcessor`` turns tokens into text and builds each request's delta (and its
+     ``RequestOutput`` when it finishes); a stop string it finds ends its request through the scheduler
+     (``finish_on_stop_string``). The engine writes no request field.
   8. With speculative decoding on, a proposer guesses each decoding request's next k tokens; the next
      step schedules them with the request's last token and the rejection sampler keeps those the target
      agrees with (``minipaged.spec_decode``).
-  9. A ``StepEvent`` records all of it for the TUI, traces and metrics.
+  9. ``step`` returns a ``StepResult``: ``outputs``, the deltas clients read (the server, the CLI,
+     ``generate``), and ``event``, a ``StepEvent`` recording all of it for observers (the TUI, traces,
+     metrics, the web view), who also get it through ``subscribe``.
+
+The engine's surface: ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``info``, ``stats``,
+``subscribe`` (observers), ``before_model_call`` (a hook at the model call), and ``generate`` / ``chat`` on top.
+Its parts (``engine_builder.EngineParts``) are attributes for those who study or test them.
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ from .engine_builder import build_engine_parts
 from .execute_step import execute_and_sample
 from .events import RequestArrival, RequestFinish, StepEvent
 from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
-from .outputs import RequestOutput
+from .output_processor import DrainedStep
+from .outputs import RequestOutput, StepResult
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from .scheduler import SchedulerOutput
 from .spec_decode.rejection_sampler import Verified
@@ -48,15 +56,34 @@ class Engine:
 
     def __init__(self, model: str = "smollm2", *, load_progress: Optional[Callable[[str], None]] = None,
                  **options: Any) -> None:
-        # config, model, backend, kv, scheduler, runner, sampler, outputs, ... (engine_builder.EngineParts)
-        vars(self).update(vars(build_engine_parts(model, options, load_progress)))
+        parts = build_engine_parts(model, options, load_progress)
+        self.config = parts.config             # the options, checked and completed
+        self.info = parts.info                 # what does not change during a run (every event's header)
+        self.tokenizer = parts.tokenizer
+        self.loaded = parts.loaded             # transformers' config (and model, unless quantized), EOS ids
+        # The parts, in the order a step uses them (engine_builder.py says how each is chosen):
+        self.inputs = parts.inputs             # requests in: validate, tokenise
+        self.logits = parts.logits             # per-request logits processing (penalties, masks, grammars)
+        self.scheduler = parts.scheduler       # who runs, how many tokens each
+        self.kv = parts.kv                     # the block manager of the device pool (prefix cache included)
+        self.cpu_pool = parts.cpu_pool         # the host pool swapped-out requests wait in
+        self.runner = parts.runner             # one forward pass over the flattened batch
+        self.model = parts.model
+        self.backend = parts.backend           # everything specific to the device or kernels
+        self.kv_cache = parts.kv_cache
+        self.cpu_kv_cache = parts.cpu_kv_cache
+        self.sampler = parts.sampler
+        self.speculator = parts.speculator     # speculative decoding (None: off)
+        self.draft_model = parts.draft_model
+        self.outputs = parts.outputs           # tokens out: text, stop strings, deltas, RequestOutputs
+        self.device, self.layout = parts.device, parts.layout
         self._pending_arrivals: list[RequestArrival] = []   # what happened between steps goes in the next event
         self._pending_finishes: list[RequestFinish] = []
         self._subscribers: list[Callable[[StepEvent], None]] = []
+        self._model_call_hooks: list[Callable[[], None]] = []
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
-        self.step_logprobs: dict[str, list] = {}          # the last step's new tokens' log-probabilities (streams)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -83,11 +110,12 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request (or all n samples of it) now and free its blocks. False if it is not running."""
+        """Stop a request (or all n samples of it) now and free its blocks; its caller gets no more outputs
+        for it (the next event still shows the abort to observers). False if it is not running."""
         requests = self.outputs.unfinished(request_id)
         self.scheduler.finish_requests(requests, RequestStatus.FINISHED_ABORTED)   # O(samples), not O(samples^2)
         for req in requests:
-            self._record_finish(req, time.perf_counter())
+            self._record_finish(req, time.perf_counter(), deliver=False)
         return bool(requests)
 
     def has_unfinished_requests(self) -> bool:
@@ -102,8 +130,26 @@ class Engine:
                 self._subscribers.remove(callback)
         return unsubscribe
 
+    def before_model_call(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Run ``hook()`` in each step, just before the model's long call that lets go of Python's GIL, where
+        the backend has one (the cpu backend's compiled decode step; the start of its other steps); on other
+        backends it does not run. A server hands the previous step's outputs to its HTTP thread there, so that
+        thread's Python runs while the model computes. Returns a function that removes the hook."""
+        self._model_call_hooks.append(hook)
+
+        def remove() -> None:
+            if hook in self._model_call_hooks:
+                self._model_call_hooks.remove(hook)
+        return remove
+
+    def _run_model_call_hooks(self) -> None:
+        for hook in list(self._model_call_hooks):
+            hook()
+
     # ------------------------------------------------------------------ one step
-    def step(self) -> StepEvent:
+    def step(self) -> StepResult:
+        """One engine step: schedule, run the model once, sample, and hand out what changed (``outputs`` for
+        clients, ``event`` for observers, who also get the event through ``subscribe``)."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
         for req in plan.failed:                            # a policy raised deciding about it: aborted
@@ -112,33 +158,34 @@ class Engine:
             self._drop_drafts(p.request.request_id)
         self.runner.swap_blocks(self.cpu_kv_cache, plan.swap_out, plan.swap_in)   # before the model reads the cache
         sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
-            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator)
+            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator, self._run_model_call_hooks)
         update = self.scheduler.update_from_output(plan, sampled)     # appended; finished on EOS, stop ids, length
         logprobs = self.logits.take_logprobs(update.new_token_ids)
         for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(), logprobs):
             self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
         for req in update.finished:
             self._record_finish(req, time.perf_counter())
-        self.step_logprobs = self.outputs.drain_logprobs()
+        drained = self.outputs.drain()                     # the step's deltas, and the same as observers see it
         draft_s = 0.0
         if self.speculator is not None:                    # guesses for the next step
             draft_s = self.speculator.propose([c.request for c in plan.chunks
                                                if c.request.request_id in update.new_token_ids])
-        return self._emit(plan, update.new_token_ids, verified, start, model_s, draft_s)
+        return StepResult(drained.deltas,
+                          self._emit(plan, update.new_token_ids, drained, verified, start, model_s, draft_s))
 
     def _drop_drafts(self, request_id: str) -> None:
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
-    def _record_finish(self, req: Request, now: float) -> None:
+    def _record_finish(self, req: Request, now: float, deliver: bool = True) -> None:
         self.sampler.forget(req.request_id)
         self.logits.forget(req.request_id)
         self._drop_drafts(req.request_id)
         self._counters.count_finish()
-        self._pending_finishes.append(self.outputs.finish(req, now))
+        self._pending_finishes.append(self.outputs.finish(req, now, deliver))
 
-    def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], verified: dict[str, Verified],
-              start: float, model_s: float, draft_s: float) -> StepEvent:
+    def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], drained: DrainedStep,
+              verified: dict[str, Verified], start: float, model_s: float, draft_s: float) -> StepEvent:
         """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
         and hand it to every subscriber."""
         self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
@@ -153,14 +200,13 @@ class Engine:
             scheduled=tuple(scheduled_record(ch, verified.get(ch.request.request_id), self.tokenizer.decode)
                             for ch in plan.chunks),
             swapped_in=tuple(r.request_id for r in plan.swapped_in), finished=tuple(finishes),
-            new_token_ids=new_token_ids, new_text=self.outputs.drain_text(), kv=self.kv.drain_changes(),
+            new_token_ids=new_token_ids, new_text=drained.text, kv=self.kv.drain_changes(),
             num_free_blocks=stats["blocks_free"], num_cached_free_blocks=stats["blocks_cached_free"],
             num_total_blocks=stats["blocks_total"], num_free_cpu_blocks=stats["cpu_blocks_free"],
             num_total_cpu_blocks=stats["cpu_blocks_total"],
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
             swapped=tuple(r.request_id for r in s.swapped), counters=stats,
-            new_logprobs={rid: [position[token].logprob for position, token in zip(positions, new_token_ids[rid])]
-                          for rid, positions in self.step_logprobs.items() if rid in new_token_ids},
+            new_logprobs=drained.logprobs,
             constrained={rid: (allowed, self.logits.vocab_size)
                          for rid, allowed in self.logits.drain_constrained().items()})
         end = time.perf_counter()
@@ -175,13 +221,12 @@ class Engine:
         return event
 
     # ------------------------------------------------------------------ results out
-    def pop_finished(self) -> list[RequestOutput]:
-        """Outputs of the requests finished since the last call (for callers driving ``step`` themselves)."""
-        return self.outputs.pop_finished()
-
     def generate(self, prompts: Union[Prompt, Iterable[Prompt]], params: Union[SamplingParams,
                  Sequence[SamplingParams], None] = None, *, use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
-        """Run prompts to completion, batched continuously; outputs come back in the order of the prompts."""
+        """Run prompts to completion, batched continuously; outputs come back in the order of the prompts.
+
+        It steps the engine itself: outputs of requests someone else added with ``add_request`` are not
+        delivered to them meanwhile (drive ``step`` yourself to serve both)."""
         prompts = as_prompt_list(prompts)
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(param_list) != len(prompts):
@@ -190,21 +235,20 @@ class Engine:
         for prompt in checked:
             self.logits.compile(prompt.params)
         ids = [self._queue(prompt, None) for prompt in checked]
+        wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         show = sys.stderr.isatty() and len(prompts) >= 4 if use_tqdm is None else use_tqdm
         from tqdm import tqdm
         with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not show) as bar:
             try:
                 while len(results) < len(ids):
-                    self.step()
-                    for rid in ids:
-                        for out in ([] if rid in results else self.outputs.pop_finished(rid)):
-                            results[rid] = out
+                    for delta in self.step().outputs:
+                        if delta.output is not None and delta.request_id in wanted:
+                            results[delta.request_id] = delta.output
                             bar.update(1)
             except BaseException:
-                for rid in set(ids) - results.keys():   # leave the engine clean for the next caller
+                for rid in wanted - results.keys():      # leave the engine clean for the next caller
                     self.abort(rid)
-                    self.outputs.pop_finished(rid)
                 raise
         return [results[rid] for rid in ids]
 

@@ -1,8 +1,10 @@
 """StepEvent: the one window onto the engine.
 
-Each ``Engine.step()`` returns one frozen, JSON-serialisable ``StepEvent`` saying what was scheduled, which
-KV blocks changed hands, what was cached, evicted, preempted, swapped and finished, and how long it took.
-The TUI, traces, metrics and lessons read these events and nothing else. ``EngineView`` (below) shows that
+Each ``Engine.step()`` makes one frozen, JSON-serialisable ``StepEvent`` (``StepResult.event``, and every
+subscriber's) saying what was scheduled, which KV blocks changed hands, what was cached, evicted, preempted,
+swapped and finished, and how long it took. The TUI, traces, metrics and lessons read these events and nothing
+else. Events only observe: clients get their tokens from ``StepResult.outputs`` (minipaged/outputs.py); the
+text and tokens an event shows are the same change, keyed by sample id, for drawing. ``EngineView`` (below) shows that
 this is enough: it rebuilds the block map and the request table from events alone.
 
 A trace file is JSON lines: first an ``EngineInfo`` header, then one ``StepEvent`` per line.

@@ -5,7 +5,7 @@ runner does after its forward pass). ``Engine.step`` calls ``execute_and_sample`
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -21,12 +21,14 @@ from .spec_decode.speculator import Speculator
 
 def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage: LogitsStage, sampler: Sampler,
                        outputs: OutputProcessor, speculator: Optional[Speculator],
+                       before_model_call: Callable[[], None] = lambda: None,
                        ) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
     """Run the model on every scheduled token and pick the new tokens (a sample from a last row, or the
-    rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and the seconds it took."""
+    rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and the seconds it took.
+    ``before_model_call`` is the engine's hook, run by the backend just before its long call."""
     if not plan.chunks:
         return {}, {}, 0.0
-    model_input = runner.prepare(plan.chunks)
+    model_input = runner.prepare(plan.chunks, before_model_call=before_model_call)
     forward_start = time.perf_counter()
     logits = runner.execute(model_input)
     drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids}

@@ -2,8 +2,8 @@
 
 Everything that can be wrong with a request is found here, before anything is queued, so a bad request
 gets a clear error and never reaches the scheduler (where it could hurt the requests around it). A prompt
-with ``n > 1`` becomes n requests, ``id.0`` ... ``id.n-1``, that share the prompt (and, through the prefix
-cache, its KV blocks); the output processor gathers them back into one output.
+with ``n > 1`` becomes n requests (named by ``output_processor.sample_ids``) that share the prompt (and, through
+the prefix cache, its KV blocks); the output processor gathers them back into one output.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+from .output_processor import sample_ids
 from .request import InvalidRequestError, Request, SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -90,11 +91,8 @@ class InputProcessor:
         """The user-visible id and its requests: one, or one per sample when ``n > 1``."""
         n = prompt.params.n
 
-        def sample_ids(rid: str) -> list[str]:     # the n parallel samples run as rid.0, rid.1, ...
-            return [rid] if n == 1 else [f"{rid}.{i}" for i in range(n)]
-
         def taken(rid: str) -> bool:
-            return any(id_in_use(r) for r in {rid, *sample_ids(rid)})
+            return any(id_in_use(r) for r in {rid, *sample_ids(rid, n)})
 
         if request_id is None:                    # the next number that nobody has taken by hand
             request_id = next(rid for rid in map(str, self._id_counter) if not taken(rid))
@@ -105,7 +103,7 @@ class InputProcessor:
         now = time.perf_counter()
         return request_id, [Request(rid, list(prompt.token_ids), prompt.params, next(self._arrival_counter), now,
                                     prompt=prompt.text, sample_index=i, parent_id=request_id)
-                            for i, rid in enumerate(sample_ids(request_id))]
+                            for i, rid in enumerate(sample_ids(request_id, n))]
 
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant's answer."""

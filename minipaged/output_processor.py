@@ -1,14 +1,19 @@
-"""Tokens out: text, stop strings, stream deltas and the ``RequestOutput`` a caller gets back.
+"""Tokens out: text, stop strings, the step's per-request deltas and the ``RequestOutput`` a caller gets back.
 
 The scheduler decides everything a token alone decides (EOS, stop token ids, lengths). What needs *text*
 happens here, after each step (as in vLLM v1's ``OutputProcessor``):
   * each request's text grows by an ``IncrementalDetokenizer`` (constant work per token);
   * stop strings are searched for in the new text only; a hit cuts the text before the stop string and
     asks the engine to finish the request (it also overrides a length finish in the same token);
-  * streams get their text as deltas. Until a request finishes, the last ``len(longest stop) - 1``
+  * clients get their text as deltas. Until a request finishes, the last ``len(longest stop) - 1``
     characters are held back: they may be the start of a stop string, which the final text leaves out;
-  * ``n > 1`` samples of one prompt run as separate requests and are gathered into one ``RequestOutput``
-    once the last of them finishes.
+  * ``n > 1`` samples of one prompt run as separate requests (``id.0`` ... ``id.n-1``, named by the input
+    processor); here they are gathered back: one ``RequestDelta`` per request a step, with a ``SampleDelta``
+    per sample that changed, and one ``RequestOutput`` once the last of them finishes.
+
+``drain()`` ends a step: it returns the step's ``RequestDelta``s (the engine's outputs, for clients) and what
+observers are shown of the same change (text and log-probabilities per sample, for the ``StepEvent``).
+Nobody else spells the sample-id scheme or keeps per-request output state.
 """
 from __future__ import annotations
 
@@ -17,8 +22,37 @@ from typing import Any, Optional
 
 from .detokenizer import IncrementalDetokenizer
 from .events import RequestFinish
-from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprobs
+from .outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput,
+                      SampleDelta, TokenLogprobs)
 from .request import Request, RequestStatus
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids the n samples of one request run under (the input processor names its requests with them): the
+    request's own id when n is 1, else ``id.0`` ... ``id.n-1``. Clients never see them: deltas and outputs
+    carry the request's id and each sample's index."""
+    return [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
+
+
+@dataclass
+class SampleChange:
+    """What one sample got since the last ``drain()``: its ``SampleDelta`` in the making."""
+
+    parent_id: str
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class DrainedStep:
+    """A step's outputs for clients, and the same change as observers see it (keyed by sample id)."""
+
+    deltas: tuple[RequestDelta, ...]
+    text: dict[str, str]                       # sample id -> its new text (StepEvent.new_text)
+    logprobs: dict[str, list[float]]           # sample id -> each new token's log-probability (new_logprobs)
 
 
 @dataclass
@@ -28,7 +62,7 @@ class RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     text: str = ""                     # the output text, cut before a stop string once one is found
-    num_streamed_chars: int = 0        # text[:this] has gone out in StepEvents' new_text
+    num_streamed_chars: int = 0        # text[:this] has gone out in deltas
     token_times: list[float] = field(default_factory=list)
     finished_time: Optional[float] = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)             # when the request asked
@@ -40,16 +74,18 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Owns every request the caller has not collected yet: running samples, and finished outputs."""
+    """Owns every running request's output state, from its first token to the delta that carries its output."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._states: dict[str, RequestState] = {}       # sub-request id -> its state, until its parent is done
-        self._children: dict[str, list[str]] = {}        # user-visible id -> sub-request ids (n > 1)
-        self._finished: dict[str, RequestOutput] = {}    # user-visible id -> output, until collected
-        self._num_running: dict[str, int] = {}           # user-visible id -> its samples not finished yet
-        self._new_text: dict[str, str] = {}              # stream deltas since the last step's event
-        self._new_logprobs: dict[str, list[PositionLogprobs]] = {}   # the same, for log-probabilities
+        self._states: dict[str, RequestState] = {}       # sample id -> its state, until its request is done
+        self._children: dict[str, list[str]] = {}        # request id -> its sample ids (n > 1: id.0 ... id.n-1)
+        self._num_running: dict[str, int] = {}           # request id -> its samples not finished yet
+        self._changes: dict[str, SampleChange] = {}      # sample id -> what it got since the last drain
+        self._finished: dict[str, RequestOutput] = {}    # request id -> its output, finished since the last drain
+        self._withheld: set[str] = set()                 # ids the caller aborted: their changes are not delivered
+        self._delivered: set[str] = set()                # request ids that got a delta already (prompt logprobs
+                                                         # travel in the first)
 
     # ------------------------------------------------------------------ bookkeeping
     def add_requests(self, parent_id: str, requests: list[Request]) -> None:
@@ -62,13 +98,20 @@ class OutputProcessor:
             self._states[req.request_id] = state
 
     def id_in_use(self, request_id: str) -> bool:
-        return request_id in self._states or request_id in self._children or request_id in self._finished
+        return request_id in self._states or request_id in self._children
 
     def unfinished(self, request_id: str) -> list[Request]:
-        """The samples of a user-visible id (or the one request with that id) that are still running."""
+        """The samples of a request id (or the one sample with that id) that are still running."""
         ids = self._children.get(request_id, [request_id])
         return [self._states[rid].request for rid in ids
                 if rid in self._states and not self._states[rid].request.is_finished]
+
+    def _change(self, state: RequestState) -> SampleChange:
+        req = state.request
+        change = self._changes.get(req.request_id)
+        if change is None:
+            change = self._changes[req.request_id] = SampleChange(req.parent_id or req.request_id, req.sample_index)
+        return change
 
     # ------------------------------------------------------------------ each step
     def process_tokens(self, new_token_ids: dict[str, list[int]], now: float,
@@ -82,13 +125,15 @@ class OutputProcessor:
         for rid, tokens in new_token_ids.items():
             state = self._states[rid]
             req = state.request
+            change = self._change(state)
             token_logprobs = logprobs.get(rid, ())
             for i, token in enumerate(tokens):
                 state.token_times.append(now)
+                change.token_ids.append(token)
                 if i < len(token_logprobs):
                     position = self.position_logprobs(token_logprobs[i])
                     state.logprobs.append(position)
-                    self._new_logprobs.setdefault(rid, []).append(position)
+                    change.logprobs.append(position)
                 old_len = len(state.text)
                 state.text += state.detokenizer.add_tokens([token])
                 stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
@@ -117,18 +162,6 @@ class OutputProcessor:
         for i, entry in enumerate(entries):
             state.prompt_logprobs[first + i] = self.position_logprobs(entry)
 
-    def prompt_logprobs_of(self, request_id: str) -> Optional[list[Optional[PositionLogprobs]]]:
-        """A running request's prompt log-probabilities (None if it did not ask, or is no longer running)."""
-        state = self._states.get(request_id)
-        if state is None or state.request.params.prompt_logprobs is None:
-            return None
-        return list(state.prompt_logprobs)
-
-    def drain_logprobs(self) -> dict[str, list[PositionLogprobs]]:
-        """The log-probabilities of the tokens since the last call, per request (streams send them)."""
-        new, self._new_logprobs = self._new_logprobs, {}
-        return new
-
     @staticmethod
     def _find_stop(state: RequestState, old_len: int) -> Optional[str]:
         """The earliest stop string in the text, searching only where the new text could complete one;
@@ -152,16 +185,19 @@ class OutputProcessor:
         delta = state.text[state.num_streamed_chars:end]
         state.num_streamed_chars = end
         if delta:
-            rid = state.request.request_id
-            self._new_text[rid] = self._new_text.get(rid, "") + delta
+            self._change(state).text += delta
 
-    def finish(self, req: Request, now: float) -> RequestFinish:
-        """Record a finished (or aborted) request: flush its held-back text, and once all samples of its
-        prompt are done, build the caller's ``RequestOutput``. Returns the event's record of it."""
+    def finish(self, req: Request, now: float, deliver: bool = True) -> RequestFinish:
+        """Record a finished (or aborted) sample: flush its held-back text, and once all samples of its
+        request are done, build the caller's ``RequestOutput``. ``deliver=False`` (the caller aborted it, so
+        nobody waits for it): its delta and output are not delivered. Returns the event's record of it."""
         state = self._states[req.request_id]
         first_finish = state.finished_time is None
         state.finished_time = now
         self._stream(state, finished=True)
+        self._change(state).finish_reason = req.status.value
+        if not deliver:
+            self._withheld.add(req.request_id)
         times = state.token_times
         itls = [b - a for a, b in zip(times, times[1:])]
         record = RequestFinish(
@@ -172,16 +208,47 @@ class OutputProcessor:
         self._num_running[parent] -= first_finish       # a count, not a walk over the samples: aborting
         if self._num_running[parent] == 0:              # n samples stays O(n), not O(n^2)
             samples = [self._states[rid] for rid in self._children[parent]]
-            self._finished[parent] = self._build_output(parent, samples)
+            if deliver:
+                self._finished[parent] = self._build_output(parent, samples)
+            else:                                       # nobody waits for it: its id may be used again
+                self._delivered.discard(parent)
             for s in samples:
                 del self._states[s.request.request_id]
             del self._children[parent], self._num_running[parent]
         return record
 
-    def drain_text(self) -> dict[str, str]:
-        """The stream deltas since the last call (once per step, for the StepEvent)."""
-        text, self._new_text = self._new_text, {}
-        return text
+    def drain(self) -> DrainedStep:
+        """End the step: each request's delta (what its samples got, its output if it finished), and the
+        observers' view of the same change."""
+        changes, self._changes = self._changes, {}
+        finished, self._finished = self._finished, {}
+        withheld, self._withheld = self._withheld, set()
+        samples: dict[str, list[SampleDelta]] = {}
+        for sample_id, c in changes.items():
+            if sample_id not in withheld:
+                samples.setdefault(c.parent_id, []).append(SampleDelta(
+                    c.index, c.text, tuple(c.token_ids), tuple(c.logprobs), c.finish_reason))
+        deltas = []
+        for parent, parent_samples in samples.items():
+            output = finished.get(parent)
+            prompt_logprobs = None
+            if parent not in self._delivered:
+                prompt_logprobs = output.prompt_logprobs if output is not None else self._prompt_logprobs(parent)
+                self._delivered.add(parent)
+            if output is not None:
+                self._delivered.discard(parent)
+            deltas.append(RequestDelta(parent, tuple(sorted(parent_samples, key=lambda d: d.index)),
+                                       prompt_logprobs, output))
+        return DrainedStep(
+            tuple(deltas), {sid: c.text for sid, c in changes.items() if c.text},
+            {sid: [position[token].logprob for position, token in zip(c.logprobs, c.token_ids)]
+             for sid, c in changes.items() if c.logprobs})
+
+    def _prompt_logprobs(self, parent: str) -> Optional[list[Optional[PositionLogprobs]]]:
+        state = self._states.get(self._children.get(parent, [""])[0])
+        if state is None or state.request.params.prompt_logprobs is None:
+            return None
+        return list(state.prompt_logprobs)
 
     # ------------------------------------------------------------------ results
     @staticmethod
@@ -199,11 +266,3 @@ class OutputProcessor:
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, samples[0].first_token_time,
                                    max(s.finished_time or 0.0 for s in samples),
                                    sum(s.request.num_preemptions for s in samples)))
-
-    def pop_finished(self, request_id: Optional[str] = None) -> list[RequestOutput]:
-        """Collected outputs leave the engine: all of them, or the one with ``request_id`` (if finished)."""
-        if request_id is not None:
-            out = self._finished.pop(request_id, None)
-            return [] if out is None else [out]
-        done, self._finished = list(self._finished.values()), {}
-        return done

@@ -1,8 +1,18 @@
-"""What a finished request gives back to the caller (vLLM's RequestOutput shape)."""
+"""What the engine gives back to its caller: each step's per-request deltas, and a finished request's
+``RequestOutput`` (vLLM's shapes).
+
+This is the engine's output boundary, as in vLLM v1 (``EngineCore.step`` returns ``EngineCoreOutputs``; stats
+and KV events travel on their own channels): ``Engine.step()`` returns a ``StepResult`` whose ``outputs`` are
+what clients get (new tokens, text, log-probabilities, finish reasons, the final output), and whose ``event``
+is what observers get (the TUI, traces, metrics, the web view). A client never reads tokens out of an event.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .events import StepEvent
 
 
 @dataclass
@@ -89,3 +99,37 @@ class RequestOutput:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """What one sample (choice ``index`` of its request) got in one step."""
+
+    index: int
+    text: str                                   # the text that may go out now (a possible stop string held back)
+    token_ids: tuple[int, ...]                  # the tokens the step appended
+    logprobs: tuple[PositionLogprobs, ...] = () # one per new token, when SamplingParams.logprobs is set
+    finish_reason: Optional[str] = None         # "stop", "length" or "abort", in the sample's last delta only
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One request's share of a step: a delta for each of its samples that changed, and its final
+    ``RequestOutput`` in the step where its last sample finished. A stream is made of these."""
+
+    request_id: str                             # the id ``add_request`` returned (never a sample's own id)
+    samples: tuple[SampleDelta, ...]            # by index
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None   # in the first delta, when asked
+    output: Optional[RequestOutput] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``Engine.step()`` returns: ``outputs`` for clients, ``event`` for observers (it only observes)."""
+
+    outputs: tuple[RequestDelta, ...]
+    event: "StepEvent"

@@ -13,7 +13,7 @@ reads the block manager, so the same runner could sit in another process (tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -43,9 +43,11 @@ class ModelRunner:
         self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
 
-    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
+                before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
         """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
-        (a draft model's forward pass does not need them)."""
+        (a draft model's forward pass does not need them). ``before_model_call``: the engine's hook, which the
+        backend runs just before its long call (``AttentionMetadata.before_model_call``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -90,7 +92,7 @@ class ModelRunner:
             slot_mapping=tensor(slots), block_tables=tensor(block_tables, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
             host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend,
-            all_slots_new=min(slots, default=0) >= 0)
+            all_slots_new=min(slots, default=0) >= 0, before_model_call=before_model_call)
         return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
                           num_rows, prompt_rows)
 

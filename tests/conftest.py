@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 
@@ -41,3 +42,12 @@ def tiny_engine_factory(tiny_model):
 
 def random_prompts(rng, n: int, lo: int, hi: int, vocab: int = 256) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def step_until_done(engine, outputs: Optional[dict] = None) -> dict:
+    """Step ``engine`` until nothing is left to run; returns the RequestOutputs its steps delivered, by request id
+    (``outputs``, when given, is filled and returned)."""
+    outputs = {} if outputs is None else outputs
+    while engine.has_unfinished_requests():
+        outputs.update((d.request_id, d.output) for d in engine.step().outputs if d.output is not None)
+    return outputs

@@ -154,7 +154,7 @@ def test_prompt_previews_are_text_and_keep_the_end_of_long_prompts(tiny_engine_f
     engine.add_request(engine.tokenizer("hello world").input_ids, SamplingParams(max_tokens=1), request_id="ids")
     engine.add_request(list(engine.tokenizer(system + "Where is Quito?").input_ids), SamplingParams(max_tokens=1),
                        request_id="long-ids")
-    arrivals = {a.request_id: a.prompt for a in engine.step().arrivals}
+    arrivals = {a.request_id: a.prompt for a in engine.step().event.arrivals}
     assert arrivals["text"] == system + "Where is Lima?"
     previews = {rid: clean_preview(prompt, 100) for rid, prompt in arrivals.items()}
     assert previews["ids"] == "hello world"

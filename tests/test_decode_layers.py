@@ -117,12 +117,12 @@ class _Recording:
 
 
 def test_the_backend_hands_off_once_a_step_just_before_the_compiled_call(tiny_model_untied):
-    """``Backend.hand_off`` (a server's engine thread passes its last step's tokens on there) runs once in every
-    step: in a decode step the last thing before the compiled call (which releases the GIL for the whole step),
-    in a prefill step at the start of the loop."""
+    """The engine's ``before_model_call`` hook (a server's engine thread passes its last step's tokens on there)
+    runs once in every step: in a decode step the last thing before the compiled call (which releases the GIL for
+    the whole step), in a prefill step at the start of the loop."""
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
     order: list[str] = []
-    engine.backend.hand_off = lambda: order.append("hand off")
+    engine.before_model_call(lambda: order.append("hand off"))
     compiled = engine.backend._decode_layers
     compiled.library = _Recording(compiled.library, order)
     engine.subscribe(lambda event: order.append("step " + "+".join(s.kind for s in event.scheduled)))

@@ -122,7 +122,9 @@ def test_stop_strings_split_across_multibyte_tokens_end_the_text_and_the_stream_
     for i, token in enumerate(byte_tokenizer(MIXED_TEXT).input_ids):
         req.output_token_ids.append(token)
         found = outputs.process_tokens({"r": [token]}, now=float(i))
-        streamed += outputs.drain_text().get("r", "")
+        drained = outputs.drain()
+        streamed += "".join(d.samples[0].text for d in drained.deltas)
+        assert drained.text.get("r", "") == "".join(d.samples[0].text for d in drained.deltas)   # observers: same
         assert stop[0] not in streamed
         if found:
             (hit_req, stop_hit, surplus), = found
@@ -131,7 +133,8 @@ def test_stop_strings_split_across_multibyte_tokens_end_the_text_and_the_stream_
             break
     assert stop_hit == stop[0]
     outputs.finish(req, now=100.0)
-    streamed += outputs.drain_text().get("r", "")
-    out, = outputs.pop_finished()
+    last, = outputs.drain().deltas
+    streamed += last.samples[0].text
+    out = last.output
     assert out.text == MIXED_TEXT[:MIXED_TEXT.index(stop[0])] == streamed
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop[0]

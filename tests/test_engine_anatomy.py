@@ -116,7 +116,7 @@ def test_each_step_drains_one_kv_change_record_that_the_event_carries(tiny_engin
     engine.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=3))
     events = []
     while engine.has_unfinished_requests():
-        events.append(engine.step())
+        events.append(engine.step().event)
     assert len(events) == 3 and len(drained) == 3            # a prefill, then two decodes
     assert all(isinstance(ev.kv, KVChanges) and ev.kv is changes for ev, changes in zip(events, drained))
     assert events[0].kv.allocated and events[-1].kv.freed_on_finish       # taken at step 1, let go at the end
@@ -144,6 +144,84 @@ def test_a_steps_duration_includes_building_its_event(tiny_engine_factory):
         return stats()
     engine.stats = slow_stats
     engine.add_request(list(range(10)), SamplingParams(temperature=0, max_tokens=2))
-    event = engine.step()
+    event = engine.step().event
     assert event.duration_s >= 0.05 and event.counters["step_seconds"] >= 0.05
     assert engine.counters["step_seconds"] == event.counters["step_seconds"]
+
+
+# ------------------------------------------------------------------ the output boundary
+CLIENT_MODULES = ["engine.py", "cli.py", "bench/run.py", *(f"serve/{p.name}" for p in (PACKAGE / "serve").glob("*.py"))]
+PER_REQUEST_EVENT_FIELDS = {"new_text", "new_token_ids", "new_logprobs"}
+
+
+def attribute_reads(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """(the attribute, what it is read from as written, line) for every ``x.attr`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            found.append((node.attr, ast.unparse(node.value), node.lineno))
+    return found
+
+
+def test_clients_read_tokens_from_the_steps_outputs_never_from_its_event():
+    """The server, the CLI, ``Engine.generate`` and the benchmarks' driver get tokens, text, log-probabilities
+    and finished outputs from ``StepResult.outputs``; events only observe. Nobody reaches into the output
+    processor (``engine.outputs``) from outside the engine, and the old side doors are gone."""
+    for name in CLIENT_MODULES:
+        reads = attribute_reads(PACKAGE / name)
+        # (the engine reads the scheduler's own StepUpdate.new_token_ids: that is where tokens come from)
+        assert not [r for r in reads if r[0] in PER_REQUEST_EVENT_FIELDS and r[1] != "update"], name
+        if name != "engine.py":
+            assert not [r for r in reads if r[0] == "outputs" and r[1].endswith("engine")], name
+    everything = [r for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tui").rglob("*.py"),
+                                 *(PACKAGE.parent / "lessons").rglob("*.py")] for r in attribute_reads(path)]
+    assert not [r for r in everything if r[0] in {"step_logprobs", "pop_finished", "prompt_logprobs_of",
+                                                  "drain_text", "hand_off"}]
+
+
+def test_the_sample_id_scheme_is_spelled_once():
+    """``id.0`` ... ``id.n-1``: only the output processor writes that format (the input processor asks it)."""
+    spellers = [path.name for path in PACKAGE.rglob("*.py")
+                if any(isinstance(node, ast.JoinedStr) and ast.unparse(node).startswith("f'{request_id}.{")
+                       for node in ast.walk(ast.parse(path.read_text())))]
+    assert spellers == ["output_processor.py"]
+
+
+def test_nothing_assigns_to_the_backends_methods():
+    """A server hooks into the step with ``Engine.before_model_call``, not by replacing a backend's method (tests
+    may patch what they study; the code may not)."""
+    from minipaged.kernels import Backend
+    methods = {name for name, value in vars(Backend).items() if callable(value)} | {"hand_off"}
+    roots = [PACKAGE, *(PACKAGE.parent / folder for folder in ("kernels", "tui", "lessons", "bench"))]
+    for path in (p for root in roots for p in root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                assert not (isinstance(t, ast.Attribute) and t.attr in methods and isinstance(t.value, ast.Attribute)
+                            and t.value.attr == "backend"), f"{path}:{node.lineno}: {ast.unparse(t)}"
+
+
+def test_a_steps_outputs_carry_each_samples_tokens_text_and_logprobs_and_the_output_once(tiny_engine_factory):
+    """n samples come back as one request's deltas: choice indices, the same tokens and text the final output
+    holds, log-probabilities per token, the prompt's log-probabilities in the first delta, the output once."""
+    engine = tiny_engine_factory()
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    rid = engine.add_request([5, 6, 7, 8], params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        deltas += result.outputs
+        assert all(d.request_id == rid for d in result.outputs)     # never a sample's own id
+        assert len({d.request_id for d in result.outputs}) == len(result.outputs)   # one delta per request
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    out = deltas[-1].output
+    assert deltas[0].prompt_logprobs == out.prompt_logprobs and out.prompt_logprobs[0] is None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for completion in out.outputs:
+        mine = [s for d in deltas for s in d.samples if s.index == completion.index]
+        assert [t for s in mine for t in s.token_ids] == completion.token_ids
+        assert "".join(s.text for s in mine) == completion.text
+        assert [lp for s in mine for lp in s.logprobs] == completion.logprobs
+        assert [s.finish_reason for s in mine][-1] == "length" and {s.finish_reason for s in mine[:-1]} <= {None}

@@ -48,7 +48,7 @@ def test_ttft_is_observed_at_the_first_token_and_late_attachment_counts_from_the
     engine.generate([list(range(10, 40))], params)            # history from before the metrics existed
     metrics = EngineMetrics(engine)
     engine.add_request(list(range(10, 40)), params, request_id="r")
-    event = engine.step()
+    event = engine.step().event
     assert event.new_token_ids and not event.finished
     assert metrics.value("time_to_first_token_seconds_count") == 1
     assert metrics.value("request_success_total", finished_reason="length") is None

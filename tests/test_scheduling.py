@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from minipaged import InvalidRequestError, SamplingParams
 from minipaged.events import EngineView
 from minipaged.policies import policy_names
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, step_until_done
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -165,7 +165,7 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
                 engine.abort(rid)
         decoders = {r.request_id for r in engine.scheduler.running if not r.is_prefill}
         waiting = {r.request_id for r in engine.scheduler.waiting}
-        event = engine.step()
+        event = engine.step().event
         view.apply(event)
         step += 1
         assert event.budget_used <= event.budget_limit
@@ -195,14 +195,12 @@ def test_prefix_aware_admission_counts_only_uncached_blocks_and_tokens(tiny_engi
     assert engine.kv.num_free_blocks == 4               # and A's next decode will take one of them
     # B shares A's 32 tokens and adds 6: 10 blocks in all, but only 2 are new, and 3 will be free.
     engine.add_request(system + [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2), request_id="B")
-    event = engine.step()
+    event = engine.step().event
     b = next(s for s in event.scheduled if s.request_id == "B")
     assert (b.num_cached_tokens, b.start, b.end) == (32, 32, 38)
     assert event.budget_used == 6 + 1                     # B's uncached tokens + A's decode
     assert any(len(owners) == 2 for owners in _owners(engine))   # blocks shared by A and B
-    while engine.has_unfinished_requests():
-        engine.step()
-    outs = {o.request_id: o for o in engine.pop_finished()}
+    outs = step_until_done(engine)
     assert outs["B"].num_cached_tokens == 32
 
     # Without caching the same request has to wait: it needs 10 blocks.
@@ -210,11 +208,9 @@ def test_prefix_aware_admission_counts_only_uncached_blocks_and_tokens(tiny_engi
     cold.add_request(system, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), request_id="A")
     cold.step()
     cold.add_request(system + [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2), request_id="B")
-    event = cold.step()
+    event = cold.step().event
     assert "B" not in {s.request_id for s in event.scheduled}
-    while cold.has_unfinished_requests():
-        cold.step()
-    assert {o.request_id: o for o in cold.pop_finished()}["B"].token_ids == outs["B"].token_ids
+    assert step_until_done(cold)["B"].token_ids == outs["B"].token_ids
 
 
 def _owners(engine):
@@ -282,9 +278,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_engine_
     engine.add_request([5, 6, 7], GREEDY, request_id="survivor")
     with pytest.raises(InvalidRequestError, match=message):
         engine.add_request(prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert [o.request_id for o in engine.pop_finished()] == ["survivor"]
+    assert list(step_until_done(engine)) == ["survivor"]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
@@ -324,7 +318,7 @@ def test_abort_frees_blocks_and_reports_it(tiny_engine_factory):
     engine.add_request(list(range(9)), GREEDY, request_id="y")
     engine.step()
     assert engine.abort("x") and not engine.abort("nope")
-    event = engine.step()
+    event = engine.step().event
     assert [f.finish_reason for f in event.finished if f.request_id == "x"] == ["abort"]
     assert "x" in event.kv.freed
     while engine.has_unfinished_requests():
@@ -351,7 +345,7 @@ def test_swapped_requests_come_back_before_anyone_new_is_admitted(tiny_engine_fa
     swaps = 0
     while engine.has_unfinished_requests():
         waiting = {r.request_id for r in engine.scheduler.waiting}
-        event = engine.step()
+        event = engine.step().event
         swaps += len(event.swapped_in)
         admitted = {s.request_id for s in event.scheduled} & waiting
         assert not (admitted and event.swapped), f"step {event.step}: {admitted} admitted ahead of {event.swapped}"
@@ -366,10 +360,11 @@ def test_a_swapped_request_that_held_the_whole_pool_comes_back(tiny_engine_facto
     engine.add_request(prefix, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="R")
     engine.add_request(prefix + list(range(30, 36)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                        request_id="V")
-    events = [engine.step() for _ in range(40) if engine.has_unfinished_requests()]
+    results = [engine.step() for _ in range(40) if engine.has_unfinished_requests()]
     assert not engine.has_unfinished_requests(), "a swapped-out request never came back"
-    assert any(p.request_id == "V" and p.mode == "swap" for e in events for p in e.preempted)
-    assert {o.request_id: o.finish_reason for o in engine.pop_finished()} == {"R": "length", "V": "length"}
+    assert any(p.request_id == "V" and p.mode == "swap" for r in results for p in r.event.preempted)
+    assert {d.request_id: d.output.finish_reason for r in results for d in r.outputs if d.finished} == \
+        {"R": "length", "V": "length"}
 
 
 def test_a_request_whose_sampling_fails_is_aborted_and_the_others_go_on(tiny_engine_factory, monkeypatch):
@@ -386,9 +381,7 @@ def test_a_request_whose_sampling_fails_is_aborted_and_the_others_go_on(tiny_eng
     engine.add_request([1, 2, 3], sampled, request_id="bad")
     engine.add_request([4, 5, 6], sampled, request_id="good")
     engine.add_request([7, 8, 9], GREEDY, request_id="greedy")
-    while engine.has_unfinished_requests():
-        engine.step()
-    outs = {o.request_id: o for o in engine.pop_finished()}
+    outs = step_until_done(engine)
     assert outs["bad"].finish_reason == "abort" and len(outs["bad"].token_ids) == 2
     assert outs["good"].finish_reason == "length" and len(outs["good"].token_ids) == 6
     assert len(outs["greedy"].token_ids) == 16
@@ -412,7 +405,7 @@ def test_generate_queues_nothing_when_one_prompt_is_bad(tiny_engine_factory):
         engine.generate([[1, 2, 3], [4, 5, 6], []], GREEDY)
     assert not engine.has_unfinished_requests()
     outs = engine.generate([[7, 8, 9]], GREEDY)
-    assert len(outs) == 1 and engine.pop_finished() == []     # nothing left over from the failed call
+    assert len(outs) == 1 and not engine.has_unfinished_requests()     # nothing left over from the failed call
 
 
 def test_generated_ids_skip_the_ones_callers_chose(tiny_engine_factory):
@@ -428,9 +421,7 @@ def test_generated_ids_skip_the_ones_callers_chose(tiny_engine_factory):
     assert engine.add_request([1, 2], two) == "4"
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request([1, 2], two, request_id="3")
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert sorted(o.request_id for o in engine.pop_finished()) == ["0", "1", "2", "3.1", "4"]
+    assert sorted(step_until_done(engine)) == ["0", "1", "2", "3.1", "4"]
 
 
 def test_none_means_no_stop_strings_or_stop_tokens():
@@ -439,8 +430,8 @@ def test_none_means_no_stop_strings_or_stop_tokens():
 
 
 def test_a_stop_string_is_never_streamed(tiny_engine_factory):
-    """The stream (StepEvents' new_text) and the final text agree: a stop string's first characters, seen
-    before the rest of it arrives, are held back and then dropped with it."""
+    """The stream (the step's outputs, and StepEvents' new_text) and the final text agree: a stop string's first
+    characters, seen before the rest of it arrives, are held back and then dropped with it."""
     engine = tiny_engine_factory()
     free = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
     # three printable ASCII characters: with the byte-level test tokenizer they arrive one token at a time
@@ -451,18 +442,22 @@ def test_a_stop_string_is_never_streamed(tiny_engine_factory):
     engine.subscribe(lambda e: streamed.append(e.new_text.get("s", "")))
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True),
                        request_id="s")
+    deltas = []
     while engine.has_unfinished_requests():
-        engine.step()
-    out = engine.pop_finished()[0]
+        deltas += engine.step().outputs
+    out = deltas[-1].output
     assert out.finish_reason == "stop" and out.text == free[:cut]
-    assert "".join(streamed) == out.text
-    # Aborted with characters held back (they could have begun the stop string): the stream gets them.
+    assert "".join(streamed) == "".join(d.samples[0].text for d in deltas) == out.text
+    # Aborted with characters held back (they could have begun the stop string): observers see them go out;
+    # the caller who aborted gets nothing more.
     streamed.clear()
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16, stop=["\x00" + stop],
                                                  ignore_eos=True), request_id="s")
+    delivered = ""
     for _ in range(cut + 2):
-        engine.step()
+        delivered += "".join(d.samples[0].text for d in engine.step().outputs)
+    held_back = len(stop)        # "\x00" + stop is one longer: its length less one may be held back
     engine.abort("s")
-    engine.step()
-    aborted = engine.pop_finished()[0]
-    assert aborted.finish_reason == "abort" and "".join(streamed) == aborted.text != ""
+    assert engine.step().outputs == ()
+    total = "".join(streamed)
+    assert total == free[:len(total)] and delivered == total[:len(total) - held_back] != total

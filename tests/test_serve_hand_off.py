@@ -1,4 +1,5 @@
-"""When the server's engine thread hands its tokens to the event loop (``AsyncEngine``, ``Backend.hand_off``).
+"""When the server's engine thread hands its tokens to the event loop (``AsyncEngine``, through the engine's
+``before_model_call`` hook).
 
 Python runs one thread at a time. If the event loop woke between two of the engine thread's calls, the engine
 would wait for the loop's Python (streaming a token) before its next call, on every token. So a step's tokens
@@ -17,7 +18,8 @@ import pytest
 from minipaged import Engine
 from minipaged.events import StepEvent
 from minipaged.request import SamplingParams
-from minipaged.serve.async_engine import AsyncEngine, Update
+from minipaged.outputs import RequestDelta
+from minipaged.serve.async_engine import AsyncEngine
 
 MAX_TOKENS = 6
 
@@ -38,25 +40,19 @@ class _NotedQueue(queue.SimpleQueue):
 
 
 def serve_one_request(engine: Engine, in_loop: Callable[[StepEvent], None] = lambda _event: None,
-                      on_update: Callable[[Update], None] = lambda _update: None,
+                      on_update: Callable[[RequestDelta], None] = lambda _update: None,
                       ) -> tuple[list[int], list[tuple[bool, int]]]:
     """Stream one request through an AsyncEngine; its tokens, and for every outbox the engine thread handed over
     (each wakes the event loop once): (was it inside a hand-off, how many steps had ended). ``in_loop`` is
-    subscribed on the event loop; ``on_update`` sees each Update as the request gets it."""
-    async_engine = AsyncEngine(engine)
-    async_engine.subscribe_in_loop(in_loop)
+    subscribed on the event loop; ``on_update`` sees each RequestDelta as the request gets it."""
     inside_hand_off = [False]
+    # Hooks run in the order they were added: the AsyncEngine's hand-off runs between these two.
+    engine.before_model_call(lambda: inside_hand_off.__setitem__(0, True))
+    async_engine = AsyncEngine(engine)
+    engine.before_model_call(lambda: inside_hand_off.__setitem__(0, False))
+    async_engine.subscribe_in_loop(in_loop)
     steps = [0]
     engine.subscribe(lambda _event: steps.__setitem__(0, steps[0] + 1))
-    hand_off = engine.backend.hand_off
-
-    def noted_hand_off() -> None:
-        inside_hand_off[0] = True
-        try:
-            hand_off()
-        finally:
-            inside_hand_off[0] = False
-    engine.backend.hand_off = noted_hand_off
     handed_over: list[tuple[bool, int]] = []
     async_engine._batches = _NotedQueue(inside_hand_off, steps, handed_over)
     served: list[tuple[bool, int]] = []
@@ -76,9 +72,9 @@ def serve_one_request(engine: Engine, in_loop: Callable[[StepEvent], None] = lam
         try:
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
             async for item in async_engine.generate("r1", lambda _engine: ([3, 4, 5, 6, 7], params)):
-                if isinstance(item, Update):
+                if isinstance(item, RequestDelta):
                     on_update(item)
-                    tokens.extend(t for delta in item.deltas for t in delta.token_ids)
+                    tokens.extend(t for delta in item.samples for t in delta.token_ids)
                     if item.output is not None:
                         assert tokens == list(item.output.outputs[0].token_ids)
                         served.extend(handed_over)              # (stopping hands over once more)
@@ -106,7 +102,7 @@ def test_tokens_go_to_the_event_loop_inside_the_next_steps_hand_off(tiny_model_u
 
 
 def test_a_backend_without_a_hand_off_gets_its_tokens_handed_over_after_each_step(tiny_model_untied):
-    """The torch backend never calls ``hand_off``: every step's tokens go to the loop when the step ends."""
+    """The torch backend never runs the model-call hook: every step's tokens go to the loop when the step ends."""
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend="torch")
     tokens, wake_ups = serve_one_request(engine)
     assert len(tokens) == MAX_TOKENS
@@ -124,14 +120,18 @@ def test_handed_off_tokens_equal_the_engines_own(tiny_model_untied, backend):
     assert tokens == list(expected)
 
 
-def test_a_stopped_server_gives_the_backend_its_own_hand_off_back(tiny_model_untied):
-    """The engine may be driven directly again (``Engine.generate``) once its server has stopped."""
+def test_a_stopped_server_takes_its_hook_and_subscription_away(tiny_model_untied):
+    """The engine may be driven directly again (``Engine.generate``) once its server has stopped: neither the
+    server's model-call hook nor its event subscriber runs any more."""
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
-    own = engine.backend.hand_off
     async_engine = AsyncEngine(engine)
-    assert engine.backend.hand_off == async_engine._hand_off
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.generate([[3, 4, 5]], params)
+    assert async_engine._handed_off and async_engine._view.step > 0     # hooked in and watching
     async_engine.stop()
-    assert engine.backend.hand_off is own
+    async_engine._handed_off, steps_seen = False, async_engine._view.step
+    engine.generate([[3, 4, 5]], params)
+    assert not async_engine._handed_off and async_engine._view.step == steps_seen
 
 
 def test_a_loop_subscriber_sees_each_step_on_the_event_loop_before_its_tokens_arrive(tiny_model_untied):
@@ -147,8 +147,8 @@ def test_a_loop_subscriber_sees_each_step_on_the_event_loop_before_its_tokens_ar
         seen.append((threading.current_thread().name, counted[0]))
     received = [0]
 
-    def on_update(update: Update) -> None:
-        received[0] += sum(d.num_tokens for d in update.deltas)
+    def on_update(update: RequestDelta) -> None:
+        received[0] += sum(len(d.token_ids) for d in update.samples)
         assert counted[0] >= received[0]              # counted before it arrived
     tokens, _ = serve_one_request(engine, in_loop, on_update)
     assert len(tokens) == MAX_TOKENS and counted[0] == MAX_TOKENS

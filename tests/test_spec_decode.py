@@ -248,7 +248,7 @@ def test_events_carry_drafts_and_verdicts_and_replay_the_same(tiny_engine_factor
         engine.add_request(prompt, GREEDY)
     events = []
     while engine.has_unfinished_requests():
-        event = engine.step()
+        event = engine.step().event
         events.append(event)
         view.apply(event)
         replayed = StepEvent.from_dict(__import__("json").loads(event.to_json()))

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from minipaged.events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
                               StepEvent, read_trace)
+from minipaged.outputs import StepResult
 from minipaged.request import InvalidRequestError, SamplingParams
 from minipaged.tui.driver import LiveRun
 from minipaged.tui.plain import print_run
@@ -188,7 +189,7 @@ class FakeEngine:
             self.age[rid] += 1
             if self.age[rid] >= 2:
                 del self.age[rid]
-        return step(self.steps)
+        return StepResult((), step(self.steps))
 
 
 def test_live_run_adds_requests_on_their_step_and_skips_idle_gaps(tmp_path):
@@ -310,7 +311,7 @@ def test_a_recompute_says_how_many_prompt_and_generated_tokens_it_recomputes(tin
     state = WatchState(engine.info)
     recomputes = []
     while engine.has_unfinished_requests():
-        ev = engine.step()
+        ev = engine.step().event
         before = {rid: r.num_preemptions for rid, r in state.view.requests.items()}
         state.apply(ev)
         recomputes += [(s, ev) for s in ev.scheduled

@@ -158,7 +158,7 @@ def record_trace(tiny_engine_factory, path: Path) -> tuple[int, int]:
     system = list(range(10, 34))
     for i in range(6):
         engine.add_request(system + [40 + i] * (3 + i), SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
-    events = [engine.step() for _ in range(18)]
+    events = [engine.step().event for _ in range(18)]
     with open(path, "w") as fp:
         write_trace_header(fp, engine.info)
         for ev in events:

@@ -81,7 +81,7 @@ class LiveRun:
         self._add_due_requests()
         if not self.engine.has_unfinished_requests():
             return None
-        event = self.engine.step()
+        event = self.engine.step().event
         self.steps += 1
         if self._trace is not None:
             write_trace_event(self._trace, event)

@@ -15,8 +15,13 @@ A backend owns:
   allocate_kv_pool              the KV pool's memory;
   quantization_problem          whether it multiplies quantized weights (``Int8Weight``, kernels/int8.py) in
                                 ``linear`` and ``lm_head``; ``use_quantization`` notes that it does;
-  describe                      its one start-up line;
-  hand_off                      a callback it runs just before the step's long call without Python's GIL.
+  describe                      its one start-up line.
+
+A backend whose step spends most of its time in one call that releases Python's GIL (the cpu backend's compiled
+decode step) runs the step's ``meta.before_model_call`` (the engine's hook, ``Engine.before_model_call``) just
+before that call; the cpu backend runs it at the start of its other steps. A server hands the previous step's
+tokens to its HTTP thread there, so that the HTTP thread's Python runs while the model runs, not while the model
+waits for the GIL. A backend that never runs it loses nothing: the server then hands off after each step.
 """
 from __future__ import annotations
 
@@ -52,12 +57,6 @@ class Backend(ABC):
     name: str
     layer_ops: Any          # add_rms_norm, rope_and_write_kv, silu_and_mul (see kernels/torch_ops.py)
     quantization: Optional[str] = None       # "int8" once the engine quantized the weights it multiplies
-    # A server's engine thread sets this (minipaged/serve/async_engine.py) to pass the previous step's tokens to
-    # its HTTP thread. A backend whose step spends most of its time in one call that releases Python's GIL (the
-    # cpu backend's compiled decode step) calls it just before that call, so that the HTTP thread's Python runs
-    # while the model runs, not while the model waits for the GIL; the cpu backend calls it at the start of its
-    # other steps. A backend that never calls it loses nothing: the server then hands off after each step.
-    hand_off: Callable[[], None] = staticmethod(lambda: None)
 
     @abstractmethod
     def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],

@@ -98,9 +98,9 @@ class CpuBackend(TorchBackend):
         if (compiled is not None and not _profiling()         # (a profile shows the loop's parts)
                 and (isinstance(model.layers[0].qkv, Int8Weight) or self.choice.few_row_linear == COMPILED)):
             done = compiled(model, h, cos, sin, meta, kv_cache, plan,
-                            fixed_point=self.choice.int8_one_row == FIXED_POINT, before_call=self.hand_off)
+                            fixed_point=self.choice.int8_one_row == FIXED_POINT, before_call=meta.before_model_call)
         if done is None:
-            self.hand_off()           # the loop in Python: its first call that lets go of the GIL is as good as any
+            meta.before_model_call()  # the loop in Python: its first call that lets go of the GIL is as good as any
         return done
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -49,15 +49,15 @@ def run_requests(engine: "Engine", requests: list[BenchRequest],
             ids.append(engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
                                                                              ignore_eos=True)))
         while engine.has_unfinished_requests():
-            events.append(engine.step())
-            done = engine.pop_finished()
+            result = engine.step()
+            events.append(result.event)
+            done = [d.output for d in result.outputs if d.output is not None]
             finished.update((o.request_id, o) for o in done)
             if on_finish is not None and done:
                 on_finish(len(done))
     except BaseException:
         for rid in set(ids) - finished.keys():          # leave the engine clean: no leaked KV blocks
             engine.abort(rid)
-        engine.pop_finished()
         raise
     return EngineRun(time.perf_counter() - start, [finished[rid] for rid in ids], events)
 
@@ -86,11 +86,12 @@ def drive(engine: "Engine", arrivals: list[tuple[int, list[int], object]]) -> tu
             _, prompt, params = pending.pop(0)
             ids.append(engine.add_request(prompt, params))
             arrived_at[ids[-1]] = step
-        event = engine.step()
-        events.append(event)
-        for rid in event.new_token_ids:
-            ttft_steps.setdefault(rid, step + 1 - arrived_at[rid])
-        for out in engine.pop_finished():
-            outputs[out.request_id] = out
+        result = engine.step()
+        events.append(result.event)
+        for delta in result.outputs:
+            if any(sample.token_ids for sample in delta.samples):
+                ttft_steps.setdefault(delta.request_id, step + 1 - arrived_at[delta.request_id])
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
         step += 1
     return {rid: outputs[rid] for rid in ids}, events, ttft_steps

@@ -2,7 +2,8 @@
 
 The walk is generic over dataclass fields, so a field added to ``ModelInput`` or ``AttentionMetadata`` (by
 speculative decoding, say) reaches the workers without touching this file. Only fields that hold rank 0's
-own bookkeeping (``Request`` objects) stay behind: workers compute, they never sample.
+own bookkeeping (``Request`` objects, the engine's model-call hook) stay behind: workers compute, they never
+sample.
 """
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ from typing import Any, Callable
 
 import torch
 
-LOCAL_ONLY_FIELDS = frozenset({"sampled_requests"})     # rank 0's Request objects; workers never need them
+
+
+def _no_hook() -> None:
+    """A worker's model call has no hook: the engine (and whoever hooked into it) lives on rank 0."""
+
+
+# What stays on rank 0, and what workers get instead: its Request objects, and the engine's model-call hook.
+LOCAL_ONLY_FIELDS: dict[str, Callable[[], Any]] = {"sampled_requests": list, "before_model_call": lambda: _no_hook}
 
 
 def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return move(value)
     if is_dataclass(value) and not isinstance(value, type):
-        return replace(value, **{f.name: [] if f.name in LOCAL_ONLY_FIELDS else _map_tensors(getattr(value, f.name), move)
-                                 for f in fields(value) if f.init})
+        return replace(value, **{f.name: LOCAL_ONLY_FIELDS[f.name]() if f.name in LOCAL_ONLY_FIELDS
+                                 else _map_tensors(getattr(value, f.name), move) for f in fields(value) if f.init})
     return value
 
 

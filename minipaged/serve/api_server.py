@@ -39,9 +39,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import web
 from ..metrics import EngineMetrics
+from ..outputs import RequestDelta
 from ..request import InvalidRequestError
 from . import protocol as p
-from .async_engine import Accepted, AsyncEngine, Update
+from .async_engine import Accepted, AsyncEngine
 from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
 from .http_guards import ApiKeyCheck, BodyLimit, HeadAsGet
 
@@ -303,7 +304,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         echoed: set[int] = set()
         try:
             async for prompt_index, update in merged(all_updates):
-                assert isinstance(update, Update)
+                assert isinstance(update, RequestDelta)
                 if echo is not None and prompt_index not in echoed:   # the prompt first, with its log-probabilities
                     echoed.add(prompt_index)
                     token_ids, text = echo.prompts[prompt_index]
@@ -311,7 +312,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                         scored = list(zip(token_ids, update.prompt_logprobs or [None] * len(token_ids)))
                         logprobs = None if body.logprobs is None else completion_logprobs(prompt_index * n + j, scored)
                         yield chunk([p.completion_choice(prompt_index * n + j, text, None, logprobs=logprobs)])
-                for d in update.deltas:
+                for d in update.samples:
                     index = prompt_index * n + d.index
                     text = "" if echo is not None and echo.only else d.text
                     with_logprobs = bool(d.logprobs) and not (echo is not None and echo.only)
@@ -454,7 +455,7 @@ async def merged(all_updates: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[i
 
 async def final_output(updates: AsyncIterator[Any]) -> Any:
     async for update in updates:
-        if isinstance(update, Update) and update.output is not None:
+        if isinstance(update, RequestDelta) and update.output is not None:
             return update.output
     raise p.ServerError(500, "the request ended without an output.")
 

@@ -4,20 +4,21 @@ The engine is synchronous and has no locks (``step()`` at a time), so exactly on
 handlers run on the asyncio event loop and talk to that thread through a command queue:
 
     handler --submit(request_id, prepare)--> command queue --> engine thread: prepare, add_request
-    handler <--Accepted / Update / error---- its asyncio.Queue <-- engine thread, after each step()
+    handler <--Accepted / RequestDelta / error-- its asyncio.Queue <-- engine thread: step().outputs
 
 ``prepare`` runs in the engine thread (tokenising uses the engine's tokenizer, which the detokenizer uses
 there too; fast tokenizers must not be used from two threads at once). A handler whose client goes away
 sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
-The engine thread also serialises every StepEvent, once, for ``/v1/events``; ``event_hub`` fans the bytes
-out to the watchers on the event loop.
+Clients' tokens come from what ``step()`` returns (its ``outputs``: one ``RequestDelta`` per request that
+changed). Observers get the step's ``StepEvent``: the engine thread serialises it, once, for ``/v1/events``;
+``event_hub`` fans the bytes out to the watchers on the event loop.
 
 When the engine thread hands things to the event loop matters as much as what it hands. Python runs one
 thread at a time (the GIL): if the HTTP thread wakes while the engine thread is between two calls, the
 engine waits for the HTTP thread's Python to finish (about a millisecond per streamed token, on every token).
 So the engine thread keeps its hand-offs in an outbox and passes them on when it lets go of the GIL for
-long: the backend calls ``Backend.hand_off`` just before a decode step's compiled call (kernels/backends), and
-the HTTP thread streams step N's tokens while step N+1 computes. Even waking the event loop would give the GIL
+long: the engine runs its ``before_model_call`` hook just before a decode step's compiled call (the cpu backend
+does; kernels/backends/base.py), and the HTTP thread streams step N's tokens while step N+1 computes. Even waking the event loop would give the GIL
 away (writing to its wake-up socket is a system call, which releases the GIL, and the woken loop takes it), so
 the engine thread only drops the outbox on a queue: a courier thread, woken without a system call, takes the GIL
 when the compiled call lets go of it and wakes the loop. vLLM V1 takes the same cost away with two processes (an
@@ -32,10 +33,11 @@ import os
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from ..events import EngineView, KVChanges, RequestArrival, StepEvent
+from ..outputs import RequestDelta
 from ..request import InvalidRequestError, SamplingParams
 from .event_hub import EventHub, Watcher
 from .protocol import ServerError
@@ -57,35 +59,6 @@ class Accepted:
     params: SamplingParams
 
 
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """What one sample (choice) of a request got in one step."""
-
-    index: int
-    text: str
-    num_tokens: int
-    finish_reason: Optional[str] = None      # set only in the choice's last delta
-    token_ids: tuple[int, ...] = ()          # the new tokens, and their log-probabilities when the request asked
-    logprobs: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True)
-class Update:
-    deltas: tuple[ChoiceDelta, ...]
-    output: Any = None                       # the RequestOutput, in the update where the last sample finishes
-    prompt_logprobs: Optional[list] = None   # in a request's first update, when it asked for them
-
-
-@dataclass
-class _Stream:
-    """The engine thread's record of one request it serves."""
-
-    queue: asyncio.Queue
-    samples: dict[str, int]                  # engine sub-request id -> choice index
-    finished: set[str] = field(default_factory=set)
-    updates_sent: int = 0
-
-
 class AsyncEngine:
     """Drives one ``Engine`` from a background thread for asyncio callers."""
 
@@ -93,8 +66,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}          # engine thread only
-        self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id
+        self._streams: dict[str, asyncio.Queue] = {}    # engine thread only: request id -> its handler's queue
         self._num_watchers = 0                          # engine thread only: serialise events while > 0
         self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
@@ -112,11 +84,10 @@ class AsyncEngine:
         self._batches: queue.SimpleQueue = queue.SimpleQueue()      # outboxes for the courier; None: stop
         self._courier: Optional[threading.Thread] = None
         self._loop_subscribers: list[Callable[[StepEvent], None]] = []
-        self._handed_off = False                        # engine thread only: the backend called hand_off this step
-        engine.subscribe(self._on_event)
-        self._backend_hand_off = engine.backend.hand_off  # put back on stop: the engine may be driven directly again
-        if HAND_OFF_AT_MODEL_CALL:
-            engine.backend.hand_off = self._hand_off
+        self._handed_off = False                        # engine thread only: the hook ran during this step
+        self._unsubscribe = engine.subscribe(self._on_event)
+        # Removed on stop: the engine may be driven directly again.
+        self._remove_hook = engine.before_model_call(self._hand_off) if HAND_OFF_AT_MODEL_CALL else (lambda: None)
 
     # ------------------------------------------------------------------ life cycle (event-loop side)
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -132,8 +103,8 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._courier is not None:
             self._courier.join(timeout)
-        if self.engine.backend.hand_off == self._hand_off:
-            self.engine.backend.hand_off = self._backend_hand_off
+        self._remove_hook()
+        self._unsubscribe()
 
     @property
     def engine_thread_alive(self) -> bool:
@@ -168,9 +139,9 @@ class AsyncEngine:
                               headers={"Retry-After": "1"})
 
     async def generate(self, request_id: str, prepare: Prepare,
-                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, Update]]:
-        """Submit a request and yield ``Accepted``, then one ``Update`` per step that gave it something, the
-        last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
+                       num_samples: int = 1) -> AsyncIterator[Union[Accepted, RequestDelta]]:
+        """Submit a request and yield ``Accepted``, then its ``RequestDelta`` of each step that gave it something
+        (``Engine.step().outputs``), the last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
         Leaving early (the client went away, the task was cancelled) aborts the request.
 
         Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
@@ -188,7 +159,7 @@ class AsyncEngine:
                     done = True
                     raise item
                 yield item
-                if isinstance(item, Update) and item.output is not None:
+                if isinstance(item, RequestDelta) and item.finished:
                     done = True
                     return
         finally:
@@ -228,10 +199,12 @@ class AsyncEngine:
             self._aborts_unpublished = False
             self._handed_off = False
             try:
-                self.engine.step()                # subscribers (metrics, _on_event) run inside
+                result = self.engine.step()       # observers (metrics, _on_event) run inside
             except Exception as exc:              # a bug: fail the requests in flight, keep serving
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(ServerError(500, f"the engine failed: {exc}"))
+            else:
+                self._deliver(result.outputs)
             if not self._handed_off:              # this backend (or this step) has no hand-off point: now
                 self._flush_outbox()
         self._fail_all(ServerError(503, "the server is shutting down."))
@@ -239,8 +212,8 @@ class AsyncEngine:
         self._batches.put(None)                       # the courier's last batch
 
     def _hand_off(self) -> None:
-        """The backend is about to let go of the GIL for the model's long call (``Backend.hand_off``): what
-        the last step produced goes to the event loop now, to be streamed while the model runs."""
+        """The backend is about to let go of the GIL for the model's long call (``Engine.before_model_call``):
+        what the last step produced goes to the event loop now, to be streamed while the model runs."""
         self._handed_off = True
         self._flush_outbox()
 
@@ -285,20 +258,14 @@ class AsyncEngine:
             logger.exception("preparing request %s failed", request_id)
             self._send(q, ServerError(500, f"could not prepare the request: {exc}"))
             return
-        samples = {request_id: 0} if params.n == 1 else {f"{request_id}.{i}": i for i in range(params.n)}
-        self._streams[request_id] = _Stream(q, samples)
-        self._sample_parent.update({sub: request_id for sub in samples})
+        self._streams[request_id] = q
         self._send(q, Accepted(params))
 
     def _do_abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+        if self._streams.pop(request_id, None) is None:
             return
-        for sub in stream.samples:
-            self._sample_parent.pop(sub, None)
         self.engine.abort(request_id)                 # frees its blocks now; the next event records it
         self._aborts_unpublished = True
-        self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
 
     def _do_fail_all(self, error: ServerError) -> None:
         self._fail_all(error)
@@ -321,46 +288,24 @@ class AsyncEngine:
             self._view.requests.pop(f.request_id, None)
         if self._num_watchers:
             self._call_soon(self.hub.publish, event.to_json())   # once, whatever the number of watchers
-        self._dispatch(event)
         self.stats = dict(event.counters)
 
-    def _dispatch(self, event: StepEvent) -> None:
-        """Hand each request the text, token counts and finish reasons its samples got this step."""
-        finished = {f.request_id: f for f in event.finished}
-        deltas: dict[str, list[ChoiceDelta]] = {}
-        for sub in {*event.new_text, *event.new_token_ids, *finished}:
-            parent = self._sample_parent.get(sub)
-            if parent is None:
+    def _deliver(self, outputs: tuple[RequestDelta, ...]) -> None:
+        """Hand each request its delta of the step (after the step's event: metrics count a token before its
+        client sees it)."""
+        for delta in outputs:
+            q = self._streams.get(delta.request_id)
+            if q is None:                             # not a server request (someone else drives the engine)
                 continue
-            stream = self._streams[parent]
-            finish = finished.get(sub)
-            if finish is not None:
-                stream.finished.add(sub)
-            deltas.setdefault(parent, []).append(ChoiceDelta(
-                stream.samples[sub], event.new_text.get(sub, ""), len(event.new_token_ids.get(sub, ())),
-                finish.finish_reason if finish is not None else None, tuple(event.new_token_ids.get(sub, ())),
-                tuple(self.engine.step_logprobs.get(sub, ()))))
-        for parent, parent_deltas in deltas.items():
-            stream = self._streams[parent]
-            output = None
-            first_sample = next(iter(stream.samples))
-            prompt_logprobs = None if stream.updates_sent else self.engine.outputs.prompt_logprobs_of(first_sample)
-            if len(stream.finished) == len(stream.samples):
-                output = self.engine.outputs.pop_finished(parent)[0]
-                del self._streams[parent]
-                for sub in stream.samples:
-                    self._sample_parent.pop(sub, None)
-                if not stream.updates_sent:
-                    prompt_logprobs = output.prompt_logprobs
-            stream.updates_sent += 1
-            self._send(stream.queue, Update(tuple(sorted(parent_deltas, key=lambda d: d.index)), output,
-                                            prompt_logprobs))
+            if delta.finished:
+                del self._streams[delta.request_id]
+            self._send(q, delta)
 
     def _fail_all(self, error: ServerError) -> None:
         for request_id in list(self._streams):
-            stream = self._streams[request_id]
+            q = self._streams[request_id]
             self._do_abort(request_id)
-            self._send(stream.queue, error)
+            self._send(q, error)
         self._call_soon(self.hub.close_all)
 
     def _send(self, q: asyncio.Queue, item: Any) -> None:
