@@ -9,6 +9,8 @@ Backends (one object per engine, chosen once by ``select_backend``; see kernels/
     torch      plain torch ops (reference.py, torch_ops.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
 The readable specification (reference.py, one request at a time) is no backend: tests compare each with it.
+Before a backend is chosen, devices.py answers what the engine asks of a device (is it there, its default dtype,
+its free memory); huge_pages.py places CPU memory on 2 MB pages.
 
 The engine never asks for a kernel by name: it holds one ``Backend``. (Tests that call one kernel alone by a
 backend's name do it through tests/kernel_dispatch.py.) Triton is imported lazily so machines without it

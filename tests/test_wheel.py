@@ -12,6 +12,7 @@ runs a tiny checkpoint, and ``minipaged watch --replay --no-tui`` prints what th
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,12 @@ assert home.is_relative_to(pathlib.Path(sys.prefix).resolve()), f"minipaged came
 names = [m.name for m in pkgutil.walk_packages(minipaged.__path__, "minipaged.")
          if not m.name.endswith(".__main__")]                  # those run a command
 for name in names:
-    module = importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as missing:       # Triton is the [gpu] extra: a machine without it skips its module
+        if missing.name != "triton":
+            raise
+        continue
     assert pathlib.Path(module.__file__).resolve().is_relative_to(home.parent), (name, module.__file__)
 print(len(names), "modules")
 """
@@ -91,8 +97,10 @@ def venv(built, tmp_path_factory) -> Path:
 
 
 def test_the_build_warns_of_nothing(built):
+    """setuptools' warnings (``SetuptoolsDeprecationWarning: ...``, ``_Warning: Package ... is absent``) and
+    distutils' (``warning: build_py: ...``); pip's own ``WARNING:`` lines are about the machine, not the project."""
     _, log = built
-    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
+    warnings = [line for line in log.splitlines() if re.search(r"Warning\b|warning:", line)]
     assert not warnings, "the wheel's build warns:\n" + "\n".join(warnings)
 
 
