@@ -7,7 +7,8 @@ wheel is built offline (``pip wheel --no-build-isolation``: the build tools are 
 installed by pip into a venv of its own whose only other path is this environment's site-packages (for
 torch and the rest; its ``.pth`` files, the editable install's among them, are not run from there), and
 then: every module imports from the installed copy, ``minipaged --help`` answers, ``minipaged generate``
-runs a tiny checkpoint, and ``minipaged watch --replay --no-tui`` prints what the source tree prints.
+runs a tiny checkpoint, and ``minipaged watch --replay --no-tui`` and ``minipaged export-html`` of a recorded
+trace give what the source tree gives.
 """
 from __future__ import annotations
 
@@ -124,8 +125,12 @@ def test_the_installed_wheel_imports_and_runs_from_another_folder(venv, tiny_mod
     generated = run([minipaged, "generate", "--model", tiny_model, "--max-tokens", "4", "--no-chat",
                      "--block-size", "4", "--num-blocks", "32", "--threads", "1", "hello"], cwd=elsewhere)
     assert generated.stdout.strip(), generated.stderr[-2000:]
-    # The replay prints the same lines as the source tree's own command.
+    # The replay prints the same lines as the source tree's own command, and the one-file web view (the page's
+    # static files inlined) is the same file.
     replay = ["watch", "--replay", TRACE, "--no-tui"]
     installed = run([minipaged, *replay], cwd=elsewhere).stdout
     from_source = run([sys.executable, "-m", "minipaged", *replay], cwd=ROOT).stdout
     assert "done:" in installed and installed == from_source
+    run([minipaged, "export-html", TRACE, "-o", elsewhere / "installed.html"], cwd=elsewhere)
+    run([sys.executable, "-m", "minipaged", "export-html", TRACE, "-o", elsewhere / "source.html"], cwd=ROOT)
+    assert (elsewhere / "installed.html").read_bytes() == (elsewhere / "source.html").read_bytes()
