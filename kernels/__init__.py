@@ -8,18 +8,17 @@ Backends (one object per engine, chosen once by ``select_backend``; see kernels/
                (cpu_argmax.c); each used only where it measured faster than torch here (calibration.py).
     torch      plain torch ops (reference.py, torch_ops.py): decodes gathered into a padded batch for
                ``scaled_dot_product_attention``, prefill chunks one by one. Runs anywhere.
-    reference  the readable specification, one request at a time: tests compare the others with it.
+The readable specification (reference.py, one request at a time) is no backend: tests compare each with it.
+Before a backend is chosen, devices.py answers what the engine asks of a device (is it there, its default dtype,
+its free memory); huge_pages.py places CPU memory on 2 MB pages.
 
-``paged_attention``, ``plan_attention`` and ``write_kv`` are the same operations as functions of a backend's
-name, for tests and benchmarks that call one kernel alone. Triton is imported lazily so machines without it
+The engine never asks for a kernel by name: it holds one ``Backend``. (Tests that call one kernel alone by a
+backend's name do it through tests/kernel_dispatch.py.) Triton is imported lazily so machines without it
 (Macs) never need it.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
-
-import torch
 
 from .backends import (ALL_TORCH, Backend, CpuBackend, CpuChoice, ModelShapes, TorchBackend, TritonBackend,
                        select_backend, triton_available)
@@ -32,8 +31,8 @@ from .reference import (TorchAttentionPlan, paged_attention_reference, paged_att
                         write_kv_cache)
 from .torch_ops import TORCH_LAYER_OPS, TorchLayerOps
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torch", "write_kv_cache",
-           "write_kv", "plan_attention", "triton_available", "choose_backend", "BACKENDS",
+__all__ = ["paged_attention_reference", "paged_attention_torch", "plan_torch_attention", "write_kv_cache",
+           "TorchAttentionPlan", "triton_available", "can_use_cpu_kernel",
            "paged_decode_attention_cpu", "cpu_kernel_available", "cpu_kernel_problem", "compiled_linear",
            "CompiledLinear", "SMALL_BATCH_ROWS", "PER_ROW_ROWS", "cpu_layer_ops", "CpuLayerOps", "CpuArgmax",
            "torch_argmax",
@@ -41,101 +40,6 @@ __all__ = ["paged_attention", "paged_attention_reference", "paged_attention_torc
            "ALL_TORCH", "ModelShapes", "select_backend"]
 # paged_attention_triton / write_kv_cache_triton are importable from here too (see __getattr__), but are left
 # out of __all__ so that ``import *`` never pulls in Triton.
-
-BACKENDS = ("triton", "cpu", "torch", "reference")
-
-# Optional hints each backend understands. Callers (the model runner) may pass the hints of either backend;
-# the dispatcher translates or drops the ones the chosen backend has no use for, so switching backends never
-# needs a different call site.
-_TORCH_HINTS = {"host_seq_lens", "host_query_start_loc", "plan"}
-_TRITON_HINTS = {"max_query_len", "max_seq_len", "num_splits", "tile_n"}
-
-
-def choose_backend(t: torch.Tensor, backend: str | None = None, *, head_dim: int | None = None) -> str:
-    """The backend to use for tensor ``t``: ``backend`` itself when given (checked), else Triton for CUDA
-    tensors when Triton is installed, torch otherwise. ``head_dim``: for "cpu", the head size its compiled
-    kernel must be built for; callers that only plan a step or write K/V (torch code for this backend too)
-    leave it out, so that no kernel is built for a head size the model does not have."""
-    if backend is None:
-        return "triton" if t.is_cuda and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "triton" and not triton_available():
-        raise ValueError("the triton attention backend needs Triton: pip install 'minipaged[gpu]' (Linux with a "
-                         "CUDA GPU), or use the torch backend.")
-    if backend == "cpu" and head_dim is not None and not cpu_kernel_available(head_dim):
-        raise ValueError(f"the cpu attention backend needs its compiled kernel, which is unavailable here "
-                         f"({cpu_kernel_problem(head_dim)}); use the torch backend.")
-    return backend
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    backend: str | None = None, **kw: Any) -> torch.Tensor:
-    """Attention over the paged KV cache with the chosen backend (None: Triton on CUDA, else torch).
-
-    Extra keyword hints: ``host_seq_lens`` / ``host_query_start_loc`` (Python lists, saves syncs; the
-    Triton path derives ``max_seq_len`` / ``max_query_len`` from them),
-    ``max_query_len`` / ``max_seq_len`` / ``num_splits`` / ``tile_n`` (Triton path).
-    """
-    unknown = set(kw) - _TORCH_HINTS - _TRITON_HINTS
-    if unknown:
-        raise TypeError(f"paged_attention() got unexpected keyword arguments {sorted(unknown)}")
-    backend = choose_backend(q, backend, head_dim=q.shape[-1])
-    if backend == "triton":
-        from .triton_paged_attention import paged_attention_triton
-        hints = {k: v for k, v in kw.items() if k in _TRITON_HINTS}
-        host_seq_lens, host_starts = kw.get("host_seq_lens"), kw.get("host_query_start_loc")
-        if host_seq_lens is not None and "max_seq_len" not in hints:
-            hints["max_seq_len"] = max(host_seq_lens, default=0)
-        if host_starts is not None and "max_query_len" not in hints:
-            hints["max_query_len"] = max((b - a for a, b in zip(host_starts, host_starts[1:])), default=0)
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      **hints)
-    if backend in ("cpu", "torch"):
-        hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
-        if backend == "cpu" and can_use_cpu_kernel(q, k_cache, v_cache):
-            plan = hints.get("plan") or plan_torch_attention(
-                block_tables, k_cache.shape[1], hints.get("host_seq_lens") or seq_lens.tolist(),
-                hints.get("host_query_start_loc") or query_start_loc.tolist())
-            return _compiled_cpu_backend(q.shape[-1]).attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                                query_start_loc, scale, plan)
-        return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_cpu_backend(head_dim: int) -> CpuBackend:
-    """The cpu backend with every compiled op, for calls by name (no calibration: these callers ask for C)."""
-    return CpuBackend(head_dim, CpuChoice())
-
-
-def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
-                   host_query_start_loc: list[int], backend: str | None = None) -> dict[str, Any]:
-    """The hints for ``paged_attention`` that depend only on the step, not on the layer: worked out once per
-    step and passed to every layer's call (the torch path's index tensors and masks, Triton's maxima)."""
-    backend = choose_backend(block_tables, backend)
-    if backend == "triton":
-        return {"max_seq_len": max(host_seq_lens, default=0),
-                "max_query_len": max((b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])),
-                                     default=0)}
-    if backend in ("cpu", "torch"):
-        return {"plan": plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc)}
-    return {}
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: str | None = None, *, all_slots_new: bool = False) -> None:
-    """Write new tokens' K/V into their cache slots (slot -1: skip) with the chosen backend.
-
-    ``all_slots_new``: the caller knows no slot is -1 (the runner does, from its Python lists), which saves
-    the torch path a check of the whole slot mapping on every layer."""
-    backend = choose_backend(key, backend)
-    if backend == "triton":
-        from .triton_paged_attention import write_kv_cache_triton
-        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        write_kv_cache(key, value, k_cache, v_cache, slot_mapping, all_slots_new=all_slots_new)
 
 
 def __getattr__(name: str) -> Any:

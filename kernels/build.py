@@ -61,7 +61,7 @@ def _cpu_name() -> str:
 
 
 def _cache_dir() -> Path:
-    from minipaged.model.loader import cache_root
+    from minipaged.cache import cache_root
     return cache_root() / "kernels"
 
 

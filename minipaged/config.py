@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+# The backends' names, the one list of them (kernels/backends/ reads it; each name is a Backend's ``name``).
 AttentionBackend = Literal["triton", "cpu", "torch"]
 Quantization = Literal["int8"]
 

@@ -14,8 +14,9 @@ import torch
 from attention_batches import make_batch, random_specs
 from minipaged import Engine, SamplingParams
 from minipaged.config import ConfigError
-from minipaged.kernels import (cpu_kernel_available, cpu_kernel_problem, paged_attention, paged_attention_reference,
-                               paged_decode_attention_cpu, plan_attention)
+from kernel_dispatch import paged_attention, plan_attention
+from minipaged.kernels import (cpu_kernel_available, cpu_kernel_problem, paged_attention_reference,
+                               paged_decode_attention_cpu)
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -116,7 +117,7 @@ def test_the_engine_uses_it_and_greedy_tokens_do_not_change(tiny_engine_factory)
 def test_a_step_builds_the_kernel_only_for_the_models_head_size(monkeypatch):
     """Planning a step and writing its K/V are torch code for the cpu backend too: they must not ask for
     (and so compile) a kernel of some other head size; attending asks for the queries' own."""
-    import minipaged.kernels as kernels
+    import kernel_dispatch as kernels
     asked: list[int] = []
     real = kernels.cpu_kernel_available
 

@@ -2,9 +2,12 @@
 
 The graph is read from the source with ``ast``, not by importing anything: every ``import`` and
 ``from ... import`` counts, at module level and inside functions (a lazy import still ties two modules
-together; hiding one in a function does not break a cycle, it only postpones it). Relative imports are
+together; hiding one in a function does not break a cycle, it only postpones it), except those under
+``if TYPE_CHECKING:``, which Python never runs (they name types for readers and checkers). Relative imports are
 resolved, and the repository's top-level folders are named as they are installed: ``kernels/`` is
-``minipaged.kernels``, ``tui/`` is ``minipaged.tui``, ``lessons/`` is ``minipaged.lessons``.
+``minipaged.kernels``, ``tui/`` is ``minipaged.tui``, ``lessons/`` is ``minipaged.lessons``. Importing
+``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, as Python does, so it is an edge to each of them too
+(except the importer's own packages, which are already being imported when it runs).
 
 The scripts in ``bench/`` are not a package: each is its own module, named ``bench.<stem>``; a script that
 imports another by its bare name (``import tuning`` after putting ``bench/`` on ``sys.path``) is an edge
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -41,13 +45,31 @@ def source_files(root: Path = ROOT) -> dict[str, Path]:
     return files
 
 
+def is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def run_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node Python may run: all of them but the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if is_type_checking(node):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def imported_names(path: Path, name: str) -> set[tuple[str, str]]:
     """Every import in the file, anywhere in it, as (module, name): ``import a.b`` -> ("a.b", ""),
     ``from a import b`` -> ("a", "b"), relative ones resolved against the file's package."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: set[tuple[str, str]] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in run_nodes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update((alias.name, "") for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -61,11 +83,18 @@ def imported_names(path: Path, name: str) -> set[tuple[str, str]]:
     return found
 
 
+def packages_above(module: str) -> list[str]:
+    """The packages whose ``__init__`` Python runs before ``module`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """module -> the project's modules it imports. ``from a import b`` depends on the module ``a.b`` when there
     is one, else on ``a`` (b is a name defined in a). Importing ``a.b`` also runs the package ``a``'s
-    ``__init__``, but that is not counted: a package that imports its own submodules is how packages are built,
-    and a submodule that takes a name from its package's ``__init__`` is counted (it really depends on it)."""
+    ``__init__`` first, so it depends on ``a`` too, unless ``a`` is one of the importer's own packages: those
+    are imported before the importer runs (a package that imports its own submodules is how packages are
+    built). A submodule that takes a name from its package's ``__init__`` is counted (it really depends on it)."""
     files = source_files(root)
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
@@ -77,6 +106,8 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
             target = next((c for c in candidates if c in files), None)
             if target is not None and target != name:
                 edges.add(target)
+                edges.update(package for package in packages_above(target)
+                             if package in files and package != name and package not in packages_above(name))
         graph[name] = edges
     return graph
 
@@ -184,6 +215,13 @@ def tree(root: Path, extra: dict[str, str]) -> Path:
     ({"tui/app.py": "def f():\n    from minipaged.tui import screenshots\n",
       "tui/screenshots.py": "from .app import App\n"},
      {"minipaged.tui.app", "minipaged.tui.screenshots"}),
+    # through a package's __init__, as Python runs it: kernels/build.py -> minipaged.model.loader runs
+    # minipaged/model/__init__, which imports llama, which imports minipaged.kernels, whose __init__ imports build
+    ({"kernels/__init__.py": "from .build import f\n",
+      "kernels/build.py": "def f():\n    from minipaged.model.loader import g\n",
+      "minipaged/model/__init__.py": "from .llama import Llama\n", "minipaged/model/loader.py": "def g(): pass\n",
+      "minipaged/model/llama.py": "from minipaged.kernels import f\n"},
+     {"minipaged.kernels", "minipaged.kernels.build", "minipaged.model", "minipaged.model.llama"}),
     # two scripts that import each other by their bare names
     ({"bench/peer.py": "import tuning\n", "bench/tuning.py": "def f():\n    import peer\n"},
      {"bench.peer", "bench.tuning"}),
@@ -193,6 +231,15 @@ def test_a_reintroduced_cycle_is_found_and_named(tmp_path, files, expected):
     cycles = all_cycles(graph)
     assert len(cycles) == 1
     assert set(cycles[0]) == expected and cycles[0][0] == cycles[0][-1]
+
+
+def test_imports_python_never_runs_are_no_edges(tmp_path):
+    """Under ``if TYPE_CHECKING:`` an import names a type only; its ``else`` branch runs."""
+    graph = import_graph(tree(tmp_path, {
+        "minipaged/a.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
+                           "else:\n    from . import c\n"),
+        "minipaged/b.py": "from . import a\n", "minipaged/c.py": ""}))
+    assert graph["minipaged.a"] == {"minipaged.c"} and all_cycles(graph) == []
 
 
 def test_a_tree_without_cycles_passes(tmp_path):

@@ -175,5 +175,5 @@ def test_good_references_of_every_kind_pass():
     markdown = (f"{HEADING}\n\n- [minipaged/block_manager.py](../minipaged/block_manager.py): "
                 "`KVCacheManager.allocate_slots`, `KVBlock`,\n  `hits`, `num_blocks`\n"
                 "- [minipaged/scheduler.py](../minipaged/scheduler.py): `num_new = budget`, `policy` `static`\n"
-                "- [kernels/](../kernels/): `paged_attention`\n")
+                "- [kernels/](../kernels/): `paged_attention_reference`\n")
     assert check_lesson(markdown, "fake.md") == []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minipaged import Engine, SamplingParams
-from minipaged.memory import HUGE_PAGE_BYTES, copies_on_huge_pages, zeros_on_huge_pages
+from minipaged.kernels.huge_pages import HUGE_PAGE_BYTES, copies_on_huge_pages, zeros_on_huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -14,12 +14,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from minipaged.kernels import (  # noqa: E402
-    choose_backend, paged_attention, paged_attention_reference, plan_attention, write_kv, write_kv_cache)
+from minipaged.kernels import paged_attention_reference, write_kv_cache  # noqa: E402
 from minipaged.kernels.triton_paged_attention import (  # noqa: E402
     choose_num_splits, paged_attention_triton, write_kv_cache_triton)
 
 from attention_batches import make_batch, random_specs  # noqa: E402
+from kernel_dispatch import choose_backend, paged_attention, plan_attention, write_kv  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
        torch.float16: dict(atol=3e-3, rtol=3e-3),

@@ -1,12 +1,18 @@
 """One ``Backend`` object per engine, chosen once by ``select_backend``: torch (the specification, any
-device), cpu (compiled C, each op where it measured faster), triton (CUDA, or Triton's interpreter)."""
+device), cpu (compiled C, each op where it measured faster), triton (CUDA, or Triton's interpreter).
+
+Their names are spelled once, in ``minipaged.config.AttentionBackend``: the flags, ``EngineConfig.validate``
+and ``select_backend`` all read that list, and it lives there because the options must be known without
+importing torch (a thin client builds no engine)."""
 from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Optional, get_args
 
 import torch
+
+from minipaged.config import AttentionBackend
 
 from ..build import cpu_kernel_problem
 from .base import Backend, ModelShapes
@@ -19,7 +25,7 @@ __all__ = ["Backend", "ModelShapes", "TorchBackend", "CpuBackend", "TritonBacken
            "ALL_TORCH", "COMPILED", "TORCH", "IN_OUT", "select_backend", "cpu_backend_for", "triton_available",
            "BACKEND_NAMES"]
 
-BACKEND_NAMES = ("triton", "cpu", "torch")
+BACKEND_NAMES: tuple[str, ...] = get_args(AttentionBackend)
 
 
 @functools.lru_cache(maxsize=None)

@@ -143,7 +143,7 @@ def on_huge_pages(buffer: torch.Tensor) -> torch.Tensor:
     pages). It matters to the verdict: the int8 one-row loops ask for their weights 4 KB ahead, which on 4 KB pages
     runs into a page not yet in the TLB at every step. Measured on the CI machine, one token row over SmolLM2-shaped
     int8 layers (64 MB), fixed point and widening: 2.67 and 2.57 ms on 4 KB pages, 2.26 and 2.30 ms on huge pages."""
-    from minipaged.memory import copies_on_huge_pages
+    from ..huge_pages import copies_on_huge_pages
     return copies_on_huge_pages([buffer])[0]
 
 
@@ -301,7 +301,7 @@ def calibration_key(shapes: ModelShapes, head_dim: int) -> str:
 
 
 def cache_folder() -> Path:
-    from minipaged.model.loader import cache_root
+    from minipaged.cache import cache_root
     return cache_root() / "calibration"
 
 

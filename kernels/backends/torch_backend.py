@@ -47,9 +47,9 @@ class TorchBackend(Backend):
         return torch_argmax(logits)
 
     def weight_placer(self, sizes: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        """On a CPU, one buffer Linux may back with huge pages (``minipaged.memory.HugePageBuffer`` says why),
+        """On a CPU, one buffer Linux may back with huge pages (``kernels/huge_pages.py``'s ``HugePageBuffer`` says why),
         filled one weight at a time; elsewhere the weights as they are."""
-        from minipaged.memory import HugePageBuffer
+        from ..huge_pages import HugePageBuffer
         if torch.device(device).type != "cpu" or not HugePageBuffer.available(sizes):
             return lambda weight: weight
         return HugePageBuffer(sizes).place
@@ -58,7 +58,7 @@ class TorchBackend(Backend):
         """On a CPU, memory Linux may back with huge pages (``zeros_on_huge_pages`` says why); elsewhere
         ``torch.zeros``."""
         if torch.device(device).type == "cpu":
-            from minipaged.memory import zeros_on_huge_pages
+            from ..huge_pages import zeros_on_huge_pages
             return zeros_on_huge_pages(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
 

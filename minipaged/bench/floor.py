@@ -29,7 +29,7 @@ def random_weights_like(model, prepare: Callable[[torch.Tensor], torch.Tensor] =
     stored as ``prepare`` (a backend's ``prepare_weight``, say) and ``prepare_lm_head`` lay them out, in the
     memory the engine keeps its own weights in (``copies_on_huge_pages`` on a Linux CPU): every floor, the
     engine's and torch's, reads its weights from the same kind of memory as the engine's step does."""
-    from ..memory import copies_on_huge_pages
+    from minipaged.kernels.huge_pages import copies_on_huge_pages
     gen = torch.Generator().manual_seed(0)
 
     def weight(rows: int, cols: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..cache import cache_root
 from .families import FAMILIES, UnsupportedModelError, family_of
 
 ProgressCallback = Callable[[str], None]
@@ -47,14 +48,6 @@ class LoadedModel:
     eos_token_ids: list[int]
     load_seconds: float
     converted: bool                   # True when this load converted the GGUF (first run)
-
-
-def cache_root() -> Path:
-    env = os.environ.get("MINIPAGED_CACHE")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-    return Path(user_cache_dir("minipaged"))
 
 
 def embedded_gguf_path() -> Path:

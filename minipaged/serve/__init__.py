@@ -13,11 +13,10 @@ from typing import Optional
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
 
+from .limits import DEFAULTS, ServerLimits, ServerSettings
+
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
-DEFAULT_MAX_WAITING = 256
-DEFAULT_EVENT_HEARTBEAT_S = 5.0
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +27,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)%(default).0s")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)%(default).0s")
-    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,
                    help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
-    from .limits import ServerLimits
-    limits = ServerLimits()
+    limits = DEFAULTS.limits
     g.add_argument("--max-n", type=int, default=limits.max_n, help="the most samples (n) one request may ask for")
     g.add_argument("--max-prompts", type=int, default=limits.max_prompts,
                    help="the most prompts one completions request may carry")
@@ -41,12 +39,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the longest stop string, in characters")
     g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="the largest request body; larger ones get 413")
-    g.add_argument("--event-heartbeat-s", type=float, default=DEFAULT_EVENT_HEARTBEAT_S,
+    g.add_argument("--event-heartbeat-s", type=float, default=DEFAULTS.event_heartbeat_s,
                    help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout_s,
                    help="on SIGTERM, how many seconds running requests may go on before they are ended with an "
                         "error (new requests get 503 meanwhile)")
-    g.add_argument("--event-buffer-mb", type=float, default=4.0,
+    g.add_argument("--event-buffer-mb", type=float, default=DEFAULTS.event_buffer_bytes / 2**20,
                    help="a /v1/events watcher (a browser, watch --attach) with this much unsent is dropped; it "
                         "reconnects from a fresh snapshot")
     add_engine_arguments(parser)
@@ -65,11 +63,20 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from its flags (flags left alone give ``ServerSettings``' own defaults)."""
+    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
+                          max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
+    return ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests, limits=limits,
+                          event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
+                          event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .api_server import ServerSettings, build_app
-    from .limits import ServerLimits
+    from .api_server import build_app
     from .shutdown import DrainingServer
 
     problem = flag_problem(args)
@@ -77,12 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
-    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
-                          max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              max_waiting_requests=args.max_waiting_requests, limits=limits,
-                              event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
-                              event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
+    settings = server_settings(args)
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "

@@ -43,23 +43,12 @@ from ..outputs import RequestDelta
 from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine
-from .event_hub import WATCHER_BUFFER_BYTES, Watcher, WatcherResponse
+from .event_hub import Watcher, WatcherResponse
 from .http_guards import ApiKeyCheck, BodyLimit, HeadAsGet
+from .limits import ServerSettings
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: Optional[str] = None
-    max_waiting_requests: Optional[int] = None
-    limits: p.ServerLimits = field(default_factory=p.ServerLimits)
-    event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
-    shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
-    engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
-    event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:

@@ -26,11 +26,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 
+from .limits import WATCHER_BUFFER_BYTES
 from .liveness import HEARTBEAT, goodbye_event
 
 logger = logging.getLogger("minipaged.serve")
 
-WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
 GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"   # deflate, no name, no time, unknown OS
 DEFLATE_END = zlib.compressobj(wbits=-15).flush()            # an empty final block
 

@@ -1,10 +1,14 @@
-"""What one request may ask of ``minipaged serve``: the limits, their defaults and the flags that set them.
+"""What one request may ask of ``minipaged serve`` (``ServerLimits``) and how the server behaves
+(``ServerSettings``): each value's default, spelled here once, which the flags show and the app uses.
 
 Plain data without pydantic or FastAPI, so that building the CLI parser does not import them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
 
 
 @dataclass(frozen=True)
@@ -23,3 +27,20 @@ class ServerLimits:
     @staticmethod
     def flag(name: str) -> str:
         return ServerLimits.FLAGS[name]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How one server runs (``minipaged serve``'s flags, or a test's ``build_app``)."""
+
+    served_model_name: str
+    api_key: Optional[str] = None
+    max_waiting_requests: Optional[int] = 256   # samples waiting for admission before 503 (None: no bound)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
+    shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
+    engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
+    event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
+
+
+DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags

@@ -1,0 +1,37 @@
+"""What the engine must know of a device before it picks a backend: whether it is there, its default dtype, and
+how much memory it has free. Every test of a device's type outside kernels/backends/ is here, so the engine's
+sizing (minipaged/memory.py) asks questions and never names a device.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else the CPU (Apple's MPS only when asked for by name)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_problem(device: torch.device) -> Optional[str]:
+    """Why the engine cannot run on ``device`` here (a sentence that says what to do instead), or None."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return ("device='cuda' was asked for, but torch sees no CUDA device here (a CPU build of torch, or no "
+                "GPU); leave device unset to use the CPU.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return "device='mps' was asked for, but Apple's MPS is not available here; leave device unset to use the CPU."
+    return None
+
+
+def default_dtype(device: torch.device) -> str:
+    """fp32 on a CPU (exact, and fast enough there); bf16 on CUDA, as vLLM."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def free_and_total_memory(device: torch.device) -> Optional[tuple[int, int]]:
+    """Bytes free and in all on a device whose memory other processes share and the engine sizes itself by
+    (a CUDA card); None where the engine is given a budget instead (a CPU's RAM, MPS)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    return None
