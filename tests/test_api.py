@@ -161,3 +161,16 @@ def test_prompt_previews_are_text_and_keep_the_end_of_long_prompts(tiny_engine_f
     for rid, end in (("text", "Where is Lima?"), ("long-ids", "Where is Quito?")):
         assert previews[rid].startswith("You are a careful") and previews[rid].endswith(end)
         assert len(previews[rid]) < len(system)
+
+
+def test_the_readme_library_example_runs_as_written(tiny_model, capsys):
+    """The README's library example, on the tiny model instead of SmolLM2 (the only change): every call it shows
+    exists and takes what it is given, and both ways of asking, completion and chat, print an answer."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    source = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert source.count('model="smollm2"') == 1 and "engine.chat(" in source and "engine.generate(" in source
+    exec(compile(source.replace('model="smollm2"', f"model={tiny_model!r}"), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "steps" in out and out.count("\n") > 3
