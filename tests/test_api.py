@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -94,6 +95,22 @@ def test_cli_generate_streams_text(tiny_model, capsys):
     assert main(["generate", "--model", tiny_model, "--max-tokens", "5", "--no-chat", "hello"]) == 0
     out = capsys.readouterr()
     assert "5 tokens" in out.err and out.out.strip()
+    # the timing line: what was read, how long until the first token, how fast the rest came
+    (timing,) = [line for line in out.err.splitlines() if line.startswith("timing:")]
+    assert re.fullmatch(r"timing: \d+ prompt tokens, TTFT \d+\.\d{3} s, 5 output tokens in \d+\.\d\d s: "
+                        r"\d+\.\d tok/s \(\d+\.\d tok/s after the first token\)", timing), timing
+
+
+def test_timing_line_counts_prompts_and_tokens_of_every_request():
+    from types import SimpleNamespace as Out
+
+    from minipaged.cli import timing_line
+    from minipaged.outputs import RequestMetrics
+    one = Out(prompt_token_ids=[1] * 10, token_ids=[5] * 9, metrics=RequestMetrics(100.0, 100.1, 100.5, 102.5))
+    assert timing_line([one]) == ("timing: 10 prompt tokens, TTFT 0.500 s, 9 output tokens in 2.50 s: 3.6 tok/s "
+                                  "(4.0 tok/s after the first token)")
+    other = Out(prompt_token_ids=[1] * 4, token_ids=[5], metrics=RequestMetrics(100.0, 100.1, 101.5, 101.5))
+    assert timing_line([one, other]).startswith("timing: 14 prompt tokens, mean TTFT 1.000 s, 10 output tokens")
 
 
 def test_cli_generate_labels_each_answer_with_its_prompt(tmp_path, capsys):
