@@ -452,7 +452,7 @@ class WatchApp(App[int]):
         try:
             paths = save_screen(self, pictures_folder())
         except OSError as exc:
-            self.notify(f"could not save a picture here: {exc}", severity="error", timeout=6)
+            self.notify(f"could not save a picture: {exc}", severity="error", timeout=6)
             return
         self.notify(", ".join(path.name for path in paths) + f" in {paths[0].parent}", title="Saved", timeout=6)
 
