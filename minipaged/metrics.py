@@ -189,7 +189,6 @@ class EngineMetrics:
         return self.registry.get_sample_value(PREFIX + name, labels or None)
 
 
-
 @dataclass
 class _Phases:
     """One request's timestamps on the engine's clock, until it finishes."""
