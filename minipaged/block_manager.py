@@ -293,7 +293,7 @@ class KVCacheManager:
         for table in self.req_blocks.values():
             for b in table:
                 refs[b] += 1
-        free = set(self.free_queue.ids())
+        free = set(self.free_queue)         # the queue's own interface: __iter__, not a helper
         assert len(free) == len(self.free_queue), "a block is queued twice"
         for block in self.blocks:
             assert block.ref_cnt == refs[block.block_id], f"block {block.block_id}: ref count disagrees"

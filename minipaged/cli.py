@@ -36,6 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         asked[ids[-1]] = text
     # Stream: one prompt prints as it grows; several print in turn when each finishes.
     stream = ids[0] if len(ids) == 1 else None
+    finished = []
     while engine.has_unfinished_requests():
         for delta in engine.step().outputs:
             if delta.request_id == stream and delta.samples[0].text:
@@ -44,6 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if delta.output is None:
                 continue
             out = delta.output
+            finished.append(out)
             if stream is None:
                 sys.stdout.write(f"--- [{out.request_id}] {asked[out.request_id]}\n{out.text}\n")
             else:
@@ -51,6 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             err.print(f"[dim][{out.request_id}] {len(out.token_ids)} tokens, finish={out.finish_reason}, "
                       f"ttft={out.metrics.ttft:.3f}s, cached prompt tokens={out.num_cached_tokens}[/]")
     stats = engine.stats()
+    err.print(f"[dim]{timing_line(finished)}[/]", highlight=False, soft_wrap=True)
     err.print(f"[dim]steps={int(stats['steps'])} prefix-cache hit rate={stats['prefix_cache_hit_rate']:.0%} "
               f"preemptions={int(stats['preemptions_recompute'] + stats['preemptions_swap'])}[/]")
     if stats["spec_decode_num_drafts"]:
@@ -59,6 +62,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"accepted ({accepted / drafted:.0%}), {1 + accepted / stats['spec_decode_num_drafts']:.2f} "
                   f"tokens per verification[/]")
     return 0
+
+
+def timing_line(outputs: list) -> str:
+    """How fast the answers came, for the end of ``generate`` (so a flag's speed-up, int8's say, shows): prompt
+    tokens, time to first token, and output tokens per second, in all and in the decode phase alone (after each
+    request's first token, the part that weight-only quantization speeds up)."""
+    got = [o for o in outputs if o.metrics.first_token_time is not None and o.metrics.finished_time is not None]
+    if not got:
+        return "timing: no request produced a token"
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    tokens = sum(len(o.token_ids) for o in got)
+    ttfts = [o.metrics.ttft for o in got]
+    start = min(o.metrics.arrival_time for o in got)
+    first, end = min(o.metrics.first_token_time for o in got), max(o.metrics.finished_time for o in got)
+    ttft = f"TTFT {ttfts[0]:.3f} s" if len(got) == 1 else f"mean TTFT {sum(ttfts) / len(ttfts):.3f} s"
+    line = (f"timing: {prompt} prompt tokens, {ttft}, {tokens} output tokens in {end - start:.2f} s: "
+            f"{tokens / max(end - start, 1e-9):.1f} tok/s")
+    if tokens > len(got) and end > first:
+        line += f" ({(tokens - len(got)) / (end - first):.1f} tok/s after the first token)"
+    return line
 
 
 def cmd_lessons(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -88,7 +88,15 @@ def engine_flags() -> list[EngineFlag]:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's, but a line never breaks inside a hyphenated word: ``lowest-priority`` stays one word."""
+    """argparse's, but a line never breaks inside a hyphenated word: ``lowest-priority`` stays one word, and
+    "(default: ...)" is added only where it says something: not after a help that gives its own default, and
+    not "(default: None)" for a flag that is simply off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
@@ -146,6 +154,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         if "method" not in typed and "model" in typed and not given:
             typed["method"] = "draft_model"                # --speculative-model M alone, as in the guide
         options["speculative_config"] = {**(given or {}), **typed}
+        if "num_speculative_tokens" not in options["speculative_config"]:
+            # the flags' spelling, not the config key the engine's own check would name
+            method = options["speculative_config"].get("method")
+            what = f"--speculative-method {method}" if method else "speculative decoding"
+            raise ConfigError(f"{what} needs --num-speculative-tokens K: how many tokens to draft per step, "
+                              f"e.g. --num-speculative-tokens 3.")
     return options
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -94,6 +95,22 @@ def test_cli_generate_streams_text(tiny_model, capsys):
     assert main(["generate", "--model", tiny_model, "--max-tokens", "5", "--no-chat", "hello"]) == 0
     out = capsys.readouterr()
     assert "5 tokens" in out.err and out.out.strip()
+    # the timing line: what was read, how long until the first token, how fast the rest came
+    (timing,) = [line for line in out.err.splitlines() if line.startswith("timing:")]
+    assert re.fullmatch(r"timing: \d+ prompt tokens, TTFT \d+\.\d{3} s, 5 output tokens in \d+\.\d\d s: "
+                        r"\d+\.\d tok/s \(\d+\.\d tok/s after the first token\)", timing), timing
+
+
+def test_timing_line_counts_prompts_and_tokens_of_every_request():
+    from types import SimpleNamespace as Out
+
+    from minipaged.cli import timing_line
+    from minipaged.outputs import RequestMetrics
+    one = Out(prompt_token_ids=[1] * 10, token_ids=[5] * 9, metrics=RequestMetrics(100.0, 100.1, 100.5, 102.5))
+    assert timing_line([one]) == ("timing: 10 prompt tokens, TTFT 0.500 s, 9 output tokens in 2.50 s: 3.6 tok/s "
+                                  "(4.0 tok/s after the first token)")
+    other = Out(prompt_token_ids=[1] * 4, token_ids=[5], metrics=RequestMetrics(100.0, 100.1, 101.5, 101.5))
+    assert timing_line([one, other]).startswith("timing: 14 prompt tokens, mean TTFT 1.000 s, 10 output tokens")
 
 
 def test_cli_generate_labels_each_answer_with_its_prompt(tmp_path, capsys):
@@ -161,3 +178,16 @@ def test_prompt_previews_are_text_and_keep_the_end_of_long_prompts(tiny_engine_f
     for rid, end in (("text", "Where is Lima?"), ("long-ids", "Where is Quito?")):
         assert previews[rid].startswith("You are a careful") and previews[rid].endswith(end)
         assert len(previews[rid]) < len(system)
+
+
+def test_the_readme_library_example_runs_as_written(tiny_model, capsys):
+    """The README's library example, on the tiny model instead of SmolLM2 (the only change): every call it shows
+    exists and takes what it is given, and both ways of asking, completion and chat, print an answer."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    source = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert source.count('model="smollm2"') == 1 and "engine.chat(" in source and "engine.generate(" in source
+    exec(compile(source.replace('model="smollm2"', f"model={tiny_model!r}"), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "steps" in out and out.count("\n") > 3

@@ -44,9 +44,24 @@ def test_throughput_json_counts_every_token_and_baseline_gets_the_same_requests(
     assert record["ratio_output_tokens_per_s"] == pytest.approx(
         m["output_tokens_per_s"] / record["transformers"]["output_tokens_per_s"])
     assert record["engine_options"] == {"block_size": 4, "num_blocks": 256}
-    printed = capsys.readouterr().out
-    assert "requests/s" in printed and "ratio minipaged / transformers" in printed
+    printed = capsys.readouterr()
+    assert "requests/s" in printed.out and "ratio minipaged / transformers" in printed.out
     assert png_size(picture) == (1000, 400)
+    # progress on stderr, also without a terminal: each system's last line counts every request and useful token
+    assert "minipaged: 6/6 requests, 42 output tokens" in printed.err
+    assert "transformers: 6/6 requests, 42 output tokens" in printed.err
+
+
+def test_bench_progress_without_a_terminal_prints_requests_and_tokens_per_second_so_far(monkeypatch, capsys):
+    from minipaged.bench import report
+    monkeypatch.setattr(report, "PLAIN_EVERY_S", 0.0)            # a line at every update, not every 10 s
+    with report.progress_bar("minipaged", 3) as advance:
+        advance(0, 5)
+        advance(2, 5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("minipaged: 0/3 requests, 5 output tokens, ") and "tok/s so far" in lines[0]
+    assert lines[1].startswith("minipaged: 2/3 requests, 10 output tokens, ")
+    assert lines[-1].startswith("minipaged: 2/3 requests, 10 output tokens, ") and "tok/s in all" in lines[-1]
 
 
 def test_throughput_records_its_steps_as_a_trace_that_plot_draws(tiny_model, tmp_path):

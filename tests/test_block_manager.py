@@ -90,7 +90,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def books_balance(self):
         self.kv.check_invariants()
         # the counts every step's event reads are kept as blocks move (O(1)); here they are recounted
-        free = self.kv.free_queue.ids()
+        free = list(self.kv.free_queue)
         assert self.kv.num_free_blocks == len(free)
         assert self.kv.num_cached_free_blocks == sum(1 for b in free if self.kv.blocks[b].block_hash is not None)
         for rid, req in self.live.items():

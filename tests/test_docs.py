@@ -180,3 +180,15 @@ def test_a_missing_value_is_refused_with_the_fix():
     with pytest.raises(KeyError, match="throughput.nope"):
         render("{{throughput.nope:.1f}}", {"throughput": {"seconds": 1.0}})
     assert json.loads((BENCH_OUT / "throughput.json").read_text())["minipaged"]["seconds"] > 0
+
+
+def test_make_says_what_it_installs_before_each_install():
+    """A first `make` runs for minutes: every pip step is announced (what, and roughly how big), not silent."""
+    import subprocess
+    steps = subprocess.run(["make", "-n", "-B", "/nonexistent-venv/.gpu-extra", "VENV=/nonexistent-venv"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    installs = [i for i, line in enumerate(steps) if "pip install" in line]
+    assert len(installs) >= 3
+    for before, i in zip([-1, *installs], installs):
+        assert any(line.startswith('echo "make: ') for line in steps[before + 1:i]), f"nothing said before {steps[i]}"
+    assert "several minutes" in " ".join(steps)

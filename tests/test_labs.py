@@ -95,6 +95,55 @@ WRONG = {
 }
 
 
+# A student's answer written from the stub alone: each `raise NotImplementedError(...)` line of the stub is replaced
+# by a few lines, and nothing else changes. If a stub leaves out something the engine or the checks use (as lab 1's
+# once left out the engine's `ids()`), this fails where the reference answer above cannot.
+FROM_THE_STUB = {
+    1: {'raise NotImplementedError("LRUQueue.__init__")': "for block_id in block_ids:\n    self._queue[block_id] = None",
+        'raise NotImplementedError("LRUQueue.pop_front")': "return self._queue.popitem(last=False)[0]",
+        'raise NotImplementedError("LRUQueue.push_back")': "self._queue[block_id] = None",
+        'raise NotImplementedError("LRUQueue.push_front")': "self._queue[block_id] = None\n"
+                                                            "self._queue.move_to_end(block_id, last=False)",
+        'raise NotImplementedError("LRUQueue.remove")': "del self._queue[block_id]"},
+    2: {'raise NotImplementedError("hash_block_tokens")':
+        "return hashlib.sha256(parent_hash + repr((list(token_ids), extra_keys)).encode()).digest()"},
+    3: {'raise NotImplementedError("MyPriority.key")': "return (request.params.priority, request.arrival_index)"},
+    4: {'raise NotImplementedError("verify: accept or recover")':
+        "if u * float(q[i][token]) < float(p[i][token]):\n"
+        "    tokens.append(token)\n"
+        "    continue\n"
+        "residual = torch.clamp(p[i] - q[i], min=0)\n"
+        "tokens.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))\n"
+        "return tokens",
+        'raise NotImplementedError("verify: the bonus token")':
+        "tokens.append(int(torch.multinomial(p[len(draft_token_ids)], 1, generator=generator)))\n"
+        "return tokens"},
+}
+
+
+def filled_stub(number: int) -> str:
+    """Lab ``number``'s stub with its TODOs done as FROM_THE_STUB says (each line keeps its indentation)."""
+    lines = []
+    fills = dict(FROM_THE_STUB[number])
+    for line in find_lab(number).stub.splitlines():
+        code = fills.pop(line.strip(), None)
+        indent = line[:len(line) - len(line.lstrip())]
+        lines += [indent + piece for piece in code.splitlines()] if code is not None else [line]
+    assert not fills, f"lab {number}'s stub no longer has {list(fills)}: update FROM_THE_STUB"
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 4])
+def test_a_solution_written_from_the_stub_alone_passes_lab_check(tmp_path, monkeypatch, number, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["lab", "start", str(number)]) == 0
+    lab = find_lab(number)
+    (tmp_path / lab.file_name).write_text(filled_stub(number))
+    code = main(["lab", "check", str(number)])
+    out = capsys.readouterr().out
+    assert code == 0 and "FAIL" not in out, out
+
+
 def write(folder, lab, source: str):
     path = folder / lab.file_name
     path.write_text(textwrap.dedent(source))
@@ -159,14 +208,8 @@ def test_a_file_with_a_syntax_error_or_without_the_name_says_so(tmp_path):
 
 # The engine's own implementation, counting its calls: proof that watch --lab runs the student's code.
 COUNTING = {
-    1: """
-        from minipaged.policies import LRUFreeBlockQueue
-        CALLS = []
-        class LRUQueue(LRUFreeBlockQueue):
-            def pop_front(self):
-                CALLS.append(1)
-                return super().pop_front()
-        """,
+    # lab 1: the queue made from the stub alone (not the engine's class), so watch needs nothing the stub lacks
+    1: "FILLED_STUB_1",
     2: """
         from minipaged.block_manager import hash_block_tokens as engine_hash
         CALLS = []
@@ -196,7 +239,17 @@ COUNTING = {
 def test_watch_lab_runs_the_students_code_beside_the_engines_own(tmp_path, tiny_model, number, capsys):
     import sys
     lab = find_lab(number)
-    path = write(tmp_path, lab, COUNTING[number])
+    source = COUNTING[number]
+    if source == "FILLED_STUB_1":
+        source = filled_stub(1) + textwrap.dedent("""
+            CALLS = []
+            _pop_front = LRUQueue.pop_front
+            def _counted_pop_front(self):
+                CALLS.append(1)
+                return _pop_front(self)
+            LRUQueue.pop_front = _counted_pop_front
+            """)
+    path = write(tmp_path, lab, source)
     # --rate 4: everyone arrives at once, so lab 3's order has a queue to sort
     code = main(["watch", "--lab", str(number), "--lab-file", str(path), "--no-tui", "--model", tiny_model,
                  "--num-requests", "6", "--max-tokens", "6", "--rate", "4", "--max-num-seqs", "2"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minipaged import SamplingParams
@@ -40,6 +41,45 @@ def test_metrics_match_the_engine_after_a_preempting_shared_prefix_run(tiny_engi
     families = {f.name for f in text_string_to_metric_families(metrics.exposition())}
     assert {"minipaged:num_requests_running", "minipaged:kv_cache_usage_perc", "minipaged:num_preemptions",
             "minipaged:time_to_first_token_seconds"} <= families
+
+    # ... and again under vLLM's own names, labelled with the model as vLLM labels them: the same numbers.
+    vllm = {"model_name": engine.info.model}
+    sample = metrics.registry.get_sample_value
+    for name in ("generation_tokens_total", "prefix_cache_hits_total", "time_to_first_token_seconds_count",
+                 "request_prompt_tokens_sum", "num_requests_running"):
+        assert sample("vllm:" + name, vllm) == metrics.value(name) is not None, name
+    assert sample("vllm:num_preemptions_total", {**vllm, "mode": "swap"}) == stats["preemptions_swap"]
+    assert sample("vllm:gpu_cache_usage_perc", vllm) == sample("vllm:kv_cache_usage_perc", vllm) == 0.0
+    assert sample("vllm:time_per_output_token_seconds_count", vllm) == 8 * 11      # vLLM's older name of the ITL
+    assert sample("vllm:request_max_num_generation_tokens_sum", vllm) == 9 * 12
+    assert "vllm:step_duration_seconds" not in families | {f.name for f in text_string_to_metric_families(
+        metrics.exposition())}                                                     # minipaged's own, no vLLM twin
+
+
+def test_a_requests_phases_queue_prefill_decode(tiny_engine_factory):
+    """vLLM's per-request phases: a request that waits for the only seat queues for about the other's whole run."""
+    engine = tiny_engine_factory(max_num_seqs=1)
+    metrics = EngineMetrics(engine)
+    events = []
+    engine.subscribe(events.append)
+    engine.generate([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    second_arrived = events[0].arrivals[1].arrival_s
+    first_done = next(e.time_s for e in events if e.finished)
+    counts = {name: metrics.value(f"request_{name}_time_seconds_count") for name in ("queue", "prefill", "decode",
+                                                                                     "inference")}
+    assert counts == {"queue": 2, "prefill": 2, "decode": 2, "inference": 2}
+    # each phase as vLLM defines it, read off the events: queued until a step first schedules the request,
+    # prefill until its first token, decode until its last
+    arrival = {a.request_id: a.arrival_s for a in events[0].arrivals}
+    start = {rid: next(e.time_s - e.duration_s for e in events if rid in {s.request_id for s in e.scheduled})
+             for rid in arrival}
+    first = {rid: next(e.time_s for e in events if rid in e.new_token_ids) for rid in arrival}
+    end = {rid: next(e.time_s for e in events if rid in {f.request_id for f in e.finished}) for rid in arrival}
+    for phase, (a, b) in {"queue": (arrival, start), "prefill": (start, first), "decode": (first, end),
+                          "inference": (start, end)}.items():
+        assert metrics.value(f"request_{phase}_time_seconds_sum") == pytest.approx(sum(b[r] - a[r] for r in arrival))
+    assert metrics.value("request_queue_time_seconds_sum") >= first_done - second_arrived > 0   # waited for the first
+    assert metrics.value("cpu_cache_usage_perc") == 0.0
 
 
 def test_ttft_is_observed_at_the_first_token_and_late_attachment_counts_from_then(tiny_engine_factory):

@@ -122,3 +122,31 @@ def test_options_and_the_tui_entry_stay_free_of_torch():
     code = ("import sys, minipaged.options, minipaged.cli, minipaged.tui; "
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def every_parser(parser, name="minipaged"):
+    yield name, parser
+    if parser._subparsers:
+        for word, sub in parser._subparsers._group_actions[0].choices.items():
+            yield from every_parser(sub, f"{name} {word}")
+
+
+def test_no_help_says_its_default_twice_or_says_default_none():
+    doubled = []
+    for name, parser in every_parser(make_parser()):
+        for action in parser._actions:
+            if not action.help or action.help == "==SUPPRESS==":
+                continue
+            text = parser._get_formatter()._expand_help(action)
+            if text.count("(default") > 1 or "(default: None)" in text:
+                doubled.append(f"{name} {'/'.join(action.option_strings) or action.dest}: ...{text[-60:]}")
+    assert not doubled, "\n".join(doubled)
+
+
+@pytest.mark.parametrize("flags", [["--speculative-method", "ngram"], ["--speculative-method", "draft_model",
+                                                                         "--speculative-model", "self"]])
+def test_speculation_without_a_count_names_the_flag_to_add(flags, capsys):
+    assert main(["generate", *flags, "hello"]) == 2                  # before any model is loaded
+    err = capsys.readouterr().err
+    assert f"--speculative-method {flags[1]} needs --num-speculative-tokens" in err
+    assert "speculative_config" not in err

@@ -142,10 +142,14 @@ def test_plot_needs_neither_torch_nor_transformers(trace, tmp_path):
 
 
 @run_async
-async def test_p_key_saves_a_plot_of_the_steps_on_screen(trace, tmp_path, monkeypatch):
+async def test_p_key_saves_a_plot_of_the_steps_on_screen_in_the_pictures_folder(trace, tmp_path, monkeypatch):
     from minipaged.tui.app import WatchApp
 
-    monkeypatch.chdir(tmp_path)
+    work, pictures = tmp_path / "work", tmp_path / "pictures"
+    work.mkdir()
+    monkeypatch.chdir(work)                                     # e.g. the repository: nothing lands here
+    monkeypatch.setenv("MINIPAGED_PICTURES", str(pictures))
+    tmp_path = pictures
     info, events = read_trace(str(trace))
     app = WatchApp(replay=(info, events), paused=True)
     async with app.run_test(size=(160, 50)) as pilot:
@@ -162,3 +166,4 @@ async def test_p_key_saves_a_plot_of_the_steps_on_screen(trace, tmp_path, monkey
         assert any("steps 1-5" in m for m in messages) and any("no steps yet" in m for m in messages)
     picture, = tmp_path.glob("minipaged-run-*.png")
     assert png_size(picture) == (1600, 1000)
+    assert not list(work.iterdir())

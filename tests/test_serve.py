@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -270,6 +271,16 @@ def test_200_concurrent_requests_complete_free_every_block_and_match_metrics(ser
     assert delta("minipaged:request_prompt_tokens_sum") == sum(o.usage.prompt_tokens for o in outs)
     assert after[("minipaged:kv_cache_usage_perc", ())] == 0.0
     assert any("cache_hit" in name for name, _labels in after)     # the guide's `grep cache_hit`
+
+
+def test_every_metric_vllms_grafana_dashboard_queries_is_served_with_its_model_name_label(server, model_name):
+    """vLLM's own dashboard, unchanged, finds each of its series: the name, and the model_name it filters on."""
+    listed = Path(__file__).parent / "data" / "vllm_grafana_metrics.txt"
+    wanted = [line for line in listed.read_text().splitlines() if line and not line.startswith("#")]
+    httpx.post(server + "/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    served = {(name, dict(labels).get("model_name")) for name, labels in metric_samples(server)}
+    missing = [name for name in wanted if (name, model_name) not in served]
+    assert len(wanted) >= 20 and not missing, f"not on /metrics with model_name={model_name!r}: {missing}"
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted_and_frees_its_blocks(server, model_name):

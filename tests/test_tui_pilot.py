@@ -501,8 +501,12 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 @run_async
-async def test_s_saves_the_screen_as_svg_and_png_in_the_working_folder(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+async def test_s_saves_the_screen_as_svg_and_png_in_the_pictures_folder_not_the_working_one(tmp_path, monkeypatch):
+    work = tmp_path / "work"                      # a checkout, say: the pictures must not land in the repository
+    work.mkdir()
+    monkeypatch.chdir(work)
+    tmp_path = tmp_path / "pictures"
+    monkeypatch.setenv("MINIPAGED_PICTURES", str(tmp_path))
     app = replay_app()
     notes: list[str] = []
     app.notify = lambda message, **kwargs: notes.append(message)
@@ -517,6 +521,7 @@ async def test_s_saves_the_screen_as_svg_and_png_in_the_working_folder(tmp_path,
     width, height = png_size((tmp_path / "minipaged-replay-step2.png").read_bytes())
     assert width > 1000 and height > 500
     assert any("minipaged-replay-step2.svg, minipaged-replay-step2.png in " + str(tmp_path) in n for n in notes)
+    assert not list(work.iterdir())
 
 
 def test_the_png_has_text_drawn_not_only_boxes():

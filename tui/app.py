@@ -447,12 +447,12 @@ class WatchApp(App[int]):
             self.push_screen(HelpScreen(keys, replay=self.live is None))
 
     def action_screenshot(self) -> None:
-        from .pictures import save_screen
+        from .pictures import pictures_folder, save_screen
 
         try:
-            paths = save_screen(self, Path.cwd())
+            paths = save_screen(self, pictures_folder())
         except OSError as exc:
-            self.notify(f"could not save a picture here: {exc}", severity="error", timeout=6)
+            self.notify(f"could not save a picture: {exc}", severity="error", timeout=6)
             return
         self.notify(", ".join(path.name for path in paths) + f" in {paths[0].parent}", title="Saved", timeout=6)
 
@@ -462,7 +462,12 @@ class WatchApp(App[int]):
         if not events:
             self.notify("no steps yet: nothing to plot", severity="warning", timeout=4)
             return
-        path = Path.cwd() / f"minipaged-run-{time.strftime('%Y%m%d-%H%M%S')}.png"
+        from .pictures import pictures_folder
+        try:
+            path = pictures_folder() / f"minipaged-run-{time.strftime('%Y%m%d-%H%M%S')}.png"
+        except OSError as exc:
+            self.notify(f"could not make the pictures folder: {exc}", severity="error", timeout=6)
+            return
         self.run_worker(lambda: self._save_plot(events, path), thread=True, group="plot")
 
     def _save_plot(self, events: list[StepEvent], path: Path) -> None:

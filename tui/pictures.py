@@ -1,13 +1,15 @@
 """Pictures of the screen: Textual's SVG screenshot, and a PNG of it where resvg-py is installed.
 
 The ``s`` key of ``minipaged watch`` saves the screen on show (``save_screen``); ``screenshots`` renders the
-docs' pictures from a recorded trace with the same two functions.
+docs' pictures from a recorded trace with the same two functions. The keys save into ``pictures_folder()``,
+never the working folder: run from a checkout, that is the repository, which then fills with untracked files.
 
 PNGs come from resvg (the ``resvg-py`` wheel: a Rust SVG renderer with no system library to install;
 cairosvg would need the cairo C library, which laptops often lack).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +17,22 @@ from typing import Any, Optional
 # Textual's SVG asks for Fira Code from a CDN; resvg fetches nothing, so name fonts that systems have
 # (Linux, macOS, Windows), else it draws no text at all.
 MONOSPACE = "DejaVu Sans Mono, Menlo, Consolas, Liberation Mono, monospace"
+
+
+PICTURES_ENV = "MINIPAGED_PICTURES"
+
+
+def pictures_folder() -> Path:
+    """Where the TUI's ``s`` (screen) and ``p`` (plot) keys save: $MINIPAGED_PICTURES if set, else the user's
+    pictures folder (``~/Pictures/minipaged`` on Linux and macOS); made if missing."""
+    given = os.environ.get(PICTURES_ENV)
+    if given:
+        folder = Path(given).expanduser()
+    else:
+        import platformdirs
+        folder = Path(platformdirs.user_pictures_dir()) / "minipaged"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def svg_to_png(svg: str) -> Optional[bytes]:

@@ -22,7 +22,7 @@ SUBCOMMANDS = ("throughput", "latency", "serve", "compare")
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from . import compare, latency, serve, throughput
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    from ..options import HelpFormatter as fmt
     throughput.add_arguments(sub.add_parser("throughput", formatter_class=fmt, description=throughput.__doc__,
                                             help="requests and tokens per second of an offline batch"))
     latency.add_arguments(sub.add_parser("latency", formatter_class=fmt, description=latency.__doc__,

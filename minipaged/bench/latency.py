@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                                      vocab_size=engine.loaded.config.vocab_size, seed=args.dataset_seed,
                                      tokenize=lambda text: engine.tokenizer.encode(text))
             engine.reset_prefix_cache()          # each batch size starts cold: no hits from the previous one
-            sweep.append(summarize(batch_size, run_requests(engine, requests, on_finish=advance)))
+            sweep.append(summarize(batch_size, run_requests(engine, requests, on_progress=advance)))
     print_table(sweep)
     record = {"bench": "latency", "model": args.model, "engine_options": engine_options(args),
               "workload": describe(args), "sweep": sweep}

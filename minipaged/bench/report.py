@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,13 +27,49 @@ err = Console(stderr=True)
 BENCH_OUT = Path(__file__).resolve().parents[2] / "bench" / "out"
 
 
+PLAIN_EVERY_S = 10.0       # without a terminal: one progress line this often (a log shows the run is alive)
+
+
+class LiveProgress:
+    """Requests done and output tokens per second so far, on standard error, while a bench runs: a rich bar
+    on a terminal; otherwise (a log, CI, a pipe) a plain line every ``PLAIN_EVERY_S`` seconds and one at the
+    end, so a run of minutes is never silent. Call it as ``advance(requests, tokens)``."""
+
+    def __init__(self, description: str, total: int, progress: Optional[Progress] = None) -> None:
+        self.description, self.total, self.progress = description, total, progress
+        self.task = progress.add_task(description, total=total, rate="") if progress is not None else None
+        self.requests = self.tokens = 0
+        self.start = self.last_line = time.perf_counter()
+
+    def __call__(self, requests: int = 0, tokens: int = 0) -> None:
+        self.requests += requests
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.progress is not None:
+            self.progress.update(self.task, advance=requests, rate=f"{self.rate(now):.1f} tok/s")
+        elif now - self.last_line >= PLAIN_EVERY_S:
+            self.print_line(now)
+
+    def rate(self, now: float) -> float:
+        return self.tokens / max(now - self.start, 1e-9)
+
+    def print_line(self, now: float, so_far: str = "so far") -> None:
+        self.last_line = now
+        print(f"{self.description}: {self.requests}/{self.total} requests, {self.tokens} output tokens, "
+              f"{self.rate(now):.1f} tok/s {so_far} ({now - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+
 @contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on standard error; yields ``advance(n)``. Hidden when stderr is not a terminal."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+def progress_bar(description: str, total: int) -> Iterator[LiveProgress]:
+    """Live progress of ``total`` requests on standard error (see ``LiveProgress``); yields ``advance``."""
+    if not err.is_terminal:
+        live = LiveProgress(description, total)
+        yield live
+        live.print_line(time.perf_counter(), so_far="in all")
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        yield LiveProgress(description, total, progress)
 
 
 def cpu_model_and_vectors() -> tuple[str, str]:

@@ -33,11 +33,11 @@ class EngineRun:
 
 
 def run_requests(engine: "Engine", requests: list[BenchRequest],
-                 on_finish: Optional[Callable[[int], None]] = None) -> EngineRun:
+                 on_progress: Optional[Callable[[int, int], None]] = None) -> EngineRun:
     """Queue every request at once (an offline batch) and step until all are done.
 
     ``ignore_eos`` makes each request produce exactly its ``output_len`` tokens, so token counts are exact.
-    ``on_finish`` hears how many requests finished after each step.
+    ``on_progress`` hears, after each step, how many requests finished and how many tokens were generated.
     """
     from ..request import SamplingParams
     ids: list[str] = []
@@ -53,8 +53,8 @@ def run_requests(engine: "Engine", requests: list[BenchRequest],
             events.append(result.event)
             done = [d.output for d in result.outputs if d.output is not None]
             finished.update((o.request_id, o) for o in done)
-            if on_finish is not None and done:
-                on_finish(len(done))
+            if on_progress is not None:
+                on_progress(len(done), sum(len(t) for t in events[-1].new_token_ids.values()))
     except BaseException:
         for rid in set(ids) - finished.keys():          # leave the engine clean: no leaked KV blocks
             engine.abort(rid)

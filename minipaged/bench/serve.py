@@ -170,7 +170,7 @@ async def run_load(args: argparse.Namespace, rate: float, requests: list[BenchRe
         body = request_body(args.endpoint, args.model, request, ignore_eos=args.ignore_eos, extra=args.extra_body)
         async with limit:
             result = await send(client, url, args.endpoint, body, len(request.prompt_token_ids))
-        advance(1)
+        advance(1, result.output_tokens)
         return result
 
     # A fresh connection per request (no keep-alive): a pooled connection the server has closed as idle (llama.cpp's

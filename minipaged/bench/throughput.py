@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                              tokenize=lambda text: engine.tokenizer.encode(text))
     warm_up(engine)
     with report.progress_bar("minipaged", len(requests)) as advance:
-        result = run_requests(engine, requests, on_finish=advance)
+        result = run_requests(engine, requests, on_progress=advance)
     record: dict[str, Any] = {"bench": "throughput", "model": args.model, "engine_options": engine_options(args),
                               "workload": {**describe(args), "num_prompts": args.num_prompts},
                               "minipaged": rates(result.seconds, len(requests), result.num_input_tokens,
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         hf_padded_generate(engine.loaded.hf_model, prompts[:1], [2], 1)           # its own warm-up
         with report.progress_bar("transformers", len(requests)) as advance:
             seconds, useful = hf_padded_generate(engine.loaded.hf_model, prompts, wants, args.baseline_batch_size,
-                                                 on_batch=advance)
+                                                 on_progress=advance)
         record["transformers"] = {**rates(seconds, len(requests), sum(map(len, prompts)), useful),
                                   "batch_size": args.baseline_batch_size}
         record["ratio_output_tokens_per_s"] = (record["minipaged"]["output_tokens_per_s"]

@@ -51,9 +51,6 @@ class FreeBlockQueue(ABC):
     def __iter__(self) -> Iterator[int]:
         """Every free block id, in the order they would be handed out (checks and pictures only: O(n))."""
 
-    def ids(self) -> list[int]:
-        return list(self)
-
 
 class LRUFreeBlockQueue(FreeBlockQueue):
     """vLLM's: the block freed longest ago is evicted first (one ordered dict: O(1) at both ends and inside)."""

@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
-``GET /health`` and ``GET /metrics`` (Prometheus, vLLM's metric names with ``minipaged:`` for ``vllm:``), and
+``GET /health`` and ``GET /metrics`` (Prometheus: vLLM's ``vllm:`` names, and ``minipaged:`` copies), and
 ``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
@@ -69,7 +69,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
     # a client that got its answer finds it counted.
-    metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop)
+    metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
