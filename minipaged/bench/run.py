@@ -54,7 +54,7 @@ def run_requests(engine: "Engine", requests: list[BenchRequest],
             done = [d.output for d in result.outputs if d.output is not None]
             finished.update((o.request_id, o) for o in done)
             if on_progress is not None:
-                on_progress(len(done), sum(len(t) for t in events[-1].new_token_ids.values()))
+                on_progress(len(done), sum(len(s.token_ids) for d in result.outputs for s in d.samples))
     except BaseException:
         for rid in set(ids) - finished.keys():          # leave the engine clean: no leaked KV blocks
             engine.abort(rid)
