@@ -16,6 +16,7 @@ A backend owns:
   quantization_problem          whether it multiplies quantized weights (``Int8Weight``, kernels/int8.py) in
                                 ``linear`` and ``lm_head``; ``use_quantization`` notes that it does;
   describe                      its one start-up line;
+  cuda_graphs_problem           whether its decode steps can be captured as CUDA graphs (cuda_graphs.py);
   hand_off                      a callback it runs just before the step's long call without Python's GIL.
 """
 from __future__ import annotations
@@ -112,6 +113,13 @@ class Backend(ABC):
     def use_quantization(self, quantization: str) -> None:
         """The engine quantized the weights this backend multiplies (its start-up line says which code runs them)."""
         self.quantization = quantization
+
+    def cuda_graphs_problem(self, device: torch.device) -> Optional[str]:
+        """None when a decode step on ``device`` can be captured as a CUDA graph (kernels/backends/cuda_graphs.py):
+        every host-side decision of the step holds for any later step of its batch size. Else why not, and what
+        to do instead (one sentence). By default, not: the torch backend plans its attention from Python lists."""
+        return (f"the {self.name} backend plans each step's attention on the host, which a CUDA graph cannot "
+                "replay: use attention_backend='triton' on CUDA, or leave cuda_graphs off")
 
     @abstractmethod
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

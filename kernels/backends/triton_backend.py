@@ -54,6 +54,14 @@ class TritonBackend(TorchBackend):
         return (f"quantization={quantization!r} has no Triton kernel: the triton backend refuses it; use "
                 "attention_backend='torch' (or the CPU), or leave quantization off")
 
+    def cuda_graphs_problem(self, device: torch.device) -> Optional[str]:
+        """The Triton attention reads every per-step value from device tensors; its host-side hints (the longest
+        context, one query per row) are fixed per captured size (cuda_graphs.py). Real graphs need CUDA."""
+        if torch.device(device).type != "cuda":
+            return (f"CUDA graphs need a CUDA device (this engine is on {device}): leave cuda_graphs off, or pass "
+                    "--enforce-eager")
+        return None
+
     def describe(self, why: bool = True) -> str:
         return ("triton, Triton kernels for attention (kernels/triton_paged_attention.py) and fused layer ops "
                 "(kernels/triton_layer_ops.py), torch matmuls")
