@@ -10,6 +10,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"   # before any import of triton (as tests/test_triton_kernel.py)
 
 import random  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -47,6 +48,22 @@ def test_default_sizes_and_padding_to_the_next_size():
     assert default_capture_sizes(256)[-3:] == [240, 248, 256] and default_capture_sizes(2) == [1, 2]
     graphs = DecodeGraphs([4, 2], 8, 32, torch.device("cpu"), forward=lambda view: None, api=RerunGraphs())
     assert [graphs.size_for(n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, None]
+    graphs.graphs = {2: (None, None), 4: (None, None)}              # "captured": replay would call None.replay()
+
+    def step(queries_per_request, table_width=8, sampled=None, prompt_rows=()):
+        starts = [0]
+        for q in queries_per_request:
+            starts.append(starts[-1] + q)
+        meta = SimpleNamespace(host_seq_lens=[9] * len(queries_per_request), host_query_start_loc=starts,
+                               block_tables=torch.zeros(len(queries_per_request), table_width, dtype=torch.int32))
+        return SimpleNamespace(meta=meta, sampled_requests=[None] * (sampled or len(queries_per_request)),
+                               prompt_rows=list(prompt_rows))
+    # Each of these must run eagerly (None) before touching a graph: a prefill chunk, a batch too big, a
+    # verification of drafts (two rows of one request), prompt log-probabilities, a table wider than the static one.
+    for model_input in (step([5]), step([1] * 5), step([1, 2]), step([1], prompt_rows=[("r", 1, 1)]),
+                        step([1], table_width=9)):
+        assert graphs.replay(model_input) is None
+    assert graphs.eager_steps == 5 and graphs.replays == 0
 
 
 def run(engine: Engine) -> tuple[list[list[int]], list[list[str]]]:

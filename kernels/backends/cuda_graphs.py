@@ -22,7 +22,8 @@ What a graph needs, and how this module provides it (vLLM's ``cudagraph_capture_
   Only backends whose attention reads everything else from device tensors can be captured (``Backend.
   cuda_graphs_problem`` says which): the triton backend; the torch backend builds masks from Python lists.
 - **Decodes only.** Prefill chunks and mixed steps vary in every dimension: they stay eager, as do batches
-  larger than the largest size and steps that verify speculative drafts (several rows per request).
+  larger than the largest size, steps that verify speculative drafts (several rows per request) and a block
+  table wider than the static one (speculative decoding's lookahead may reserve blocks past max_model_len).
 
 The graph itself is behind a small interface (``GraphApi``), so the bookkeeping above is tested on a CPU with a
 stand-in that "replays" by running the captured function again on the static tensors (tests/test_cuda_graphs.py);
@@ -171,7 +172,8 @@ class DecodeGraphs:
         size = self.size_for(n)
         decode_only = (meta.host_query_start_loc[-1] == n and len(model_input.sampled_requests) == n
                        and not model_input.prompt_rows)
-        if size is None or not decode_only or not self.graphs:
+        fits = size is not None and meta.block_tables.shape[1] <= self.static.block_tables.shape[1]
+        if not (fits and decode_only and self.graphs):
             self.eager_steps += 1
             return None
         s = self.static
