@@ -109,15 +109,23 @@ class GraphApi(Protocol):
 
 
 class CudaGraphApi:
-    """torch.cuda.CUDAGraph: one warm-up run outside the capture (Triton compiles its kernels, cuBLAS picks its
-    algorithms; neither may happen inside one), then the capture, every size sharing one memory pool."""
+    """torch.cuda.CUDAGraph, as torch's documentation uses it: warm-up runs on a side stream before the capture
+    (Triton compiles its kernels, cuBLAS sets up its workspace; neither may happen inside a capture), then the
+    capture, every size sharing one memory pool."""
+
+    WARMUP_RUNS = 2
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool: Any = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
-        fn()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
