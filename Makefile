@@ -47,17 +47,27 @@ bench: $(VENV)/.installed
 tuning: $(VENV)/.installed
 	$(PY) bench/tuning.py
 
-# Everything that needs a GPU, at once, for the first machine that has one: every test marked gpu (the Triton
-# kernels at real sizes, the engine on CUDA) and the Triton kernel benchmark (bench/out/paged_attention-<card>.*).
-# Without CUDA it says so and stops (exit status 1): nothing here can run.
+# Everything that needs a GPU, in one unattended run of at most 6 minutes (a GPU machine is lent for minutes, and
+# its start costs one): every test marked gpu (the Triton kernels at real sizes, the fused layer ops, CUDA graphs
+# against eager, the engine on CUDA), then bench/gpu_step.py (GPU-busy fraction and launches per step, one
+# request against the HBM floor, throughput against transformers, serve against in-process, graphs off and on:
+# bench/out/gpu_step-<card>.json, written stage by stage) and the Triton kernel benchmark
+# (bench/out/paged_attention-<card>.*). Each part runs under `timeout`; a part that fails does not stop the
+# next one, and the exit status says whether any failed. Without CUDA it says so and stops (exit status 1).
+GPU_TEST_LIMIT_S  ?= 90
+GPU_STEP_BUDGET_S ?= 200
 gpu-check: $(VENV)/.gpu-extra
 	@if ! $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		echo "gpu-check: no CUDA device here (torch.cuda.is_available() is False): no GPU test or benchmark ran."; \
-		echo "gpu-check: the triton backend's CPU checks run in 'make test' (Triton's interpreter)."; \
+		echo "gpu-check: the triton backend's CPU checks run in 'make test' (Triton's interpreter);"; \
+		echo "gpu-check: 'python bench/gpu_step.py --dry-run' shows what the GPU run would measure."; \
 		exit 1; fi
 	$(PY) -c "import torch; print('gpu-check on', torch.cuda.get_device_name())"
-	$(PY) -m pytest -q -m gpu
-	$(PY) bench/paged_attention.py
+	@status=0; \
+	timeout -k 10 $(GPU_TEST_LIMIT_S) $(PY) -m pytest -q -m gpu || status=1; \
+	timeout -k 10 $$(( $(GPU_STEP_BUDGET_S) + 20 )) $(PY) bench/gpu_step.py --budget-s $(GPU_STEP_BUDGET_S) || status=1; \
+	timeout -k 10 30 $(PY) bench/paged_attention.py --batches 1 64 256 --contexts 2048 8192 || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,31 +20,13 @@ from pathlib import Path
 
 from minipaged.bench.report import save
 from minipaged.bench.report import markdown_table as table
-
-# TinyLlama/TinyLlama-1.1B-Chat-v1.0's config.json, the sizes that matter.
-TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
-                       tie_word_embeddings=False)
+from minipaged.model.testing import TINYLLAMA_SHAPE
 
 
 def build_checkpoint(folder: Path) -> Path:
-    """A TinyLlama-shaped LlamaForCausalLM with random weights and a byte tokenizer, saved once."""
-    if (folder / "config.json").exists():
-        return folder
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from minipaged.model.testing import build_byte_tokenizer
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**TINYLLAMA_SHAPE, torch_dtype="float32"))
-    model = model.to_empty(device="cpu")
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    build_byte_tokenizer().save_pretrained(folder)
-    return folder
+    """A TinyLlama-shaped LlamaForCausalLM with random weights and a byte tokenizer, saved once (fp32)."""
+    from minipaged.model.testing import build_tinyllama_shaped
+    return build_tinyllama_shaped(folder)
 
 
 def measure_one(folder: str, quantization: str, tokens: int, threads: int) -> dict:

@@ -212,3 +212,53 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=gqa)
         out[chunk.query_start:chunk.query_end] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A layer's small operations, written as transformers writes them (LlamaRMSNorm, rotate_half, LlamaMLP's act):
+# the specification of the fused kernels (kernels/triton_layer_ops.py) and of TorchLayerOps' shorter spellings
+# (kernels/torch_ops.py: RoPE through ``roll`` with the sign kept in the sine table). Slow and plain on purpose.
+# ---------------------------------------------------------------------------------------------------------------
+def add_rms_norm_reference(residual: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream after adding ``delta``, its RMSNorm): LlamaRMSNorm in fp32, cast back, times weight."""
+    residual = residual if delta is None else residual + delta
+    x = residual.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return residual, weight * normed.to(residual.dtype)
+
+
+def rope_and_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                                num_kv_heads: int) -> torch.Tensor:
+    """Rotary embedding in transformers' rotate-half form on the queries and keys of ``qkv`` ([tokens,
+    (heads + 2 kv_heads) * head_dim]); keys and values written to their slots (-1: skip); the queries returned.
+    ``cos`` is [tokens, head_dim]; ``sin`` the *signed* table minipaged keeps ([-sin, sin] halves, as
+    ``apply_rope`` takes it): the plain sine is its second half, twice."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    half = head_dim // 2
+    plain_sin = torch.cat([sin[:, half:], sin[:, half:]], dim=-1)[:, None, :]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return x * cos[:, None, :] + rotate_half(x) * plain_sin
+
+    q_width, k_width = num_heads * head_dim, num_kv_heads * head_dim
+    q = rope(qkv[:, :q_width].reshape(tokens, num_heads, head_dim))
+    k = rope(qkv[:, q_width:q_width + k_width].reshape(tokens, num_kv_heads, head_dim))
+    v = qkv[:, q_width + k_width:].reshape(tokens, num_kv_heads, head_dim)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """LlamaMLP's act_fn(gate) * up, from the stacked gate|up projection's output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: each row's first index of its maximum."""
+    return torch.argmax(logits, dim=-1)

@@ -5,7 +5,7 @@ Names follow vLLM's spelling (``block_size``, ``max_num_seqs`` ...) so that what
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, get_args
+from typing import TYPE_CHECKING, Literal, Optional, Union, get_args
 
 from .validation import ConfigError, is_int, is_number
 
@@ -98,6 +98,16 @@ class EngineConfig:
         "help": "attention code: triton (CUDA), cpu (compiled C kernels: decode attention, and matmuls for steps of "
                 "1-7 tokens), torch (plain torch ops)",
         "shown_default": "triton on CUDA, cpu where it builds, else torch"})
+    # CUDA graphs for decode steps (kernels/backends/cuda_graphs.py). vLLM captures them by default and has
+    # --enforce-eager to turn them off; here they stay opt-in until a GPU run has shown them exact (issue 37).
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "capture decode steps as CUDA graphs at start-up, one per batch size, replayed for decode-only "
+                "steps (triton backend on CUDA; off until a GPU run shows them exact)", "shown_default": "off"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "never capture CUDA graphs: every step runs eagerly (vLLM's flag; wins over --cuda-graphs)"})
+    cudagraph_capture_sizes: Optional[Union[str, list[int]]] = field(default=None, metadata={
+        "help": "decode batch sizes to capture, e.g. 1,2,4,8 (a list from Python)", "cli_type": str,
+        "shown_default": "1, 2, 4, then every 8 up to max_num_seqs"})
     # Weight-only int8 (kernels/int8.py, docs/quantization.md): opt-in, not exact; vLLM's flag name.
     quantization: Optional[Quantization] = field(default=None, metadata={
         "help": "int8: weights as int8 with per-row scales, computed at load (a quarter of fp32's bytes; not "
@@ -165,11 +175,34 @@ class EngineConfig:
         if not is_number(self.distributed_timeout) or self.distributed_timeout <= 0:
             raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}.")
         one_of("dtype", Dtype, optional=True)
+        for name in ("cuda_graphs", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.cuda_graphs and not self.enforce_eager and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("cuda_graphs does not combine with tensor or pipeline parallelism yet (each rank would "
+                              "need its own graphs); turn cuda_graphs off, or use one process.")
+        self.capture_sizes()
         if self.speculative is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # The draft model and the rejection sampler run on rank 0 only; a self-draft would need the
             # sharded target's first layers on every rank. Not built yet.
             raise ConfigError("speculative decoding does not combine with tensor or pipeline parallelism yet; "
                               "use tensor_parallel_size=1 and pipeline_parallel_size=1, or turn speculation off.")
+
+    def capture_sizes(self) -> Optional[list[int]]:
+        """``cudagraph_capture_sizes`` as sorted batch sizes (given as a list, or "1,2,4,8" on the command line);
+        None: the default list (kernels/backends/cuda_graphs.py). Raises ConfigError."""
+        value = self.cudagraph_capture_sizes
+        if value is None:
+            return None
+        items = value.split(",") if isinstance(value, str) else value
+        try:
+            sizes = sorted({int(str(item).strip()) for item in items})
+        except (TypeError, ValueError):
+            sizes = []
+        if not sizes or sizes[0] < 1:
+            raise ConfigError(f"cudagraph_capture_sizes must be positive batch sizes like '1,2,4,8' (or a list of "
+                              f"ints), got {value!r}.")
+        return sizes
 
     @property
     def speculative(self) -> "Optional[SpeculativeConfig]":

@@ -21,6 +21,7 @@ from .events import EngineInfo
 from .input_processor import InputProcessor
 from .logits.stage import LogitsStage
 from .kernels import Backend, select_backend
+from .kernels.backends.cuda_graphs import CudaGraphApi, DecodeGraphs, default_capture_sizes
 from .kernels.int8 import quantization_problem
 from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
                      return_freed_memory_to_the_os)
@@ -97,6 +98,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         backend = select_backend(device, DTYPES[dtype_name], model.shapes(), config.attention_backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if graphs_wanted(config) and (problem := backend.cuda_graphs_problem(device)):
+        raise ConfigError(problem + ".")    # before any KV memory is taken
     if config.quantization:        # once the backend is known (it may refuse), before a self-draft shares the layers
         quantize(model, backend, config.quantization, DTYPES[dtype_name], layout)
         loaded = dataclasses.replace(loaded, hf_model=None)     # transformers' module held the fp32 weights:
@@ -125,6 +128,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     scheduler = Scheduler(config, kv, cpu_pool, loaded.eos_token_ids, lookahead)
     if layout.world_size == 1:
         runner = ModelRunner(model, kv_cache, config.block_size, backend)
+        if graphs_wanted(config):
+            capture_decode_graphs(runner, config, load_progress)
     else:          # starts the workers; each builds its own shard and caches from the spec
         runner = DistributedRunner(model, kv_cache, cpu_kv_cache, WorkerSpec(
             model_name, options, layout, num_blocks, cpu_blocks, config.block_size, backend,
@@ -164,6 +169,26 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         load_progress("Attention: " + backend.describe())
     return EngineParts(config, device, layout, model, loaded, tokenizer, backend, draft_model, kv_cache,
                        cpu_kv_cache, kv, cpu_pool, inputs, scheduler, runner, sampler, outputs, logits, speculator, info)
+
+
+def graphs_wanted(config: EngineConfig) -> bool:
+    """--cuda-graphs, unless --enforce-eager says no (vLLM's flag wins)."""
+    return config.cuda_graphs and not config.enforce_eager
+
+
+def capture_decode_graphs(runner: ModelRunner, config: EngineConfig,
+                          progress: Optional[Callable[[str], None]]) -> None:
+    """Capture the decode steps' CUDA graphs (kernels/backends/cuda_graphs.py) for the runner to replay; the
+    time and memory it took go to the start-up messages."""
+    sizes = config.capture_sizes() or default_capture_sizes(config.max_num_seqs)
+    graphs = DecodeGraphs(sizes, max_blocks_per_seq=-(-config.max_model_len // config.block_size),
+                          max_model_len=config.max_model_len, device=runner.device, forward=runner.forward_static,
+                          api=CudaGraphApi(runner.device))
+    line = graphs.capture()
+    logger.info(line)
+    if progress is not None:
+        progress(line)
+    runner.graphs = graphs
 
 
 def quantize(model: CompactLlama, backend: Backend, quantization: str, dtype: torch.dtype,

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels import Backend
+from .kernels.backends.cuda_graphs import BatchView, DecodeGraphs
 from .model.llama import AttentionMetadata, CompactLlama
 from .request import Request
 from .scheduler import ScheduledChunk
@@ -42,6 +43,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
+        # Captured decode steps (kernels/backends/cuda_graphs.py), when the engine captured them: None, eager.
+        self.graphs: Optional[DecodeGraphs] = None
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
                 before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
@@ -97,8 +100,18 @@ class ModelRunner:
                           num_rows, prompt_rows)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
+        if self.graphs is not None:                  # a decode-only step that fits a captured size: one replay
+            logits = self.graphs.replay(model_input)
+            if logits is not None:
+                return logits
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
                                   self.kv_cache, model_input.logits_indices)
+
+    def forward_static(self, batch: BatchView) -> torch.Tensor:
+        """The forward pass over a captured size's persistent inputs: what ``DecodeGraphs`` records."""
+        meta = AttentionMetadata(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                 batch.host_seq_lens, batch.host_query_start_loc, self.backend)
+        return self.model.forward(batch.input_ids, batch.positions, meta, self.kv_cache, batch.logits_indices)
 
     def close(self) -> None:
         """Nothing to stop in this process (a parallel runner stops its workers)."""

@@ -1,5 +1,6 @@
 """The whole engine on the triton backend, without a GPU: Triton's interpreter (``TRITON_INTERPRET=1``) runs
-the attention and K/V-write kernels on CPU tensors. A few short requests, through prefix-cache hits, chunked
+the attention kernel and the fused layer ops (norms with the residual add, RoPE with the K/V write, SiLU-and-mul,
+greedy argmax: kernels/triton_layer_ops.py) on CPU tensors. A few short requests, through prefix-cache hits, chunked
 prefill, both preemption modes and speculative decoding, must give transformers' own greedy tokens, as on the
 other backends (the interpreter is slow: the workload is small on purpose).
 """
@@ -47,6 +48,8 @@ def transformers_greedy(engine: Engine, prompt: list[int]) -> list[int]:
 def test_the_engine_on_triton_gives_transformers_greedy_tokens(tiny_model, options):
     engine = Engine(tiny_model, attention_backend="triton", block_size=4, **options)
     assert engine.backend.name == "triton" and engine.kv_cache.device.type == "cpu"
+    from minipaged.kernels.triton_layer_ops import TritonLayerOps
+    assert isinstance(engine.backend.layer_ops, TritonLayerOps)           # the fused kernels, not torch's ops
     events = []
     engine.subscribe(events.append)
     outs = engine.generate(prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))

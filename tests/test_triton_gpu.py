@@ -100,3 +100,54 @@ def test_dispatcher_picks_triton_on_cuda(monkeypatch):
     assert called == [{"max_seq_len": 100, "max_query_len": 10}]
     torch.testing.assert_close(out.float(), paged_attention_reference(*batch, 0.1).float(),
                                **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_at_tinyllama_sizes(dtype):
+    """The fused kernels compiled, at TinyLlama's sizes (hidden 2048, 32/4 heads of 128, MLP 5632, vocab 32000),
+    against the specification; on a GPU bf16 rounds to nearest, as torch does, so bf16 is held close too."""
+    from minipaged.kernels.reference import (add_rms_norm_reference, argmax_reference, rope_and_write_kv_reference,
+                                             silu_and_mul_reference)
+    from minipaged.kernels.triton_layer_ops import TritonLayerOps, triton_argmax
+    ops, gen = TritonLayerOps(), torch.Generator(device="cuda").manual_seed(0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+    residual, delta, weight = randn(37, 2048), randn(37, 2048), randn(2048)
+    want_residual, want = add_rms_norm_reference(residual, delta, weight, 1e-5)
+    ours = residual.clone()
+    torch.testing.assert_close(ops.add_rms_norm(ours, delta, weight, 1e-5), want, **tol)
+    assert torch.equal(ours, want_residual)
+    qkv = randn(37, (32 + 8) * 128)
+    angles = torch.rand(37, 64, generator=gen, device="cuda") * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    slots = torch.randperm(64 * 16, generator=gen, device="cuda")[:37]
+    slots[::5] = -1
+    caches = [torch.zeros(64, 16, 4, 128, dtype=dtype, device="cuda") for _ in range(4)]
+    q = ops.rope_and_write_kv(qkv.clone(), cos, sin, caches[0], caches[1], slots, 32, 4)
+    q_ref = rope_and_write_kv_reference(qkv, cos, sin, caches[2], caches[3], slots, 32, 4)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    assert torch.equal(caches[1], caches[3])
+    gate_up = randn(37, 2 * 5632) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **tol)
+    logits = torch.randn(300, 32000, generator=gen, device="cuda")
+    logits[3, [5, 31999]] = 99.0
+    assert torch.equal(triton_argmax(logits), argmax_reference(logits))
+
+
+def test_cuda_graphs_give_the_eager_engines_greedy_tokens(tiny_model):
+    """The check that must pass before CUDA graphs may become the default: decode steps replayed from graphs
+    (padded to the next captured size) give the tokens of the same engine run eagerly, under chunked prefill and
+    prefix caching, with batches that grow and shrink."""
+    from minipaged import Engine, SamplingParams
+    prompts = [[(11 * i + j) % 250 for j in range(3 + 7 * i)] for i in range(11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 4), ignore_eos=True) for i in range(11)]
+    options = dict(device="cuda", dtype="float32", block_size=16, num_blocks=128, max_num_batched_tokens=48,
+                   max_model_len=256)
+    eager = Engine(tiny_model, **options).generate(prompts, params)
+    engine = Engine(tiny_model, cuda_graphs=True, cudagraph_capture_sizes="1,2,4,8,12", **options)
+    graphed = engine.generate(prompts, params)
+    assert engine.runner.graphs.replays > 0 and engine.runner.graphs.eager_steps > 0
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]

@@ -15,7 +15,8 @@ A backend owns:
   allocate_kv_pool              the KV pool's memory;
   quantization_problem          whether it multiplies quantized weights (``Int8Weight``, kernels/int8.py) in
                                 ``linear`` and ``lm_head``; ``use_quantization`` notes that it does;
-  describe                      its one start-up line.
+  describe                      its one start-up line;
+  cuda_graphs_problem           whether its decode steps can be captured as CUDA graphs (cuda_graphs.py).
 
 A backend whose step spends most of its time in one call that releases Python's GIL (the cpu backend's compiled
 decode step) runs the step's ``meta.before_model_call`` (the engine's hook, ``Engine.before_model_call``) just
@@ -111,6 +112,13 @@ class Backend(ABC):
     def use_quantization(self, quantization: str) -> None:
         """The engine quantized the weights this backend multiplies (its start-up line says which code runs them)."""
         self.quantization = quantization
+
+    def cuda_graphs_problem(self, device: torch.device) -> Optional[str]:
+        """None when a decode step on ``device`` can be captured as a CUDA graph (kernels/backends/cuda_graphs.py):
+        every host-side decision of the step holds for any later step of its batch size. Else why not, and what
+        to do instead (one sentence). By default, not: the torch backend plans its attention from Python lists."""
+        return (f"the {self.name} backend plans each step's attention on the host, which a CUDA graph cannot "
+                "replay: use attention_backend='triton' on CUDA, or leave cuda_graphs off")
 
     @abstractmethod
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The triton backend: the Triton PagedAttention and K/V-write kernels (kernels/triton_paged_attention.py) on
-CUDA; everything else is torch's (a GPU's matmuls, norms and argmax need nothing of ours). In Triton's
+"""The triton backend: the Triton PagedAttention and K/V-write kernels (kernels/triton_paged_attention.py) and a
+layer's small operations fused, one kernel each (kernels/triton_layer_ops.py: the norm with its residual add, RoPE
+with the K/V write, SiLU-and-mul, greedy argmax) on CUDA; the matmuls are torch's (cuBLAS). In Triton's
 interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, slowly: that is how the whole engine
 is tested on this backend without a GPU (tests/test_triton_engine.py)."""
 from __future__ import annotations
@@ -9,7 +10,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..torch_ops import TorchLayerOps
 from .torch_backend import TorchBackend
 
 
@@ -24,7 +24,9 @@ class TritonBackend(TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layer_ops = TorchLayerOps(write_kv=_write_kv_triton)
+        from ..triton_layer_ops import TritonLayerOps, triton_argmax     # Triton is imported only when used
+        self.layer_ops = TritonLayerOps()
+        self._argmax = triton_argmax
 
     def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
              host_query_start_loc: list[int]) -> dict[str, int]:
@@ -42,6 +44,9 @@ class TritonBackend(TorchBackend):
                  slot_mapping: torch.Tensor, *, all_slots_new: bool = False) -> None:
         _write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._argmax(logits)
+
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
@@ -49,5 +54,14 @@ class TritonBackend(TorchBackend):
         return (f"quantization={quantization!r} has no Triton kernel: the triton backend refuses it; use "
                 "attention_backend='torch' (or the CPU), or leave quantization off")
 
+    def cuda_graphs_problem(self, device: torch.device) -> Optional[str]:
+        """The Triton attention reads every per-step value from device tensors; its host-side hints (the longest
+        context, one query per row) are fixed per captured size (cuda_graphs.py). Real graphs need CUDA."""
+        if torch.device(device).type != "cuda":
+            return (f"CUDA graphs need a CUDA device (this engine is on {device}): leave cuda_graphs off, or pass "
+                    "--enforce-eager")
+        return None
+
     def describe(self, why: bool = True) -> str:
-        return "triton, Triton kernels for attention and K/V writes (kernels/triton_paged_attention.py), torch ops"
+        return ("triton, Triton kernels for attention (kernels/triton_paged_attention.py) and fused layer ops "
+                "(kernels/triton_layer_ops.py), torch matmuls")

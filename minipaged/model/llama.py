@@ -261,7 +261,9 @@ class CompactLlama:
         The residual stream is added to in place, so ``h`` becomes the output: callers pass a tensor made for
         this step and nothing else (an embedding lookup, or the hidden states a pipeline stage received).
         """
-        cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
+        # Every position is below its request's context length, known on the host: no device sync to size the
+        # tables (a CUDA graph capture allows none, kernels/backends/cuda_graphs.py).
+        cos_table, sin_table = self._rope_tables(max(meta.host_seq_lens, default=1))
         cos, sin = cos_table[positions], sin_table[positions]           # [T, head_dim]: this step's rows
         num_tokens = h.shape[0]
         reduce = all_reduce or (lambda partial: partial)

@@ -91,6 +91,35 @@ def build_tiny_model(folder: str | os.PathLike, family: str = "llama", *, hidden
     return folder
 
 
+# TinyLlama/TinyLlama-1.1B-Chat-v1.0's config.json, the sizes that matter (its weights cannot be downloaded here).
+TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rope_theta=10000.0,
+                       tie_word_embeddings=False)
+
+
+def build_tinyllama_shaped(folder: str | os.PathLike, *, device: str = "cpu",
+                           dtype: torch.dtype = torch.float32) -> Path:
+    """A TinyLlama-1.1B-shaped LlamaForCausalLM with random weights (normal, std 0.02) and the byte tokenizer,
+    saved once in ``dtype``: for measuring speed and memory, which depend on the shapes, not on the values.
+    ``device="cuda"`` draws the 1.1B random numbers on the GPU (seconds there, against minutes on a CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**TINYLLAMA_SHAPE, torch_dtype=str(dtype).removeprefix("torch.")))
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
 # transformers' module names -> llama.cpp's tensor names (what a GGUF file calls each weight of a layer).
 GGUF_LAYER_TENSORS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
