@@ -278,7 +278,7 @@ class Bench:
         ids = [engine.add_request(p, params) for p in self.random_prompts(batch, 32, 32, seed=batch)]
         try:
             for _ in range(200):                           # prefill everyone, until a step is all decodes
-                event = engine.step()
+                event = engine.step().event
                 if len(event.scheduled) == batch and all(s.kind == "decode" for s in event.scheduled):
                     break
             for _ in range(3):                             # warm-up (a graph's first replay, allocator)
@@ -293,7 +293,6 @@ class Bench:
         finally:
             for rid in ids:
                 engine.abort(rid)
-            engine.pop_finished()
         busy = profiled["device_ms"] / profiled["wall_ms"] if profiled["wall_ms"] else None
         return {"wall_ms": wall_ms, **profiled, "gpu_busy": busy,
                 "gpu_busy_unprofiled_wall": profiled["device_ms"] / wall_ms if wall_ms else None}

@@ -74,12 +74,13 @@ def run(engine: Engine) -> tuple[list[list[int]], list[list[str]]]:
         prompt = [rng.randrange(256) for _ in range(rng.randint(5, 14))]
         return engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     ids = [add(n) for n in MAX_TOKENS]
-    kinds = []
+    kinds, done = [], {}
     while engine.has_unfinished_requests():
         if len(kinds) == 3:
             ids.append(add(LATE_MAX_TOKENS))
-        kinds.append([chunk.kind for chunk in engine.step().scheduled])
-    done = {out.request_id: out.token_ids for out in engine.pop_finished()}
+        result = engine.step()
+        kinds.append([chunk.kind for chunk in result.event.scheduled])
+        done.update((d.request_id, d.output.token_ids) for d in result.outputs if d.finished)
     return [done[i] for i in ids], kinds
 
 
