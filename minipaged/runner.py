@@ -9,6 +9,9 @@ log-probabilities also gets the logits of its prompt rows, placed after all the 
 
 Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
 reads the block manager, so the same runner could sit in another process (tensor parallelism).
+
+A step of plain decodes (the steady state of a busy server) takes a shorter path: block tables kept from step
+to step, only what changed written (``input_batch.py``, vLLM's persistent batch); the inputs are the same.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .input_batch import DecodeInputs, plain_decodes
 from .kernels import Backend
 from .model.llama import AttentionMetadata, CompactLlama
 from .request import Request
@@ -42,10 +46,17 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
+        self.decode_inputs = DecodeInputs()
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
         """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
         (a draft model's forward pass does not need them)."""
+        if chunks and plain_decodes(chunks):
+            return self._prepare_decodes(chunks)
+        return self._prepare_any(chunks, with_prompt_rows)
+
+    def _prepare_any(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
+        """Any mix of prefill chunks, decodes and drafts, built token by token from the chunks."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -93,6 +104,19 @@ class ModelRunner:
             all_slots_new=min(slots, default=0) >= 0)
         return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
                           num_rows, prompt_rows)
+
+    def _prepare_decodes(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        """One token per request, each sampled: the persistent batch's tensors, moved to the device."""
+        input_ids, positions, slots, block_tables, seq_lens, query_start_loc = self.decode_inputs.build(
+            chunks, self.block_size)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device), block_tables=block_tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend, all_slots_new=True)
+        return ModelInput(input_ids.to(device), positions.to(device), meta,
+                          torch.arange(len(chunks), device=device), [c.request for c in chunks], [1] * len(chunks))
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
