@@ -390,7 +390,10 @@ class Scheduler:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
             tokens = sampled[req.request_id]
             status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED if tokens is None else None
-            if tokens:
+            if tokens and not chunk.spec_token_ids:        # one sampled token (no drafts): nothing to roll back
+                update.new_token_ids[req.request_id] = tokens
+                status = self._append_token(req, tokens[0])
+            elif tokens:
                 num_rejected = len(chunk.spec_token_ids) - (len(tokens) - 1)
                 req.num_computed_tokens -= num_rejected
                 appended = update.new_token_ids[req.request_id] = []
