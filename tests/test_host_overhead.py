@@ -63,9 +63,9 @@ def test_the_script_runs_end_to_end_with_tiny_settings_and_writes_its_json(host_
     import torch
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)     # the engine's one thread: not for the suite
     monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--requests", "3", "--steps", "2", "--warmup", "1",
-                                      "--tokenizer", "byte", "--out", str(tmp_path)])
+                                      "--tokenizers", "byte", "--out", str(tmp_path)])
     host_overhead.main()
-    record = json.loads((tmp_path / "host_overhead.json").read_text())
+    record = json.loads((tmp_path / "host_overhead.json").read_text())["runs"]["byte"]
     assert record["requests"] == 3 and record["tokenizer"] == "byte"
     for clock in ("cpu_ms", "wall_ms"):
         assert set(host_overhead.PARTS) | {"step", "host", "other"} <= set(record[clock])
