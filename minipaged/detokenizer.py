@@ -16,10 +16,10 @@ While the new text ends in U+FFFD (the replacement character: the tokens so far 
 multi-byte character) nothing is printed and the window waits for the rest of the character.
 
 The same two-offset window exists in Rust inside the tokenizers library, as ``tokenizers.decoders.DecodeStream``
-(what vLLM uses for fast tokenizers). One ``step`` there costs about 1 us against 5 us for the window's two
-decodes through transformers' Python ``decode`` (measured here with SmolLM2's tokenizer), so a fast tokenizer
-whose ``decode`` is its backend's decode as it is (no clean-up of spaces) streams through it; any other
-tokenizer takes the window below. The two differ in one case: the stream keeps its window when a token adds
+(what vLLM uses for fast tokenizers): one call into Rust a token instead of two decodes through transformers'
+Python ``decode`` (bench/host_overhead.py measures what that saves a step: docs/performance.md, "A step's
+host time"). A fast tokenizer whose ``decode`` is its backend's decode as it is (no clean-up of spaces)
+streams through it; any other tokenizer takes the window below. The two differ in one case: the stream keeps its window when a token adds
 no text (a skipped special token), where the window below restarts after it, so that a decoder stripping the
 first leading space (Llama 2's) loses the space of the piece after it; the stream gives the full decode.
 If the stream refuses a step (a byte-fallback run that is not UTF-8 changes text already printed: vLLM issue
