@@ -148,10 +148,17 @@ class KVCacheManager:
         guesses (speculative decoding). All or nothing: on False nothing has changed.
         """
         start = req.num_computed_tokens if start is None else start
+        rid = req.request_id
+        table = self.req_blocks.get(rid)
+        if table is not None and not cached_blocks and \
+                start + num_new_tokens + num_lookahead_tokens <= len(table) * self.block_size:
+            # The slots exist already (a decode whose last block has room: 15 steps in 16 at block size 16).
+            if self.enable_caching:
+                self._register_full_blocks(req, min(start + num_new_tokens, req.num_tokens))
+            return True
         if self.num_blocks_to_allocate(req, num_new_tokens, start, cached_blocks,
                                        num_lookahead_tokens) > len(self.free_queue):
             return False
-        rid = req.request_id
         table = self.req_blocks.setdefault(rid, [])
         for block_id in cached_blocks:
             block = self.blocks[block_id]

@@ -9,6 +9,9 @@ log-probabilities also gets the logits of its prompt rows, placed after all the 
 
 Everything it needs arrives with the chunks (vLLM's ``SchedulerOutput`` -> model runner): the runner never
 reads the block manager, so the same runner could sit in another process (tensor parallelism).
+
+A step of plain decodes (the steady state of a busy server) takes a shorter path: block tables kept from step
+to step, only what changed written (``input_batch.py``, vLLM's persistent batch); the inputs are the same.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .input_batch import DecodeInputs, plain_decodes
 from .kernels import Backend
 from .kernels.backends.cuda_graphs import BatchView, DecodeGraphs
 from .model.llama import AttentionMetadata, CompactLlama
@@ -45,12 +49,20 @@ class ModelRunner:
         self.device = kv_cache.device
         # Captured decode steps (kernels/backends/cuda_graphs.py), when the engine captured them: None, eager.
         self.graphs: Optional[DecodeGraphs] = None
+        self.decode_inputs = DecodeInputs()
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
                 before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
         """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
         (a draft model's forward pass does not need them). ``before_model_call``: the engine's hook, which the
         backend runs just before its long call (``AttentionMetadata.before_model_call``)."""
+        if chunks and plain_decodes(chunks):
+            return self._prepare_decodes(chunks, before_model_call)
+        return self._prepare_any(chunks, with_prompt_rows, before_model_call)
+
+    def _prepare_any(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
+                     before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
+        """Any mix of prefill chunks, decodes and drafts, built token by token from the chunks."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -98,6 +110,21 @@ class ModelRunner:
             all_slots_new=min(slots, default=0) >= 0, before_model_call=before_model_call)
         return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
                           num_rows, prompt_rows)
+
+    def _prepare_decodes(self, chunks: list[ScheduledChunk],
+                         before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
+        """One token per request, each sampled: the persistent batch's tensors, moved to the device."""
+        input_ids, positions, slots, block_tables, seq_lens, query_start_loc = self.decode_inputs.build(
+            chunks, self.block_size)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device), block_tables=block_tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend, all_slots_new=True,
+            before_model_call=before_model_call)
+        return ModelInput(input_ids.to(device), positions.to(device), meta,
+                          torch.arange(len(chunks), device=device), [c.request for c in chunks], [1] * len(chunks))
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         if self.graphs is not None:                  # a decode-only step that fits a captured size: one replay

@@ -177,13 +177,15 @@ class Scheduler:
         """The runner's share of a grant: the tokens, the block table now, and whether it samples."""
         return ScheduledChunk(req, start, num_new, tuple(self.kv.blocks_of(req.request_id)), num_cached,
                               cached_prefix_end, samples=start + num_new - len(spec_token_ids) == req.num_tokens,
-                              spec_token_ids=tuple(spec_token_ids))
+                              spec_token_ids=tuple(spec_token_ids) if spec_token_ids else ())
 
     def _allocate(self, req: Request, num_new: int, start: Optional[int] = None,
                   cached_blocks: Sequence[int] = ()) -> bool:
         """Slots for the scheduled tokens, plus a draft model's lookahead slots where the request can use them
         (never past max_model_len or its last possible token)."""
         start = req.num_computed_tokens if start is None else start
+        if not self.num_lookahead_tokens:
+            return self.kv.allocate_slots(req, num_new, start, cached_blocks)
         last_possible = min(self.config.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
         lookahead = max(0, min(self.num_lookahead_tokens, last_possible - (start + num_new)))
         return self.kv.allocate_slots(req, num_new, start, cached_blocks, num_lookahead_tokens=lookahead)
@@ -239,7 +241,9 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                drafts, req.spec_token_ids = req.spec_token_ids[:max(0, num_new - num_known)], []
+                drafts = ()
+                if req.spec_token_ids:                     # (a plain decode has none: nothing to write)
+                    drafts, req.spec_token_ids = req.spec_token_ids[:max(0, num_new - num_known)], []
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new, spec_token_ids=drafts))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
@@ -386,7 +390,10 @@ class Scheduler:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
             tokens = sampled[req.request_id]
             status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED if tokens is None else None
-            if tokens:
+            if tokens and not chunk.spec_token_ids:        # one sampled token (no drafts): nothing to roll back
+                update.new_token_ids[req.request_id] = tokens
+                status = self._append_token(req, tokens[0])
+            elif tokens:
                 num_rejected = len(chunk.spec_token_ids) - (len(tokens) - 1)
                 req.num_computed_tokens -= num_rejected
                 appended = update.new_token_ids[req.request_id] = []

@@ -53,8 +53,11 @@ def build_tiny_model(folder: str | os.PathLike, family: str = "llama", *, hidden
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                      tie_word_embeddings: bool = True, max_position_embeddings: int = 2048,
                      rope_theta: float = 10000.0, seed: int = 0, random_norms_and_biases: bool = True,
-                     **family_fields) -> Path:
+                     tokenizer=None, **family_fields) -> Path:
     """Write a random model of ``family`` (a model_type of families.py) + byte tokenizer into ``folder``.
+
+    ``tokenizer``: another (fast) tokenizer to ship instead of the byte one; the vocabulary and the special
+    ids follow it. A real tokenizer makes detokenisation cost what it costs with a real model (benchmarks).
 
     ``family_fields`` go to the family's config class as they are (``head_dim``, ``sliding_window``,
     ``rope_parameters`` ...). The weights are scaled up from transformers' default init so that the logits are
@@ -70,14 +73,17 @@ def build_tiny_model(folder: str | os.PathLike, family: str = "llama", *, hidden
     if (folder / "config.json").exists():
         return folder
     torch.manual_seed(seed)
-    vocab_size = BYTE_VOCAB + len(SPECIAL_TOKENS)
+    tokenizer = tokenizer or build_byte_tokenizer()
+    vocab_size = len(tokenizer)
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
     rope = family_fields.pop("rope_parameters", None) or {"rope_type": "default"}
     config = getattr(transformers, CONFIG_CLASSES[family])(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, rope_parameters={**rope, "rope_theta": rope_theta},
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=BYTE_VOCAB, eos_token_id=BYTE_VOCAB + 1,
-        pad_token_id=BYTE_VOCAB + 2, initializer_range=0.2, torch_dtype="float32", **family_fields)
+        tie_word_embeddings=tie_word_embeddings, initializer_range=0.2, torch_dtype="float32", **special,
+        **family_fields)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters() if random_norms_and_biases else ():
@@ -87,7 +93,7 @@ def build_tiny_model(folder: str | os.PathLike, family: str = "llama", *, hidden
                 param.copy_(1.0 + torch.randn_like(param) * 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    build_byte_tokenizer().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
