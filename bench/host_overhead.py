@@ -18,6 +18,7 @@ Each step is split by wrapping the engine's parts (the engine is not changed for
     sample          Sampler.sample minus argmax   per-request sampling bookkeeping, the tokens to a list
     update          Scheduler.update_from_output  tokens appended, stop checks, num_computed_tokens
     detokenize      OutputProcessor.process_tokens  text of the new tokens, stop strings, stream deltas
+    outputs         OutputProcessor.drain         the step's RequestDeltas (clients) and the event's text
     event           Engine._emit                  the StepEvent (with its parts below) and the counters
       event_count_step         EngineCounters.count_step: the running totals
       event_stats              Engine.stats(): gauges and totals, built as a new dict
@@ -62,10 +63,10 @@ from minipaged.bench.report import markdown_table as table
 from minipaged.model.testing import build_tiny_model
 from minipaged.step_records import scheduled_record
 
-PARTS = ("schedule", "prepare_inputs", "forward", "argmax", "sample", "update", "detokenize", "event",
+PARTS = ("schedule", "prepare_inputs", "forward", "argmax", "sample", "update", "detokenize", "outputs", "event",
          "event_count_step", "event_stats", "event_kv_changes", "event_records", "logits_release")
 DEVICE_WORK = ("forward", "argmax")       # what a GPU would do: not the host's share
-TOP_LEVEL = ("schedule", "prepare_inputs", "sample", "update", "detokenize", "event")   # disjoint host parts
+TOP_LEVEL = ("schedule", "prepare_inputs", "sample", "update", "detokenize", "outputs", "event")   # disjoint
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -159,6 +160,7 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
             clock.wrap(engine.sampler, "argmax", "argmax"),
             clock.wrap(engine.scheduler, "update_from_output", "update"),
             clock.wrap(engine.outputs, "process_tokens", "detokenize"),
+            clock.wrap(engine.outputs, "drain", "outputs"),
             clock.wrap(engine, "_emit", "event"),
             clock.wrap(engine._counters, "count_step", "event_count_step"),
             clock.wrap(engine, "stats", "event_stats"),
@@ -171,7 +173,7 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
             if profiler:
                 profiler.enable()
             with clock.timing("step"):
-                event = engine.step()
+                event = engine.step().event
             with clock.timing("logits_release"):
                 logits.clear()
             if profiler:
@@ -192,7 +194,6 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
         record["profile_top"] = top_functions(profiler)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.pop_finished()
     return record
 
 
@@ -221,7 +222,7 @@ def top_functions(profiler: cProfile.Profile, n: int = 25) -> list[dict[str, Any
 
 
 def markdown(record: dict[str, Any]) -> str:
-    parts = ("step", "host", "schedule", "prepare_inputs", "sample", "update", "detokenize", "event",
+    parts = ("step", "host", "schedule", "prepare_inputs", "sample", "update", "detokenize", "outputs", "event",
              "event_count_step", "event_stats", "event_kv_changes", "event_records", "other", "forward",
              "argmax", "logits_release")
     rows = [(p, record["cpu_ms"][p], record["wall_ms"][p]) for p in parts]

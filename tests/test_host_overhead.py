@@ -24,7 +24,7 @@ def host_overhead(monkeypatch):
     return host_overhead
 
 
-@pytest.mark.parametrize("part, owner, method", [("detokenize", "outputs", "process_tokens"),
+@pytest.mark.parametrize("part, owner, method", [("detokenize", "outputs", "process_tokens"), ("outputs", "outputs", "drain"),
                                                  ("schedule", "scheduler", "schedule"),
                                                  ("prepare_inputs", "runner", "prepare")])
 def test_time_spent_in_a_part_is_counted_in_that_part_and_in_the_host_time(tiny_model, host_overhead,
