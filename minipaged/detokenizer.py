@@ -24,10 +24,12 @@ INCOMPLETE_CHARACTER = "\ufffd"
 
 class IncrementalDetokenizer:
     """One request's output text, grown one token at a time. ``text`` always equals a full decode of the
-    tokens so far (special tokens skipped), minus a trailing incomplete character."""
+    tokens so far (special tokens skipped unless ``skip_special_tokens`` is False), minus a trailing incomplete
+    character."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0      # the window's context starts here
@@ -48,4 +50,4 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
