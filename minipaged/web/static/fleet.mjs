@@ -128,7 +128,7 @@ function drawReplica(replica) {
   nodes.numbers.replaceChildren(
     number("prefix-cache hit rate", `${(hitRate * 100).toFixed(0)}%`),
     number("KV blocks in use", `${usedBlocks(st)}/${st.info.num_blocks}`),
-    number("requests seen", String(replica.served)),
+    number("requests since the page opened", String(replica.served)),
     number("running", String(q.running.length)), number("waiting", String(q.waiting.length)),
     number("step", String(st.step)));
   nodes.queues.replaceChildren(...["running", "waiting"].map((name) => el("div", {},
