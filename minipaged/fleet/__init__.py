@@ -92,7 +92,8 @@ def _serve_view(args: argparse.Namespace, replicas: list, router_pid: int) -> in
     print(f"minipaged fleet: clients use {router_url}/v1 (sglang-router, policy {args.policy})\n"
           f"minipaged fleet: the fleet view is at http://{args.host}:{args.view_port}/\n"
           f"Ctrl-C stops the router and every replica it started.", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.view_port, log_level="warning")
+    # Open pages hold relayed event streams: the view gives them 2 s to close on Ctrl-C, then goes on stopping.
+    config = uvicorn.Config(app, host=args.host, port=args.view_port, log_level="warning", timeout_graceful_shutdown=2)
     uvicorn.Server(config).run()
     return 0
 
