@@ -192,6 +192,27 @@ def stream_until(router: str, ids: list[str], enough: threading.Event, most: int
 
 
 @needs_router
+def test_worker_urls_are_routed_to_and_left_running(fleet, tmp_path):
+    """A second fleet over the first one's replicas: it starts only a router, and stops only that."""
+    router_port, view_port = free_port(), free_port()
+    command = [sys.executable, "-m", "minipaged", "fleet", "--worker-urls", *fleet["replicas"], "--policy",
+               "round_robin", "--port", str(router_port), "--view-port", str(view_port), "--log-dir", str(tmp_path)]
+    with open(tmp_path / "fleet.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_answer(proc, f"http://127.0.0.1:{view_port}/fleet.json", "the second fleet", str(tmp_path / "fleet.log"))
+        client = openai_client(f"http://127.0.0.1:{router_port}")
+        landed = {served_by(fleet, lambda: client.completions.create(model="tiny", prompt="same prompt", max_tokens=2))
+                  for _ in range(4)}
+        assert landed == {0, 1}                         # round_robin: both replicas, whatever the prompt
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0
+    for url in fleet["replicas"]:                       # not started by it: not stopped by it
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+@needs_router
 def test_sigterm_stops_every_process_the_fleet_started(fleet):
     urls = [*fleet["replicas"], fleet["router"], fleet["view"]]
     fleet["proc"].send_signal(signal.SIGTERM)
