@@ -21,7 +21,7 @@ import pytest
 
 from browser_util import INSTALL_HINT, count_colour, decode_png, evaluate, find_chromium, open_page, screenshot
 from minipaged.bench.servers import metric_totals
-from serve_util import free_port, openai_client, wait_for_answer
+from serve_util import free_port, openai_client, wait_for_answer, wait_until_idle
 
 needs_router = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
                                   reason="sglang-router is not installed: pip install -e '.[fleet]' (the test "
@@ -166,6 +166,19 @@ def test_the_fleet_page_draws_both_replicas_and_a_request_in_its_replica_s_colou
                 enough.set()
                 sender.join(60)
             seen["after"] = [successes(u) for u in fleet["replicas"]]
+            # A student's own request, typed in the page: it goes through the router and the page says where.
+            wait_idle(fleet["replicas"])
+            typed_before = [successes(u) for u in fleet["replicas"]]
+            await evaluate(page, "document.getElementById('prompt').value = 'where do I land?'; "
+                                 "document.getElementById('prompt-form').requestSubmit(); true")
+            while "landed on replica" not in (status := await evaluate(
+                    page, "document.getElementById('prompt-status').textContent")):
+                assert time.monotonic() < deadline + 30, f"the page never said where the request landed: {status!r}"
+                await asyncio.sleep(0.2)
+            seen["status"] = status
+            wait_idle(fleet["replicas"])
+            seen["typed_on"] = [i for i in (0, 1) if successes(fleet["replicas"][i]) > typed_before[i]]
+            seen["mine"] = await evaluate(page, "[...window.fleet.fleet.mine].map((rid) => window.fleet.whereIs(rid))")
             return seen
 
     seen = asyncio.run(run())
@@ -174,6 +187,12 @@ def test_the_fleet_page_draws_both_replicas_and_a_request_in_its_replica_s_colou
     # The replicas' own counters agree: the same prompt each time, so cache_aware sent every one to one replica
     grew = [i for i in (0, 1) if seen["after"][i] > seen["before"][i]]
     assert grew == [seen["where"]], seen
+    assert seen["mine"] == seen["typed_on"] and f"landed on replica {seen['mine'][0]}" in seen["status"], seen
+
+
+def wait_idle(urls: list[str]) -> None:
+    for url in urls:
+        wait_until_idle(url)
 
 
 def stream_until(router: str, ids: list[str], enough: threading.Event, most: int = 20) -> None:
