@@ -133,7 +133,7 @@ def test_serve_publishes_them_over_zmq(tiny_model, tmp_path):
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
               "topic": "kv-events"}
     try:
-        with running_server(tiny_model, "--block-size", "4", "--kv-events-config", json.dumps(config),
+        with running_server(tiny_model, "--block-size", "4", "--num-blocks", "128", "--kv-events-config", json.dumps(config),
                             log_path=str(tmp_path / "server.log")) as url:
             tokens = None
             for i in range(10):      # a PUB socket drops what it sends before the link is up: new prompts until
