@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .events import KVChanges
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .policies.eviction import FreeBlockQueue, LRUFreeBlockQueue
 from .request import Request
 
@@ -79,6 +80,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self.changes = KVChanges()
         self.forward_done = False     # frees from now on happened after this step's forward pass
+        self.kv_events: Optional[list[KVCacheEvent]] = None   # a list: record vLLM's KV events (kv_events.py)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -188,6 +190,8 @@ class KVCacheManager:
             self._num_cached_free -= 1
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None
             self.stats.evictions += 1
             self.changes.evicted.append(block_id)
@@ -207,13 +211,31 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(req, num_full)
+        stored = []
         for i in range(done, num_full):
             block = self.blocks[table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block:
                 block.block_hash = hashes[i]
                 self.hash_to_block[hashes[i]] = block.block_id
                 self.changes.cached.append(block.block_id)
+                stored.append(i)
         self.req_num_hashed[rid] = num_full
+        if self.kv_events is not None and stored:
+            self._record_stored(req, hashes, stored)
+
+    def _record_stored(self, req: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks (vLLM sends a request's new blocks together)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.kv_events.append(BlockStored([hashes[i] for i in run], hashes[first - 1] if first else None,
+                                              list(req.token_ids_between(first * bs, (last + 1) * bs)), bs))
 
     # ------------------------------------------------------------------ release
     def free(self, req: Request, forget_hashes: bool = True) -> None:
@@ -240,6 +262,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their content, they just stop being shareable)."""
         dropped = [b.block_id for b in self.blocks if b.block_hash is not None]
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         for block_id in dropped:
             self.blocks[block_id].block_hash = None
         self.hash_to_block.clear()

@@ -1,4 +1,4 @@
-"""The ``minipaged`` command: watch (the TUI), generate, serve, bench, plot, classroom, lessons, lab.
+"""The ``minipaged`` command: watch (the TUI), generate, serve, fleet, bench, plot, classroom, lessons, lab.
 
 The engine flags every command shares, and the one way to build an engine from them, live in
 ``minipaged.options``; ``watch`` defines its own flags in ``minipaged.tui``.
@@ -126,6 +126,11 @@ def make_parser() -> argparse.ArgumentParser:
     from .serve import add_serve_arguments
     add_serve_arguments(serve)
 
+    fleet = sub.add_parser("fleet", help="several replicas behind sglang-router (cache-aware routing), and a page "
+                                         "that watches them all", formatter_class=fmt)
+    from .fleet import add_fleet_arguments
+    add_fleet_arguments(fleet)
+
     classroom = sub.add_parser("classroom", help="serve the attach TUI to browsers (textual-serve): a class "
                                                  "watches one server", formatter_class=fmt)
     from minipaged.tui.classroom import add_classroom_arguments
@@ -216,6 +221,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             from .serve import run_serve
             return run_serve(args)
+        if args.command == "fleet":
+            from .fleet import run_fleet
+            return run_fleet(args)
         if args.command == "classroom":
             from minipaged.tui.classroom import run_classroom
             return run_classroom(args)

@@ -35,7 +35,7 @@ WINDOW_CONTEXT = 5      # tokens of context a window restarted mid-output gets b
 
 def streaming_backend(tokenizer: Any) -> Optional[Any]:
     """The tokenizers-library ``Tokenizer`` behind ``tokenizer`` when a ``DecodeStream`` over it gives the text of
-    ``tokenizer.decode(ids, skip_special_tokens=True)``; else None. transformers' fast tokenizers decode with
+    ``tokenizer.decode(ids, skip_special_tokens=...)``; else None. transformers' fast tokenizers decode with
     their backend and then, if ``clean_up_tokenization_spaces`` is on, may remove spaces before punctuation in
     Python, which a stream of the backend would not do: those take the window."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -51,10 +51,12 @@ def streaming_backend(tokenizer: Any) -> Optional[Any]:
 
 class IncrementalDetokenizer:
     """One request's output text, grown one token at a time. ``text`` always equals a full decode of the
-    tokens so far (special tokens skipped), minus a trailing incomplete character."""
+    tokens so far (special tokens skipped unless ``skip_special_tokens`` is False), minus a trailing incomplete
+    character."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0      # the window's context starts here
@@ -63,7 +65,7 @@ class IncrementalDetokenizer:
         self._stream: Optional[Any] = None
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     @property
     def streaming(self) -> bool:
@@ -108,4 +110,4 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -105,11 +105,13 @@ class InputProcessor:
                                     prompt=prompt.text, sample_index=i, parent_id=request_id)
                             for i, rid in enumerate(sample_ids(request_id, n))]
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
-        """A conversation through the model's chat template, ready for the assistant's answer."""
+    def chat_prompt(self, conversation: list[dict], continue_final_message: bool = False) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's answer; with
+        ``continue_final_message`` (vLLM's option) the last message is left open, to be continued."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(f"{self.model_name} has no chat template; use generate() with plain text.")
-        return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+        return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final_message,
+                                                       continue_final_message=continue_final_message, tokenize=True,
                                                        return_dict=True)["input_ids"])
 
     def prompt_text(self, prompt: ProcessedPrompt) -> str:

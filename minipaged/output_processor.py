@@ -92,7 +92,7 @@ class OutputProcessor:
         self._children[parent_id] = [r.request_id for r in requests]
         self._num_running[parent_id] = len(requests)
         for req in requests:
-            state = RequestState(req, IncrementalDetokenizer(self.tokenizer))
+            state = RequestState(req, IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens))
             if req.params.prompt_logprobs is not None:
                 state.prompt_logprobs = [None] * req.num_prompt_tokens
             self._states[req.request_id] = state
@@ -165,7 +165,7 @@ class OutputProcessor:
     @staticmethod
     def _find_stop(state: RequestState, old_len: int) -> Optional[str]:
         """The earliest stop string in the text, searching only where the new text could complete one;
-        cuts the text before it."""
+        cuts the text before it (after it with ``include_stop_str_in_output``)."""
         stops = state.request.params.stop
         if not stops:
             return None
@@ -174,7 +174,7 @@ class OutputProcessor:
         if not hits:
             return None
         index, stop = min(hits)
-        state.text = state.text[:index]
+        state.text = state.text[:index + (len(stop) if state.request.params.include_stop_str_in_output else 0)]
         return stop
 
     def _stream(self, state: RequestState, finished: bool) -> None:

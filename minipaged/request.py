@@ -120,6 +120,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     priority: int = 0              # --scheduling-policy priority: lower values are admitted first (vLLM's rule)
+    # The output text (vLLM's names): special tokens left out of it, and the stop string cut off it, by default.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):        # None is vLLM's default for both

@@ -205,10 +205,18 @@ def peer_llamacpp_table(record: dict[str, Any]) -> str:
                            f"{in_flight} in flight: median TTFT s"], rows)
 
 
+def fleet_table(r: dict[str, Any]) -> str:
+    """bench/fleet.py's runs: the fleet's prefix-cache hit rate per policy and fleet size, and what the client saw."""
+    rows = [[x["replicas"], x["policy"], f"{x['hit_rate']:.1%}", ms(1000 * x["ttft_p50_s"]), ms(1000 * x["ttft_p99_s"]),
+             f"{x['output_tokens_per_s']:.0f}", " / ".join(map(str, x["served_per_replica"]))] for x in r["runs"]]
+    return markdown_table(["replicas", "router policy", "prefix-cache hit rate", "TTFT p50", "TTFT p99",
+                           "output tok/s", "requests per replica"], rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
-    "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table}
+    "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 

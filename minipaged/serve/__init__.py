@@ -47,6 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--event-buffer-mb", type=float, default=DEFAULTS.event_buffer_bytes / 2**20,
                    help="a /v1/events watcher (a browser, watch --attach) with this much unsent is dropped; it "
                         "reconnects from a fresh snapshot")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
+                        "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
     add_engine_arguments(parser)
 
 
@@ -60,6 +64,12 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
     for name in ("event_heartbeat_s", "shutdown_timeout", "event_buffer_mb"):
         if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
+    from .kv_publisher import KVEventsConfig, KVEventsConfigError, check_installed
+    try:
+        if KVEventsConfig.parse(getattr(args, "kv_events_config", None)).enabled:
+            check_installed()
+    except KVEventsConfigError as exc:
+        return str(exc)
     return None
 
 
@@ -86,12 +96,23 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
     settings = server_settings(args)
     app = build_app(engine, settings)
+    from .kv_publisher import KVEventsConfig, KVEventsConfigError, start_kv_events
+    kv_events = KVEventsConfig.parse(args.kv_events_config)
+    try:
+        stop_kv_events = start_kv_events(engine, kv_events)
+    except KVEventsConfigError as exc:
+        print(f"minipaged serve: {exc}", file=sys.stderr)
+        return 2
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
-          f"the live view at /)", file=sys.stderr, flush=True)
+          f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2)
-    DrainingServer(config, drain=app.state.drain).run()
+    try:
+        DrainingServer(config, drain=app.state.drain).run()
+    finally:
+        stop_kv_events()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -46,8 +46,10 @@ from .async_engine import Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
 from .http_guards import ApiKeyCheck, BodyLimit, HeadAsGet
 from .limits import ServerSettings
+from .worker_info import load, model_info, server_info
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+ROUTER_NO_MODEL = "unknown"       # the model name sglang-router forwards when its client gave none
 PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
 
 
@@ -128,7 +130,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key)      # the outermost: before any body is read
 
     def check_model(name: Optional[str]) -> None:
-        if name is not None and name != settings.served_model_name:
+        """vLLM's rule: no model (or an empty one) means the one served. sglang-router forwards ``"unknown"``
+        when its client sent none (it cannot name a worker's model it did not learn), so with one model
+        served that name means the same."""
+        if name and name != settings.served_model_name and name != ROUTER_NO_MODEL:
             raise p.ServerError(404, f"The model `{name}` does not exist. This server serves "
                                      f"`{settings.served_model_name}` (GET /v1/models lists it).", "model")
 
@@ -154,6 +159,21 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": p.now_s(),
                                             "owned_by": "minipaged", "root": engine.config.model,
                                             "max_model_len": max_model_len}]}
+
+    # ---------------------------------------------------------------- what a router asks (worker_info)
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(settings.served_model_name, engine.config.model, engine.info, max_model_len)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(settings.served_model_name, engine.config.model)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        return load(async_engine.stats, async_engine.num_waiting, engine.info.block_size)
 
     @app.get("/v1/events")
     async def events(request: Request) -> WatcherResponse:
@@ -212,8 +232,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             try:
-                token_ids = eng.inputs.chat_prompt(messages)
-            except TemplateError as exc:                  # e.g. roles that the template does not take
+                token_ids = eng.inputs.chat_prompt(messages, body.continue_final_message)
+            except (TemplateError, ValueError) as exc:    # e.g. roles that the template does not take, or
+                # continue_final_message with a last message the template leaves out
                 raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
                                     "messages") from None
             if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)

@@ -62,10 +62,14 @@ REFUSED: dict[str, Refusal] = {
     "verbosity": Refusal("minipaged has no verbosity setting"),
     "moderation": Refusal("minipaged does not moderate"),
     "use_beam_search": Refusal("minipaged does not search beams", (None, False)),
+    "return_hidden_states": Refusal("minipaged does not return hidden states", (None, False)),   # sglang-router
 }
 # Accepted and without effect on the answer: OpenAI uses them for accounting, storage or routing.
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                       "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls"})
+                       "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls",
+                       # sglang-router adds these to every body it forwards: they split a reasoning model's
+                       # thinking from its answer, and minipaged serves no reasoning model.
+                       "separate_reasoning", "stream_reasoning"})
 
 
 class ServerError(Exception):
@@ -141,6 +145,10 @@ class SamplingFields(BaseModel):
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: bool = False
     priority: int = 0                  # vLLM's extension (extra_body): lower is admitted first under priority
+    # Added by sglang-router to every body it forwards (SGLang's names), and honoured:
+    skip_special_tokens: bool = True   # also vLLM's: False keeps special tokens (e.g. <|im_end|>) in the text
+    no_stop_trim: bool = False         # vLLM's include_stop_str_in_output: the stop string stays in the text
+    continue_final_message: bool = False   # chat (vLLM's too): continue the last assistant message, not a new one
 
     def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
         """A 400 for the first field the server cannot honour, or a value beyond its limits."""
@@ -197,7 +205,8 @@ class SamplingFields(BaseModel):
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=0 if self.top_k is None else self.top_k, seed=self.seed, max_tokens=max_tokens,
                               stop=self.stop or (), ignore_eos=self.ignore_eos, priority=self.priority,
-                              **self.logits_params())
+                              skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.no_stop_trim, **self.logits_params())
 
     def logits_params(self) -> dict[str, Any]:
         """The SamplingParams fields of the logits stage and log-probabilities."""
@@ -244,6 +253,10 @@ class CompletionRequest(SamplingFields):
         return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
     def refuse_unsupported(self, limits: ServerLimits = ServerLimits()) -> None:
+        if self.continue_final_message:
+            raise ServerError(400, "continue_final_message is a chat option (it continues the last assistant "
+                                   "message); a completions prompt is continued as it is: leave it unset.",
+                              "continue_final_message")
         super().refuse_unsupported(limits)
         self._check_limit("prompt", len(self.prompts()), limits.max_prompts, "max_prompts", "prompts")
 

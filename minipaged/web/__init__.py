@@ -26,9 +26,14 @@ def index_html() -> str:
     return (_static() / "index.html").read_text(encoding="utf-8")
 
 
+def fleet_html() -> str:
+    """The fleet view (``minipaged fleet``): every replica's block map side by side."""
+    return (_static() / "fleet.html").read_text(encoding="utf-8")
+
+
 def static_file(name: str) -> Optional[tuple[bytes, str]]:
     """A file of the page by its bare name (no paths: nothing else on the disk can be asked for)."""
-    if "/" in name or "\\" in name or name.startswith(".") or name == "index.html":
+    if "/" in name or "\\" in name or name.startswith(".") or name.endswith(".html"):
         return None
     path = _static() / name
     media = MEDIA_TYPES.get(path.suffix)
