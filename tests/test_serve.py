@@ -180,16 +180,21 @@ def test_bad_requests_get_error_json_while_a_long_stream_is_unharmed(client, ser
     reference = client.completions.create(model=model_name, prompt=prompt, max_tokens=n_long, temperature=0,
                                           extra_body={"ignore_eos": True})
     got: dict = {}
+    streaming = threading.Event()
 
     def long_stream() -> None:
-        chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=n_long, temperature=0,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True}))
+        chunks = []
+        for chunk in client.completions.create(model=model_name, prompt=prompt, max_tokens=n_long, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+            streaming.set()
         got["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
         got["usage"] = chunks[-1].usage
 
     worker = threading.Thread(target=long_stream)
     worker.start()
+    assert streaming.wait(60), "the long stream never started"
     base = {"model": model_name, "prompt": "hi", "max_tokens": 4}
     bad = [  # (body changes, status, words the message must contain)
         ({"temperature": -1}, 400, "temperature"),
@@ -205,8 +210,13 @@ def test_bad_requests_get_error_json_while_a_long_stream_is_unharmed(client, ser
         ({"stop": [""]}, 400, "stop"),
         ({"model": "gpt-9"}, 404, "does not exist"),
     ]
-    for change, status, words in bad:
-        response = httpx.post(server + "/v1/completions", json={**base, **change}, timeout=30)
+    async def send_all() -> list[httpx.Response]:      # at once: all of them land while the stream runs
+        async with httpx.AsyncClient(timeout=30) as http:
+            return await asyncio.gather(*[http.post(server + "/v1/completions", json={**base, **change})
+                                          for change, _status, _words in bad])
+    responses = asyncio.run(send_all())
+    alive_after_bad_ones = worker.is_alive()
+    for (change, status, words), response in zip(bad, responses):
         assert response.status_code == status, (change, response.text)
         error = response.json()["error"]
         assert words in error["message"], (change, error)
@@ -216,7 +226,7 @@ def test_bad_requests_get_error_json_while_a_long_stream_is_unharmed(client, ser
     assert broken.status_code == 400 and "error" in broken.json()
     no_messages = httpx.post(server + "/v1/chat/completions", json={"model": model_name, "messages": []}, timeout=30)
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
-    assert worker.is_alive(), "the long request finished before the bad ones were sent; make it longer"
+    assert alive_after_bad_ones, "the long request finished before the bad ones were answered; make it longer"
     worker.join(60)
     assert got["text"] == reference.choices[0].text
     assert got["usage"].completion_tokens == n_long
