@@ -18,6 +18,8 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING = 256
 DEFAULT_EVENT_HEARTBEAT_S = 5.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_CLIENT_SAMPLES = 128             # one request at --max-n's default, or many small ones
+DEFAULT_MAX_CLIENT_PROMPT_TOKENS = 1 << 17   # e.g. n=16 samples of an 8k-token prompt
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the longest stop string, in characters")
     g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="the largest request body; larger ones get 413")
+    g.add_argument("--max-client-samples", type=int, default=DEFAULT_MAX_CLIENT_SAMPLES,
+                   help="the most samples (n counts) one client (address) may have in the engine at once; more get "
+                        "429 with Retry-After")
+    g.add_argument("--max-client-prompt-tokens", type=int, default=DEFAULT_MAX_CLIENT_PROMPT_TOKENS,
+                   help="the most prompt tokens (once per sample) one client may have in the engine at once")
+    g.add_argument("--allowed-hosts", default="",
+                   help="more Host header names to answer to, comma-separated (a DNS name the class uses); the "
+                        "server answers its own names and addresses only, against DNS rebinding; '*': any")
     g.add_argument("--event-heartbeat-s", type=float, default=DEFAULT_EVENT_HEARTBEAT_S,
                    help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -54,7 +64,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Server flags that cannot work, caught before the model loads."""
-    for name in ("max_waiting_requests", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
+    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
                  "max_body_bytes"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -82,7 +92,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests, limits=limits,
                               event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
-                              event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
+                              event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
+                              allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
+                              max_client_samples=args.max_client_samples,
+                              max_client_prompt_tokens=args.max_client_prompt_tokens)
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "

@@ -38,12 +38,14 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from ..events import EngineView, KVChanges, RequestArrival, StepEvent
 from ..request import InvalidRequestError, SamplingParams
 from .event_hub import EventHub, Watcher
+from .fair_share import CLIENT, ClientQuotas, Ticket
 from .protocol import ServerError
 
 logger = logging.getLogger("minipaged.serve")
 
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
+PROMPT_WAIT_S = 10.0            # how long a prompt look-up waits for the engine thread (which may be stuck)
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
 # MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/peer_llamacpp.py's
 # minipaged-fp32-hand-off-after-step server).
@@ -82,6 +84,7 @@ class _Stream:
 
     queue: asyncio.Queue
     samples: dict[str, int]                  # engine sub-request id -> choice index
+    prompt: Prompt = ""                      # as prepared (token ids, usually): the whole text on demand
     finished: set[str] = field(default_factory=set)
     updates_sent: int = 0
 
@@ -89,9 +92,11 @@ class _Stream:
 class AsyncEngine:
     """Drives one ``Engine`` from a background thread for asyncio callers."""
 
-    def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None) -> None:
+    def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None,
+                 quotas: Optional[ClientQuotas] = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.quotas = quotas or ClientQuotas()           # per client (CLIENT, set per HTTP request): no limit by default
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only
         self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id
@@ -175,10 +180,11 @@ class AsyncEngine:
 
         Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
         self.check_admission(num_samples)
+        ticket = self.quotas.take_samples(CLIENT.get() or "local", num_samples)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._num_submitted_not_added += num_samples
-        self._commands.put(("add", request_id, prepare, q, num_samples))
+        self._commands.put(("add", request_id, prepare, q, num_samples, ticket))
         self.num_in_flight += 1
         done = False
         try:
@@ -193,11 +199,24 @@ class AsyncEngine:
                     return
         finally:
             self.num_in_flight -= 1
+            self.quotas.release(ticket)
             if not done:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def prompt_text(self, request_id: str) -> Optional[str]:
+        """The whole prompt of a request in the engine (a parent id or one of its samples' ids), decoded on the
+        engine thread; None when no such request runs or waits. Events carry a bounded preview only."""
+        assert self._loop is not None
+        answer: asyncio.Future = self._loop.create_future()
+        self._commands.put(("prompt", request_id, answer))
+        try:
+            return await asyncio.wait_for(answer, PROMPT_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ServerError(503, f"the engine thread did not answer within {PROMPT_WAIT_S:g} s; retry shortly.",
+                              headers={"Retry-After": "1"}) from None
 
     def subscribe_in_loop(self, callback: Callable[[StepEvent], None]) -> None:
         """Call ``callback(event)`` on the event loop for every StepEvent, before that step's tokens reach their
@@ -272,11 +291,15 @@ class AsyncEngine:
                 break
         self.stats = dict(self.engine.stats())
 
-    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1) -> None:
+    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1,
+                ticket: Optional[Ticket] = None) -> None:
         with self._lock:
             self._num_submitted_not_added -= num_samples
         try:
             prompt, params = prepare(self.engine)
+            if ticket is not None:                    # the client's prompt tokens, now that they are known
+                self.quotas.take_tokens(ticket, len(prompt) if not isinstance(prompt, str)
+                                        else len(self.engine.tokenizer(prompt).input_ids))
             self.engine.add_request(prompt, params, request_id=request_id)
         except (InvalidRequestError, ServerError) as exc:
             self._send(q, exc if isinstance(exc, ServerError) else ServerError(400, str(exc)))
@@ -286,7 +309,7 @@ class AsyncEngine:
             self._send(q, ServerError(500, f"could not prepare the request: {exc}"))
             return
         samples = {request_id: 0} if params.n == 1 else {f"{request_id}.{i}": i for i in range(params.n)}
-        self._streams[request_id] = _Stream(q, samples)
+        self._streams[request_id] = _Stream(q, samples, prompt)
         self._sample_parent.update({sub: request_id for sub in samples})
         self._send(q, Accepted(params))
 
@@ -299,6 +322,14 @@ class AsyncEngine:
         self.engine.abort(request_id)                 # frees its blocks now; the next event records it
         self._aborts_unpublished = True
         self.engine.outputs.pop_finished(request_id)  # nobody will collect the output
+
+    def _do_prompt(self, request_id: str, answer: asyncio.Future) -> None:
+        stream = self._streams.get(self._sample_parent.get(request_id, request_id))
+        text = None
+        if stream is not None:
+            prompt = stream.prompt
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        self._call_soon(_settle, answer, text)
 
     def _do_fail_all(self, error: ServerError) -> None:
         self._fail_all(error)
@@ -369,6 +400,11 @@ class AsyncEngine:
     def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` on the event loop, at the engine thread's next hand-off, in order."""
         self._outbox.append((callback, args))
+
+
+def _settle(answer: asyncio.Future, value: Any) -> None:
+    if not answer.done():                             # its HTTP request may have gone away meanwhile
+        answer.set_result(value)
 
 
 def _run_in_order(callbacks: list[tuple[Callable[..., Any], tuple]]) -> None:

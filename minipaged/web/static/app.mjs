@@ -7,7 +7,7 @@ import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRe
   FREE, CACHED, PALETTE } from "./fold.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
-const MAX_BUFFER = 2000;          // steps kept for stepping back; older ones are folded into `base`
+const SLICE_MS = 30;              // reading the stream yields to the browser after this long (stays responsive)
 const KEY_STORE = "minipaged-api-key";
 const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
 const $ = (id) => document.getElementById(id);
@@ -20,10 +20,12 @@ const el = (tag, props = {}, ...children) => {
 const embedded = $("trace");
 const replay = Boolean(embedded);
 const params = new URLSearchParams(location.search);
+// Steps kept for stepping back; older ones are folded into `base` (?buffer=N keeps fewer, for small laptops).
+const MAX_BUFFER = Math.max(10, Number(params.get("buffer")) || 2000);
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null, forgot: false,
 };
 let drawPending = false;
 
@@ -53,6 +55,14 @@ function receive(ev) {
   schedule();
 }
 
+/** The "forget key" control: the key leaves this browser, and the stream that used it is closed. */
+function forgetKey() {
+  localStorage.removeItem(KEY_STORE);
+  $("forget-key").hidden = true;
+  $("prompt-status").textContent = "the key is forgotten: this browser no longer keeps it";
+  if (view.abort) { view.forgot = true; view.abort.abort(); }
+}
+
 function authHeaders() {
   const key = localStorage.getItem(KEY_STORE);
   return key ? { Authorization: `Bearer ${key}` } : {};
@@ -75,9 +85,17 @@ async function connect() {
   banner(null);
   let dropped = null;
   let heard = Date.now();
+  view.abort = abort;
   const watchdog = setInterval(() => { if (Date.now() - heard > SILENCE_MS) abort.abort(); }, 1000);
+  let slice = performance.now();
   try {
     for (;;) {
+      // Pieces that are already there resolve read() at once, without giving the browser a turn: a big burst
+      // would be one long task (a frozen page). Yield every SLICE_MS.
+      if (performance.now() - slice > SLICE_MS) {
+        await new Promise((resume) => setTimeout(resume, 0));
+        slice = performance.now();
+      }
       const { value, done } = await reader.read();
       if (done) break;
       heard = Date.now();
@@ -101,6 +119,7 @@ async function connect() {
     clearInterval(watchdog);
   }
   view.connected = false;
+  if (view.forgot) { view.forgot = false; connect(); return; }          // the key was forgotten: ask again
   if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
   if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
   lost("lost the server; reconnecting");
@@ -488,9 +507,13 @@ $("prompt-form").onsubmit = (e) => {
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("prompt-form").requestSubmit(); }
 });
+$("forget-key").onclick = () => forgetKey();
+$("forget-key").hidden = !localStorage.getItem(KEY_STORE);
 $("key-form").onsubmit = (e) => {
   e.preventDefault();
   localStorage.setItem(KEY_STORE, $("key").value);
+  $("key").value = "";
+  $("forget-key").hidden = false;
   $("key-form").hidden = true;
   banner(null);
   connect();
