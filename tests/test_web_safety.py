@@ -6,15 +6,23 @@ their script whatever a prompt contains.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from minipaged import SamplingParams
 from minipaged.events import PREVIEW_GAP, PROMPT_PREVIEW_CHARS, EngineView, StepEvent
-from serve_util import running_server, wait_until_idle
+from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page
+from serve_util import free_port, running_server, wait_until_idle
+
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
 
 
 def test_an_arrival_carries_a_bounded_preview_once_for_all_its_samples(tiny_engine_factory):
@@ -153,3 +161,133 @@ def test_one_client_over_its_share_gets_429_and_the_others_are_served(server):
     assert health["blocks_free"] == health["blocks_total"]
     again = httpx.post(server + "/v1/completions", json=more, headers=as_client("10.0.0.1"), timeout=60)
     assert again.status_code == 200                                  # the hog's share came back when it left
+
+
+# ------------------------------------------------------------------------------ fair sharing, measured
+
+def test_a_long_n_sample_prompt_is_chunked_and_a_running_decode_keeps_its_pace(tiny_engine_factory):
+    """Another client's 16-token request is decoding when a long prompt with n=10 samples arrives (the
+    issue's 7,000-token case, scaled to the tiny model): chunked prefill spends only the budget left after
+    the decodes, so the 16-token request gets a token in every step and finishes before the long one's first
+    token; no step computes more than the budget (its time is bounded)."""
+    budget = 64
+    engine = tiny_engine_factory(num_blocks=2048, max_num_batched_tokens=budget, max_num_seqs=16)
+    victim = engine.add_request([5] * 12, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    engine.step()                                            # the victim's prompt: it decodes from now on
+    hog = engine.add_request([9] * 1800, SamplingParams(n=10, temperature=1.0, seed=0, max_tokens=4,
+                                                        ignore_eos=True))
+    victim_tokens, hog_first_token, steps = [], None, 0
+    while engine.has_unfinished_requests():
+        event = engine.step()
+        steps += 1
+        assert event.budget_used <= budget
+        victim_tokens.append(len(event.new_token_ids.get(victim, ())))
+        if hog_first_token is None and any(rid.startswith(f"{hog}.") for rid in event.new_token_ids):
+            hog_first_token = steps
+        if any(f.request_id == victim for f in event.finished):
+            victim_done = steps
+    assert victim_tokens[:victim_done] == [1] * victim_done       # a token every step, 15 steps
+    assert victim_done == 15 and hog_first_token > 1800 // budget > victim_done
+
+
+# ------------------------------------------------------------------------------ pages written for replay
+
+def record_with_prompt(tiny_engine_factory, path, prompt: str) -> None:
+    from minipaged.events import write_trace_event, write_trace_header
+
+    engine = tiny_engine_factory()
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="r0")
+    with open(path, "w") as fp:
+        write_trace_header(fp, engine.info)
+        while engine.has_unfinished_requests():
+            write_trace_event(fp, engine.step())
+
+
+HOSTILE = 'look: <!--<script> and </script><script>alert(1)</script> <\\/script> </SCRIPT'
+
+
+def test_an_exported_page_keeps_its_script_whatever_a_prompt_holds(tiny_engine_factory, tmp_path):
+    from minipaged.web import trace_html
+
+    trace = tmp_path / "run.jsonl"
+    record_with_prompt(tiny_engine_factory, trace, HOSTILE)
+    html = trace_html(str(trace))
+    embedded = html.split('<script type="application/json" id="trace">', 1)[1].split("</script>", 1)[0]
+    assert "<" not in embedded                                  # nothing in there can open or close a tag
+    assert json.loads(embedded.strip().splitlines()[1])["arrivals"][0]["prompt"] == HOSTILE
+
+
+@needs_chromium
+def test_an_exported_page_with_a_hostile_prompt_draws_in_a_browser(tiny_engine_factory, tmp_path):
+    from minipaged.web.replay import export_html
+
+    trace, page_file = tmp_path / "run.jsonl", tmp_path / "run.html"
+    record_with_prompt(tiny_engine_factory, trace, HOSTILE)
+    assert export_html(str(trace), str(page_file)) == 0
+
+    async def run() -> dict:
+        async with open_page(page_file.as_uri(), offline=True) as page:
+            deadline = time.monotonic() + 30
+            while not await evaluate(page, "!!(window.minipaged && window.minipaged.state)"):
+                assert time.monotonic() < deadline, "the exported page never drew (its script was swallowed?)"
+                await asyncio.sleep(0.2)
+            return {"prompt": await evaluate(page, "window.minipaged.head.requests.get('r0').prompt")}
+
+    seen = asyncio.run(run())
+    assert seen["prompt"] == HOSTILE
+
+
+# ------------------------------------------------------------------------------ the attach TUI's header
+
+TRACE = Path(__file__).parent / "data" / "watch_trace.jsonl"
+
+
+def test_the_attach_header_says_the_server_is_gone_instead_of_live():
+    """A server that streams a header and a step, then dies (no goodbye, the port closed): the attach TUI
+    tries to reconnect once, and then its header says SERVER GONE, not LIVE."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from minipaged.tui.attach import AttachApp, AttachRun
+
+    lines = TRACE.read_text().splitlines()[:3]
+    release = threading.Event()
+
+    class DyingServer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:          # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for line in lines:
+                self.wfile.write(f"data: {json.dumps(json.loads(line))}\n\n".encode())
+            self.wfile.flush()
+            release.wait(20)                                    # the test has seen LIVE: now die
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), DyingServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    async def run() -> tuple[str, str]:
+        app = AttachApp(AttachRun(url, silence_timeout_s=5))
+        async with app.run_test(size=(160, 45)) as pilot:
+            deadline = time.monotonic() + 20
+            while app.state is None or app.state.num_events < 2:
+                assert time.monotonic() < deadline, "the TUI never drew the stream"
+                await pilot.pause(0.05)
+            alive = app._topbar().plain
+            httpd.shutdown()
+            httpd.server_close()                                # reconnecting finds nobody
+            release.set()
+            while app.attach.lost is None:
+                assert time.monotonic() < deadline + 10, "the TUI never noticed the server was gone"
+                await pilot.pause(0.05)
+            await pilot.pause(0.2)
+            gone = app._topbar().plain
+            await pilot.press("q")
+        return alive, gone
+
+    alive, gone = asyncio.run(run())
+    assert " LIVE " in alive
+    assert "SERVER GONE" in gone and " LIVE " not in gone
