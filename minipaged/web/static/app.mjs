@@ -7,7 +7,7 @@ import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRe
   FREE, CACHED, PALETTE } from "./fold.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
-const SLICE_MS = 30;              // reading the stream yields to the browser after this long (stays responsive)
+const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
 const KEY_STORE = "minipaged-api-key";
 const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
 const $ = (id) => document.getElementById(id);
@@ -20,8 +20,11 @@ const el = (tag, props = {}, ...children) => {
 const embedded = $("trace");
 const replay = Boolean(embedded);
 const params = new URLSearchParams(location.search);
-// Steps kept for stepping back; older ones are folded into `base` (?buffer=N keeps fewer, for small laptops).
+// Steps kept for stepping back, by count and by the size of their JSON; older ones are folded into `base`.
+// (A step of 128 samples sharing a 1,000-token prompt is 0.5 MB: 2,000 of them would be a gigabyte.)
+// ?buffer=N and ?buffer_mb=M keep less, for small laptops.
 const MAX_BUFFER = Math.max(10, Number(params.get("buffer")) || 2000);
+const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 2 ** 20;
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
@@ -36,6 +39,8 @@ function start(info) {
   view.base = newState(info);
   view.head = newState(info);
   view.events = [];
+  view.sizes = [];
+  view.bufferChars = 0;
   view.cursor = -1;
   $("engine-name").textContent = `${info.model} · ${info.device} ${info.dtype} · ${info.num_blocks} blocks of `
     + `${info.block_size} tokens · budget ${info.max_num_batched_tokens}` + (info.speculative ? ` · ${info.speculative}` : "");
@@ -44,11 +49,14 @@ function start(info) {
   $("cpu-title").hidden = $("cpu-map").hidden = info.num_cpu_blocks === 0;
 }
 
-function receive(ev) {
+function receive(ev, size) {
   view.events.push(ev);
+  view.sizes.push(size);
+  view.bufferChars += size;
   applyEvent(view.head, ev);
-  if (view.events.length > MAX_BUFFER) {
+  while (view.events.length > MAX_BUFFER || (view.bufferChars > MAX_BUFFER_CHARS && view.events.length > 1)) {
     applyEvent(view.base, view.events.shift());
+    view.bufferChars -= view.sizes.shift();
     if (view.frozen) view.cursor = Math.max(0, view.cursor - 1);
   }
   if (!view.frozen) view.cursor = view.events.length - 1;
@@ -103,7 +111,7 @@ async function connect() {
         if (msg.event === "message") {
           const record = JSON.parse(msg.data);
           if (record.type === "engine") start(record);
-          else if (record.type === "step") receive(record);
+          else if (record.type === "step") receive(record, msg.data.length);
         } else if (msg.event === "dropped") {
           dropped = JSON.parse(msg.data).reason || "too far behind";
         } else if (msg.event === "goodbye") {
