@@ -18,7 +18,6 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING = 256
 DEFAULT_EVENT_HEARTBEAT_S = 5.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DEFAULT_MAX_CLIENT_SAMPLES = 128             # one request at --max-n's default, or many small ones
 DEFAULT_MAX_CLIENT_PROMPT_TOKENS = 1 << 17   # e.g. n=16 samples of an 8k-token prompt
 
 
@@ -43,9 +42,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the longest stop string, in characters")
     g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="the largest request body; larger ones get 413")
-    g.add_argument("--max-client-samples", type=int, default=DEFAULT_MAX_CLIENT_SAMPLES,
+    g.add_argument("--max-client-samples", type=int, default=None,
                    help="the most samples (n counts) one client (address) may have in the engine at once; more get "
-                        "429 with Retry-After")
+                        "429 with Retry-After (default: half of --max-waiting-requests, at least --max-n)")
     g.add_argument("--max-client-prompt-tokens", type=int, default=DEFAULT_MAX_CLIENT_PROMPT_TOKENS,
                    help="the most prompt tokens (once per sample) one client may have in the engine at once")
     g.add_argument("--allowed-hosts", default="",
@@ -75,6 +74,14 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def client_samples(args: argparse.Namespace) -> int:
+    """--max-client-samples, or its default: no client may fill more than half the queue, and any one request
+    that --max-n allows fits."""
+    if args.max_client_samples is not None:
+        return args.max_client_samples
+    return max(args.max_n, (args.max_waiting_requests or 0) // 2)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -94,7 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
                               event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
                               event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
                               allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
-                              max_client_samples=args.max_client_samples,
+                              max_client_samples=client_samples(args),
                               max_client_prompt_tokens=args.max_client_prompt_tokens)
     app = build_app(engine, settings)
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
