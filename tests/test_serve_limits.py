@@ -30,7 +30,6 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-limits") / "server.log"
     with running_server(tiny_model, "--block-size", "4", "--num-blocks", "4096", "--max-num-seqs", "8",
                         "--max-waiting-requests", str(MAX_WAITING), "--max-n", str(MAX_N),
-                        "--max-client-samples", "100000",          # one client (this test) fills the queue
                         "--max-body-bytes", str(MAX_BODY), "--event-heartbeat-s", str(HEARTBEAT_S),
                         log_path=str(log)) as url:
         yield url

@@ -138,6 +138,31 @@ def test_the_whole_prompt_is_there_on_demand_behind_the_key(server):
     wait_until_idle(server)
 
 
+def test_client_shares_count_samples_and_tokens_and_come_back_however_a_request_ends():
+    from minipaged.serve.fair_share import ClientQuotas
+    from minipaged.serve.protocol import ServerError
+
+    quotas = ClientQuotas(max_samples=10, max_prompt_tokens=1000)
+    assert quotas.take_samples("127.0.0.1", 500) is None and quotas.take_samples("::1", 500) is None   # local
+    first = quotas.take_samples("10.0.0.1", 6)
+    quotas.take_tokens(first, 100)                                      # 600 tokens
+    with pytest.raises(ServerError) as refused:
+        quotas.take_samples("10.0.0.1", 5)
+    assert refused.value.status == 429 and "--max-client-samples" in str(refused.value.body())
+    second = quotas.take_samples("10.0.0.1", 4)
+    with pytest.raises(ServerError) as refused:
+        quotas.take_tokens(second, 101)                                 # 600 + 404 > 1000
+    assert refused.value.status == 429 and "--max-client-prompt-tokens" in str(refused.value.body())
+    with pytest.raises(ServerError) as never:
+        quotas.take_samples("10.0.0.2", 11)
+    assert never.value.status == 400
+    quotas.release(second)
+    quotas.take_tokens(second, 1)               # the client left before its prompt was counted: nothing held
+    quotas.release(first)
+    quotas.release(first)                       # twice is once
+    assert quotas.samples == {} and quotas.tokens == {}                 # an idle client costs nothing
+
+
 def test_one_client_over_its_share_gets_429_and_the_others_are_served(server):
     held = {"prompt": [7] * 1000, "n": 100, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=held, headers=as_client("10.0.0.1"),

@@ -3,7 +3,8 @@
 ``--max-waiting-requests`` bounds the queue as a whole, so one student with a loop (or one n=128 request with
 a long prompt) could fill it and leave everyone else with 503. Here each client (its address: a class shares one
 API key) may have at most ``max_samples`` samples and ``max_prompt_tokens`` prompt tokens in the engine at
-once (a sample's prompt counts once per sample: each is prefilled on its own unless the prefix cache already
+once. Clients on the server's own machine (loopback: the teacher, a benchmark, a proxy that does not say whom
+it forwards for) have no share to keep to (a sample's prompt counts once per sample: each is prefilled on its own unless the prefix cache already
 holds it). Over the limit because of its own earlier requests a client gets 429 with Retry-After, as OpenAI's
 rate limits answer; a request that could never fit gets 400 naming the flag.
 
@@ -13,6 +14,7 @@ engine thread has tokenised the prompt, so they are counted there. A lock keeps 
 """
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections import defaultdict
 from contextvars import ContextVar
@@ -35,6 +37,13 @@ class Ticket:
     released: bool = False
 
 
+def on_this_machine(client: str) -> bool:
+    try:
+        return ipaddress.ip_address(client).is_loopback
+    except ValueError:
+        return client == "local"                     # no HTTP request: the process itself
+
+
 class ClientQuotas:
     def __init__(self, max_samples: Optional[int] = None, max_prompt_tokens: Optional[int] = None) -> None:
         self.max_samples, self.max_prompt_tokens = max_samples, max_prompt_tokens
@@ -42,8 +51,10 @@ class ClientQuotas:
         self.tokens: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
-    def take_samples(self, client: str, samples: int) -> Ticket:
-        """On the event loop, when a request is submitted."""
+    def take_samples(self, client: str, samples: int) -> Optional[Ticket]:
+        """On the event loop, when a request is submitted (None: this client keeps to no share)."""
+        if on_this_machine(client):
+            return None
         limit = self.max_samples
         with self._lock:
             if limit is not None:
@@ -79,8 +90,10 @@ class ClientQuotas:
             self.tokens[client] += tokens
             ticket.tokens = tokens
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Optional[Ticket]) -> None:
         """When the request ends, however it ends."""
+        if ticket is None:
+            return
         with self._lock:
             if ticket.released:
                 return
