@@ -63,7 +63,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Server flags that cannot work, caught before the model loads."""
-    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
+    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", "max_n", "max_prompts",
+                 "max_stop_strings", "max_stop_length",
                  "max_body_bytes"):
         value = getattr(args, name, None)
         if value is not None and value < 1:

@@ -96,7 +96,7 @@ class AsyncEngine:
                  quotas: Optional[ClientQuotas] = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.quotas = quotas or ClientQuotas()           # per client (CLIENT, set per HTTP request): no limit by default
+        self.quotas = quotas or ClientQuotas()           # per client (fair_share.CLIENT); no limit by default
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only
         self._sample_parent: dict[str, str] = {}        # engine thread only: sub-request id -> request id

@@ -6,9 +6,10 @@ browser's backlog grow, would make the teacher's machine pay for every student; 
 ``json.dumps`` (in the engine thread), one framing, and one ``deque.append`` of the same ``bytes`` per
 watcher (on the event loop).
 
-A watcher whose unsent bytes pass ``limit_bytes`` (counted as sent, and uncompressed: a 64 MB event that gzip
-shrank to 3 MB still costs the browser 64 MB to unpack and parse) loses its backlog at once (the memory goes back) and gets,
-if its connection can still be written, ``event: dropped`` with the reason; then its connection closes. It
+A watcher whose unsent bytes pass ``limit_bytes`` (counted as sent, and uncompressed: an event that gzip shrank
+under the limit still costs the browser its whole size to unpack and parse) loses its backlog at once (the
+memory goes back) and gets, if its connection can still be written, ``event: dropped`` with the reason; then
+its connection closes. It
 reconnects and starts again from a fresh snapshot (skipping events would corrupt its block map).
 
 Compression: with ``Accept-Encoding: gzip`` a watcher gets a gzip stream, still compressed once per event.

@@ -4,9 +4,10 @@
 a long prompt) could fill it and leave everyone else with 503. Here each client (its address: a class shares one
 API key) may have at most ``max_samples`` samples and ``max_prompt_tokens`` prompt tokens in the engine at
 once. Clients on the server's own machine (loopback: the teacher, a benchmark, a proxy that does not say whom
-it forwards for) have no share to keep to (a sample's prompt counts once per sample: each is prefilled on its own unless the prefix cache already
-holds it). Over the limit because of its own earlier requests a client gets 429 with Retry-After, as OpenAI's
-rate limits answer; a request that could never fit gets 400 naming the flag.
+it forwards for) have no share to keep to. A sample's prompt counts once per sample: each is prefilled on its
+own unless the prefix cache already holds it. Over the limit because of its own earlier requests, a client
+gets 429 with Retry-After, as OpenAI's rate limits answer; a request that could never fit gets 400 naming the
+flag.
 
 Samples are counted on the event loop when a request is submitted; prompt tokens are known only once the
 engine thread has tokenised the prompt, so they are counted there. A lock keeps the two sides in step, and a

@@ -386,6 +386,23 @@ function drawOutput(st) {
   const r = rid && st.requests.get(rid);
   $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
   $("output").replaceChildren(...(r ? colouredOutput(r) : []));
+  // Events carry a preview of a long prompt (its start and end around " … "): the whole text on demand.
+  const button = $("whole-prompt");
+  button.hidden = replay || !r || r.state === "finished" || !r.prompt.includes(" … ");
+  button.dataset.request = rid || "";
+  if ($("whole-prompt-text").dataset.request !== rid) $("whole-prompt-text").hidden = true;
+}
+
+async function showWholePrompt(rid) {
+  const out = $("whole-prompt-text");
+  out.dataset.request = rid;
+  out.hidden = false;
+  out.textContent = "fetching the whole prompt ...";
+  try {
+    const response = await fetch(`v1/events/prompts/${encodeURIComponent(rid)}`, { headers: authHeaders() });
+    const body = await response.json();
+    out.textContent = response.ok ? body.prompt : (body.error && body.error.message) || response.statusText;
+  } catch (err) { out.textContent = `cannot reach the server (${err.message})`; }
 }
 
 // tui/widgets/output.py's PROBABILITY_COLOURS: a step's tokens coloured by their probability (requests that
@@ -516,6 +533,7 @@ $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("prompt-form").requestSubmit(); }
 });
 $("forget-key").onclick = () => forgetKey();
+$("whole-prompt").onclick = () => showWholePrompt($("whole-prompt").dataset.request);
 $("forget-key").hidden = !localStorage.getItem(KEY_STORE);
 $("key-form").onsubmit = (e) => {
   e.preventDefault();
