@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .engine_builder import build_engine_parts
 from .execute_step import execute_and_sample
-from .events import RequestArrival, RequestFinish, StepEvent
+from .events import RequestArrival, RequestFinish, StepEvent, prompt_preview
 from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
 from .output_processor import DrainedStep
 from .outputs import RequestOutput, StepResult
@@ -101,12 +101,15 @@ class Engine:
         self.outputs.add_requests(request_id, requests)
         for req in requests:
             self.logits.add(req, grammar)
-        text = self.inputs.prompt_text(prompt)
+        preview = prompt_preview(self.inputs.prompt_text(prompt))   # bounded: every watcher gets it
+        first = requests[0].request_id
         for req in requests:
             self.scheduler.add(req)
+            shared = req.request_id != first                  # n samples: the prompt goes out once
             self._pending_arrivals.append(RequestArrival(req.request_id, req.num_prompt_tokens,
-                                                         req.params.max_tokens, text,
-                                                         req.arrival_time - self._start_time))
+                                                         req.params.max_tokens, "" if shared else preview,
+                                                         req.arrival_time - self._start_time,
+                                                         prompt_of=first if shared else None))
         return request_id
 
     def abort(self, request_id: str) -> bool:

@@ -48,13 +48,31 @@ class EngineInfo:
     weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
 
 
+PROMPT_PREVIEW_CHARS = 1000    # the most prompt text one arrival carries (start and end, PREVIEW_GAP between)
+PREVIEW_GAP = " … "            # where a preview leaves out the prompt's middle
+
+
+def prompt_preview(text: str, limit: int = PROMPT_PREVIEW_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters, else its start and its end around PREVIEW_GAP: prompts
+    that share a long prefix (a system prompt) differ at the end. Why bounded: every watcher gets every
+    arrival, and a 500 KB prompt sent to a class of browsers froze each of them (issue 39); the whole text
+    is there on demand (``GET /v1/events/prompts/{id}``, behind the API key like the rest)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    return text[:head] + PREVIEW_GAP + text[-(limit - head - len(PREVIEW_GAP)):]
+
+
 @dataclass(frozen=True)
 class RequestArrival:
     request_id: str
     prompt_len: int
     max_tokens: int
-    prompt: str                  # the prompt as text (token-id prompts decoded); how to shorten it is the UI's call
+    prompt: str                  # the prompt as text (token-id prompts decoded), at most PROMPT_PREVIEW_CHARS
     arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
+    # The n samples of one request share one prompt: it is sent once, with the first; the others name it here
+    # (an earlier arrival of the same event) and carry prompt "". None: this arrival carries its own.
+    prompt_of: Optional[str] = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RequestArrival":
@@ -316,7 +334,9 @@ class EngineView:
 
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
-            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt)
+            shared = self.requests.get(a.prompt_of) if a.prompt_of is not None else None
+            prompt = shared.prompt if shared is not None else a.prompt
+            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, prompt)
         kv = ev.kv
         for rid, pairs in kv.swapped_out.items():
             for _gpu, cpu in pairs:

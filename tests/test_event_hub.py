@@ -61,14 +61,32 @@ def test_a_watcher_past_its_limit_loses_its_backlog_and_is_told_why():
     async def fine_take(w: Watcher) -> bytes:
         out = b""
         while w.queue:
-            out += w.queue.popleft()
-        w.queued_bytes = 0
+            out += w.queue.popleft()[0]
+        w.queued_bytes = w.queued_plain_bytes = 0
         return out
 
     got, slow, fine, hub = asyncio.run(run())
     assert slow.dropped and "KiB" in slow.dropped
     assert got.startswith(b"event: dropped\ndata: ") and got.count(b"\n\n") == 1   # the backlog went
     assert slow not in hub.watchers and fine.dropped is None
+
+
+def test_a_gzip_watcher_is_dropped_by_the_size_its_client_must_unpack():
+    """A repetitive event shrinks below the limit under gzip, but the browser unpacks and parses it whole."""
+    async def run() -> tuple[Watcher, Watcher]:
+        hub = EventHub()
+        zipped, small = Watcher(gzip=True, limit_bytes=100_000), Watcher(gzip=True, limit_bytes=100_000)
+        hub.add(zipped, [])
+        hub.add(small, [])
+        hub.publish(json.dumps({"prompt": "=" * 20_000}))
+        assert zipped.queued_bytes < 1_000 and zipped.queued_plain_bytes > 20_000
+        hub.remove(small)
+        hub.publish(json.dumps({"prompt": "=" * 200_000}))      # ~1 KB compressed, 200 KB to parse
+        return zipped, small
+
+    zipped, small = asyncio.run(run())
+    assert zipped.dropped and "uncompressed" in zipped.dropped
+    assert small.dropped is None
 
 
 def test_a_quiet_stream_gets_heartbeats_and_a_closing_one_a_goodbye():

@@ -19,7 +19,7 @@ import pytest
 from minipaged import SamplingParams, StructuredOutputsParams
 from minipaged.events import StepEvent
 from minipaged.serve.async_engine import snapshot_event
-from minipaged.tui.state import WatchState
+from minipaged.tui.state import FINISHED_KEPT, WatchState
 
 NODE = shutil.which("node")
 HERE = Path(__file__).parent
@@ -102,6 +102,17 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     while engine.has_unfinished_requests():
         engine.step()
     out["logprobs-and-mask"] = engine.info, events
+    # n samples share one prompt, sent once (prompt_of); more finished requests than either fold remembers.
+    engine = tiny_engine_factory(max_num_seqs=64)
+    events = []
+    engine.subscribe(events.append)
+    for i in range(7):
+        engine.add_request([3 + i] * (5 + i), SamplingParams(n=32, temperature=1.0, seed=i, max_tokens=2,
+                                                             ignore_eos=True))
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    out["samples-share-a-prompt-old-ones-forgotten"] = engine.info, events
     return out
 
 
@@ -119,6 +130,10 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert any(ev.kv.evicted for ev in traces["swap"][1]), "no eviction under the MRU policy"
     assert any(ev.new_logprobs for ev in events), "no log-probabilities"
     assert any(ev.constrained for ev in events), "no structured-output mask"
+    shared = [a for ev in events for a in ev.arrivals if a.prompt_of is not None]
+    assert shared and all(a.prompt == "" for a in shared), "no arrival that shares its prompt"
+    finished = sum(len(ev.finished) for ev in traces["samples-share-a-prompt-old-ones-forgotten"][1])
+    assert finished > FINISHED_KEPT, "nothing old enough to forget"
 
 
 @pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs (.ci/run installs it)")
@@ -136,4 +151,4 @@ def test_the_pages_fold_equals_watch_state_at_every_step(traces, tmp_path):
                             env={"MINIPAGED_FOLD_CASES": str(path), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "# pass 3" in result.stdout and "# skipped 0" in result.stdout, result.stdout[-2000:]
+    assert "# pass 5" in result.stdout and "# skipped 0" in result.stdout, result.stdout[-2000:]

@@ -269,8 +269,9 @@ def workload(url: str, max_tokens: int) -> float:
 def test_a_watcher_that_stops_reading_is_dropped_and_nobody_else_waits(tiny_model, tmp_path):
     log = tmp_path / "server.log"
     # One sequence at a time: a step per token, 3,000 steps, ~4 MB of events: more than the kernel's socket
-    # buffers hold (~2 MB here), so the stalled watcher's backlog reaches the server's own buffer (50 KB).
-    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "160", "--event-buffer-mb", "0.05",
+    # buffers hold (~2 MB here), so the stalled watcher's backlog reaches the server's own buffer (0.5 MB, counted
+    # uncompressed: the reading gzip watcher gets that much slack too).
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "160", "--event-buffer-mb", "0.5",
                         "--max-num-seqs", "1", log_path=str(log)) as url:
         port = int(url.rsplit(":", 1)[1])
         pid = server_pid(port)

@@ -341,11 +341,15 @@ class WatchApp(App[int]):
         self.query_one(EventLog).show(state)
         self.query_one(OutputPanel).show(state, selected)
 
+    def mode_label(self) -> tuple[str, str]:
+        """The header's first word and its style (the attach app says when its server is gone)."""
+        return ("LIVE", "bold #59a14f") if self.live is not None else ("REPLAY", "bold #b07aa1")
+
     def _topbar(self) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(" minipaged watch ", style="bold reverse")
-        mode = "LIVE" if self.live is not None else "REPLAY"
-        text.append(f" {mode} ", style="bold #59a14f" if mode == "LIVE" else "bold #b07aa1")
+        mode, style = self.mode_label()
+        text.append(f" {mode} ", style=style)
         info = self.info
         if info is not None:
             text.append(f"{Path(info.model).name if '/' in info.model else info.model}  ", style="bold")

@@ -96,6 +96,7 @@ class AttachRun:
         self.info: Optional[EngineInfo] = None
         self.last_step = 0                    # the last step seen, for "lost the server at step N"
         self.goodbye: Optional[str] = None    # the server's reason, once it said goodbye
+        self.lost: Optional[str] = None       # why, once the server was lost (and reconnecting failed)
         self._events: "queue.Queue[Any]" = queue.Queue()
         self._closed = threading.Event()
         self._client: Optional[httpx.Client] = None
@@ -180,6 +181,7 @@ class AttachRun:
             if item is _GOODBYE:
                 return None
             if isinstance(item, _Lost):
+                self.lost = item.why
                 raise ServerLost(f"lost the server at step {self.last_step}: {item.why.rstrip('.')}.")
             if isinstance(item, StepEvent):
                 self.last_step = item.step
@@ -252,6 +254,16 @@ class AttachApp(WatchApp):
             self._advance()
             return
         super()._engine_stepped(event)
+
+    def mode_label(self) -> tuple[str, str]:
+        """The header's first word: LIVE only while the stream is alive; a lost server must not look live."""
+        if self.attach.lost is not None:
+            return "SERVER GONE", "bold reverse red"
+        if self.attach.goodbye is not None or (self.engine_done and self.live is not None):
+            return "SERVER STOPPED", "bold #edc948"
+        if self.engine_error and self.info is None:
+            return "NOT CONNECTED", "bold reverse red"
+        return super().mode_label()
 
     def busy_text(self, waited_s: float) -> str:
         """The server steps on its own schedule: waiting for its next event is usually an idle server, not a

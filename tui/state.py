@@ -13,16 +13,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent
+from minipaged.events import PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#a0cbe8", "#8cd17d", "#d37295", "#f1ce63", "#86bcb6", "#d4a6c8", "#ffbe7d")
 
-PREVIEW_GAP = " … "        # where older engines' prompt previews left out the prompt's middle
 HISTORY_LEN = 120          # points kept for each sparkline
 LOG_LEN = 400              # event log lines kept
 RATE_WINDOW = 10           # steps averaged for tokens per second
+FINISHED_KEPT = 200        # finished requests remembered (older ones are forgotten: a class runs for hours)
 
 # Chat-template markup (ChatML's "<|im_start|>user", Llama's "[INST]", "<s>" ...) and the role word after it.
 _CHAT_MARKUP = re.compile(r"<\|im_start\|>\w+|<\|(?:system|user|assistant)\|>|<\|[^|>]{1,20}\|>|</?s>|\[/?INST\]")
@@ -41,8 +41,8 @@ def clean_preview(prompt: str, width: int = 0) -> str:
     differ only at the end."""
     text = " ".join(printable(_CHAT_MARKUP.sub(" ", prompt)).split())
     if width and len(text) > width:
-        # Traces recorded by older versions carry previews the engine had already cut (PREVIEW_GAP in the
-        # middle): cut around that gap, not a second one.
+        # Arrivals carry previews the engine has already cut (PREVIEW_GAP in the middle): cut around that
+        # gap, not a second one.
         start, _gap, end = text.partition(PREVIEW_GAP) if PREVIEW_GAP in text else (text, "", text)
         head = width // 4
         text = start[:head] + "…" + end[-(width - head - 1):]
@@ -164,6 +164,8 @@ class WatchState:
         self.view = EngineView(info)
         self.colours: dict[str, str] = {}
         self.arrival_order: list[str] = []
+        self.num_arrived = 0             # colours go by it (arrival_order forgets finished requests)
+        self._finished_order: deque[str] = deque()
         self.log: deque[LogLine] = deque(maxlen=LOG_LEN)
         self.num_events = 0
         self.kv_usage = Metric()         # share of GPU blocks in use (cached-but-free counts as free)
@@ -198,11 +200,13 @@ class WatchState:
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
             if a.request_id not in self.colours:
-                self.colours[a.request_id] = PALETTE[len(self.arrival_order) % len(PALETTE)]
+                self.colours[a.request_id] = PALETTE[self.num_arrived % len(PALETTE)]
                 self.arrival_order.append(a.request_id)
+                self.num_arrived += 1
         self.log.extend(describe_event(ev, self.view))
         self.view.apply(ev)
         self.num_events += 1
+        self._forget_old_finished(ev)
 
         total = ev.num_total_blocks or self.info.num_blocks
         self.kv_usage.add((total - ev.num_free_blocks) / total if total else 0.0)
@@ -216,6 +220,22 @@ class WatchState:
         if num_verified:
             self.acceptance_rate.add(accepted / drafted)
             self.acceptance_length.add(1 + accepted / num_verified)
+
+    def _forget_old_finished(self, ev: StepEvent) -> None:
+        """Keep the FINISHED_KEPT most recently finished requests: a long session's table, colours and arrival
+        order stay bounded (the web page folds the same way, fold.mjs)."""
+        self._finished_order.extend(f.request_id for f in ev.finished)
+        if len(self._finished_order) <= FINISHED_KEPT:
+            return
+        gone = set()
+        while len(self._finished_order) > FINISHED_KEPT:
+            rid = self._finished_order.popleft()
+            req = self.view.requests.get(rid)
+            if req is not None and req.state == "finished":
+                del self.view.requests[rid]
+                self.colours.pop(rid, None)
+                gone.add(rid)
+        self.arrival_order = [rid for rid in self.arrival_order if rid not in gone]
 
     def _track_latencies(self, ev: StepEvent) -> None:
         arrived = self.engine_s                            # the step's requests arrived just before it

@@ -39,6 +39,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the longest stop string, in characters")
     g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="the largest request body; larger ones get 413")
+    g.add_argument("--max-client-samples", type=int, default=None,
+                   help="the most samples (n counts) one client (address) may have in the engine at once; more get "
+                        "429 with Retry-After (default: half of --max-waiting-requests, at least --max-n)")
+    g.add_argument("--max-client-prompt-tokens", type=int, default=DEFAULTS.max_client_prompt_tokens,
+                   help="the most prompt tokens (once per sample) one client may have in the engine at once")
+    g.add_argument("--allowed-hosts", default="",
+                   help="more Host header names to answer to, comma-separated (a DNS name the class uses); the "
+                        "server answers its own names and addresses only, against DNS rebinding; '*': any")
     g.add_argument("--event-heartbeat-s", type=float, default=DEFAULTS.event_heartbeat_s,
                    help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS.shutdown_timeout_s,
@@ -56,7 +64,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Server flags that cannot work, caught before the model loads."""
-    for name in ("max_waiting_requests", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
+    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", "max_n", "max_prompts",
+                 "max_stop_strings", "max_stop_length",
                  "max_body_bytes"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -80,7 +89,18 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, limits=limits,
                           event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
-                          event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))))
+                          event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
+                          allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
+                          max_client_samples=client_samples(args),
+                          max_client_prompt_tokens=args.max_client_prompt_tokens)
+
+
+def client_samples(args: argparse.Namespace) -> int:
+    """--max-client-samples, or its default: no client may fill more than half the queue, and any one request
+    that --max-n allows fits."""
+    if args.max_client_samples is not None:
+        return args.max_client_samples
+    return max(args.max_n, (args.max_waiting_requests or 0) // 2)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -44,11 +44,20 @@ from ..request import InvalidRequestError
 from . import protocol as p
 from .async_engine import Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
-from .http_guards import ApiKeyCheck, BodyLimit, HeadAsGet
+from .fair_share import ClientQuotas
+from .host_check import HostCheck, allowed_hosts
+from .http_guards import ApiKeyCheck, BodyLimit, ClientAddress, HeadAsGet, JsonBodies
 from .limits import ServerSettings
 from .worker_info import load, model_info, server_info
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The live view: its own scripts and styles only, its own server only, in no other site's frame (clickjacking),
+# and files taken for what they are said to be.
+PAGE_HEADERS = {"Cache-Control": "no-cache",
+                "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                                           "img-src 'self' data:; connect-src 'self'; object-src 'none'; "
+                                           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 ROUTER_NO_MODEL = "unknown"       # the model name sglang-router forwards when its client gave none
 PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})   # union branches in a loc
 
@@ -68,7 +77,8 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
-    async_engine = AsyncEngine(engine, settings.max_waiting_requests)
+    async_engine = AsyncEngine(engine, settings.max_waiting_requests,
+                               ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens))
     # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
     # a client that got its answer finds it counted.
     metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
@@ -124,10 +134,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return JSONResponse(p.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=exc.headers)
 
+    # Added innermost first: a request meets the Host check, then the key, the client's address, HEAD, the
+    # content type, and the body limit.
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(JsonBodies)
     app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
+    app.add_middleware(ClientAddress)
     if settings.api_key:
-        app.add_middleware(ApiKeyCheck, api_key=settings.api_key)      # the outermost: before any body is read
+        app.add_middleware(ApiKeyCheck, api_key=settings.api_key)      # before any body is read
+    if settings.host is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts(settings.host, settings.allowed_hosts))   # outermost
 
     def check_model(name: Optional[str]) -> None:
         """vLLM's rule: no model (or an empty one) means the one served. sglang-router forwards ``"unknown"``
@@ -184,17 +200,27 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                heartbeat_s=settings.event_heartbeat_s, goodbye=goodbye,
                                reason=lambda: async_engine.draining or "the server is shutting down")
 
+    @app.get("/v1/events/prompts/{request_id}")
+    async def event_prompt(request_id: str) -> JSONResponse:
+        """The whole prompt of a request in the engine: events carry a bounded preview (behind the key, as the
+        event stream is)."""
+        text = await async_engine.prompt_text(request_id)
+        if text is None:
+            raise p.ServerError(404, f"no request {request_id!r} runs or waits in the engine now: a prompt can be "
+                                     f"fetched while its request is in the engine.", "request_id")
+        return JSONResponse({"request_id": request_id, "prompt": text})
+
     # ---------------------------------------------------------------- the live view (static files)
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:
-        return HTMLResponse(web.index_html(), headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(web.index_html(), headers=PAGE_HEADERS)
 
     @app.get("/web/{name}", include_in_schema=False)
     async def page_file(name: str) -> Response:
         found = web.static_file(name)
         if found is None:
             raise p.ServerError(404, f"no file {name!r} in the live view; open / for the page.")
-        return Response(found[0], media_type=found[1], headers={"Cache-Control": "no-cache"})
+        return Response(found[0], media_type=found[1], headers=PAGE_HEADERS)
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")

@@ -37,15 +37,18 @@ from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from ..events import EngineView, KVChanges, RequestArrival, StepEvent
+from ..output_processor import sample_ids
 from ..outputs import RequestDelta
 from ..request import InvalidRequestError, SamplingParams
 from .event_hub import EventHub, Watcher
+from .fair_share import CLIENT, ClientQuotas, Ticket
 from .protocol import ServerError
 
 logger = logging.getLogger("minipaged.serve")
 
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
+PROMPT_WAIT_S = 10.0            # how long a prompt look-up waits for the engine thread (which may be stuck)
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
 # MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/peer_llamacpp.py's
 # minipaged-fp32-hand-off-after-step server).
@@ -59,14 +62,26 @@ class Accepted:
     params: SamplingParams
 
 
+@dataclass
+class _Stream:
+    """The engine thread's record of one request it serves."""
+
+    queue: asyncio.Queue
+    prompt: Prompt = ""                      # as prepared (token ids, usually): the whole text on demand
+    samples: tuple[str, ...] = ()            # its samples' ids, which events show (output_processor.sample_ids)
+
+
 class AsyncEngine:
     """Drives one ``Engine`` from a background thread for asyncio callers."""
 
-    def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None) -> None:
+    def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None,
+                 quotas: Optional[ClientQuotas] = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.quotas = quotas or ClientQuotas()           # per client (fair_share.CLIENT); no limit by default
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}    # engine thread only: request id -> its handler's queue
+        self._streams: dict[str, _Stream] = {}          # engine thread only: request id -> its handler's queue
+        self._sample_parent: dict[str, str] = {}        # engine thread only: sample id -> request id
         self._num_watchers = 0                          # engine thread only: serialise events while > 0
         self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
@@ -146,10 +161,11 @@ class AsyncEngine:
 
         Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
         self.check_admission(num_samples)
+        ticket = self.quotas.take_samples(CLIENT.get() or "local", num_samples)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._num_submitted_not_added += num_samples
-        self._commands.put(("add", request_id, prepare, q, num_samples))
+        self._commands.put(("add", request_id, prepare, q, num_samples, ticket))
         self.num_in_flight += 1
         done = False
         try:
@@ -164,11 +180,24 @@ class AsyncEngine:
                     return
         finally:
             self.num_in_flight -= 1
+            self.quotas.release(ticket)
             if not done:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def prompt_text(self, request_id: str) -> Optional[str]:
+        """The whole prompt of a request in the engine (a parent id or one of its samples' ids), decoded on the
+        engine thread; None when no such request runs or waits. Events carry a bounded preview only."""
+        assert self._loop is not None
+        answer: asyncio.Future = self._loop.create_future()
+        self._commands.put(("prompt", request_id, answer))
+        try:
+            return await asyncio.wait_for(answer, PROMPT_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ServerError(503, f"the engine thread did not answer within {PROMPT_WAIT_S:g} s; retry shortly.",
+                              headers={"Retry-After": "1"}) from None
 
     def subscribe_in_loop(self, callback: Callable[[StepEvent], None]) -> None:
         """Call ``callback(event)`` on the event loop for every StepEvent, before that step's tokens reach their
@@ -245,11 +274,15 @@ class AsyncEngine:
                 break
         self.stats = dict(self.engine.stats())
 
-    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1) -> None:
+    def _do_add(self, request_id: str, prepare: Prepare, q: asyncio.Queue, num_samples: int = 1,
+                ticket: Optional[Ticket] = None) -> None:
         with self._lock:
             self._num_submitted_not_added -= num_samples
         try:
             prompt, params = prepare(self.engine)
+            if ticket is not None:                    # the client's prompt tokens, now that they are known
+                self.quotas.take_tokens(ticket, len(prompt) if not isinstance(prompt, str)
+                                        else len(self.engine.tokenizer(prompt).input_ids))
             self.engine.add_request(prompt, params, request_id=request_id)
         except (InvalidRequestError, ServerError) as exc:
             self._send(q, exc if isinstance(exc, ServerError) else ServerError(400, str(exc)))
@@ -258,14 +291,25 @@ class AsyncEngine:
             logger.exception("preparing request %s failed", request_id)
             self._send(q, ServerError(500, f"could not prepare the request: {exc}"))
             return
-        self._streams[request_id] = q
+        samples = tuple(sample_ids(request_id, params.n))
+        self._streams[request_id] = _Stream(q, prompt, samples)
+        # (a sample's id leads to its request: the whole prompt on demand is asked for by the ids events show)
+        self._sample_parent.update({sample: request_id for sample in samples})
         self._send(q, Accepted(params))
 
     def _do_abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is None:
+        if self._forget(request_id) is None:
             return
         self.engine.abort(request_id)                 # frees its blocks now; the next event records it
         self._aborts_unpublished = True
+
+    def _do_prompt(self, request_id: str, answer: asyncio.Future) -> None:
+        stream = self._streams.get(self._sample_parent.get(request_id, request_id))
+        text = None
+        if stream is not None:
+            prompt = stream.prompt
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        self._call_soon(_settle, answer, text)
 
     def _do_fail_all(self, error: ServerError) -> None:
         self._fail_all(error)
@@ -294,18 +338,23 @@ class AsyncEngine:
         """Hand each request its delta of the step (after the step's event: metrics count a token before its
         client sees it)."""
         for delta in outputs:
-            q = self._streams.get(delta.request_id)
-            if q is None:                             # not a server request (someone else drives the engine)
-                continue
-            if delta.finished:
-                del self._streams[delta.request_id]
-            self._send(q, delta)
+            stream = self._forget(delta.request_id) if delta.finished else self._streams.get(delta.request_id)
+            if stream is not None:                    # (None: not a server request; someone else drives the engine)
+                self._send(stream.queue, delta)
+
+    def _forget(self, request_id: str) -> Optional[_Stream]:
+        """Stop serving ``request_id``: its record, or None if it was not served."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            for sample in stream.samples:
+                self._sample_parent.pop(sample, None)
+        return stream
 
     def _fail_all(self, error: ServerError) -> None:
         for request_id in list(self._streams):
-            q = self._streams[request_id]
+            stream = self._streams[request_id]
             self._do_abort(request_id)
-            self._send(q, error)
+            self._send(stream.queue, error)
         self._call_soon(self.hub.close_all)
 
     def _send(self, q: asyncio.Queue, item: Any) -> None:
@@ -314,6 +363,11 @@ class AsyncEngine:
     def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` on the event loop, at the engine thread's next hand-off, in order."""
         self._outbox.append((callback, args))
+
+
+def _settle(answer: asyncio.Future, value: Any) -> None:
+    if not answer.done():                             # its HTTP request may have gone away meanwhile
+        answer.set_result(value)
 
 
 def _run_in_order(callbacks: list[tuple[Callable[..., Any], tuple]]) -> None:

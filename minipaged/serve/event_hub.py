@@ -6,8 +6,10 @@ browser's backlog grow, would make the teacher's machine pay for every student; 
 ``json.dumps`` (in the engine thread), one framing, and one ``deque.append`` of the same ``bytes`` per
 watcher (on the event loop).
 
-A watcher whose unsent bytes pass ``limit_bytes`` loses its backlog at once (the memory goes back) and gets,
-if its connection can still be written, ``event: dropped`` with the reason; then its connection closes. It
+A watcher whose unsent bytes pass ``limit_bytes`` (counted as sent, and uncompressed: an event that gzip shrank
+under the limit still costs the browser its whole size to unpack and parse) loses its backlog at once (the
+memory goes back) and gets, if its connection can still be written, ``event: dropped`` with the reason; then
+its connection closes. It
 reconnects and starts again from a fresh snapshot (skipping events would corrupt its block map).
 
 Compression: with ``Accept-Encoding: gzip`` a watcher gets a gzip stream, still compressed once per event.
@@ -67,8 +69,9 @@ class Watcher:
     def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES) -> None:
         self.gzip = gzip
         self.limit_bytes = limit_bytes
-        self.queue: deque[bytes] = deque()
+        self.queue: deque[tuple[bytes, int]] = deque()   # (bytes to send, their uncompressed size)
         self.queued_bytes = 0
+        self.queued_plain_bytes = 0              # what the client must unpack and parse: counts against the limit
         self.closed = False                      # nothing more will be queued (after the queue: the end)
         self.dropped: Optional[str] = None       # why it was dropped, if it was
         self._ready = asyncio.Event()
@@ -92,22 +95,25 @@ class Watcher:
         if self.closed:
             return
         data = self.encode(chunk)
-        if self.queued_bytes + len(data) > self.limit_bytes:
-            self.drop(f"more than {self.limit_bytes // 1024} KiB of events waited to be sent to this watcher")
+        if max(self.queued_bytes + len(data), self.queued_plain_bytes + len(chunk.plain)) > self.limit_bytes:
+            self.drop(f"more than {self.limit_bytes // 1024} KiB of events (uncompressed) waited to be sent to "
+                      f"this watcher")
             return
-        self.queue.append(data)
+        self.queue.append((data, len(chunk.plain)))
         self.queued_bytes += len(data)
+        self.queued_plain_bytes += len(chunk.plain)
         self._ready.set()
 
     def say(self, text: str) -> None:
         """Queue a message for this watcher alone (an SSE comment or a named event), whatever its backlog."""
         if not self.closed:
-            self.queue.append(self.encode(Chunk(text.encode())))
+            chunk = Chunk(text.encode())
+            self.queue.append((self.encode(chunk), len(chunk.plain)))
             self._ready.set()
 
     def drop(self, reason: str) -> None:
         self.queue.clear()                       # the backlog's memory goes back now
-        self.queued_bytes = 0
+        self.queued_bytes = self.queued_plain_bytes = 0
         self.say(f"event: dropped\ndata: {json.dumps({'reason': reason})}\n\n")
         self.dropped = reason
         self.close()
@@ -123,8 +129,9 @@ class Watcher:
         client can tell a quiet engine from a lost server."""
         while True:
             while self.queue:
-                data = self.queue.popleft()
+                data, plain_size = self.queue.popleft()
                 self.queued_bytes = max(0, self.queued_bytes - len(data))
+                self.queued_plain_bytes = max(0, self.queued_plain_bytes - plain_size)
                 yield data
             if self.closed:
                 if self.gzip:

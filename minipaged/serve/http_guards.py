@@ -1,4 +1,5 @@
-"""ASGI wrappers in front of the routes: the API key check, a bound on request bodies, and HEAD on every GET route.
+"""ASGI wrappers in front of the routes: the API key check, a bound on request bodies, JSON bodies only, HEAD on
+every GET route, and who the client is (for per-client limits). ``host_check`` is one more, with its own module.
 
 All act before FastAPI parses anything: a request without the key is refused before its body is read, a body
 over the limit is refused without being read into memory (a 1 MB body of stop strings once doubled every
@@ -16,6 +17,7 @@ import json
 import secrets
 from typing import Any, Awaitable, Callable
 
+from .fair_share import CLIENT
 from .protocol import ServerLimits, error_body
 
 Scope = dict[str, Any]
@@ -72,6 +74,45 @@ class BodyLimit:
             replayed = True
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, replay, send)
+
+
+class JsonBodies:
+    """A POST whose Content-Type is not JSON gets 400 "send application/json" (FastAPI would read a text/plain
+    body as a string and say "Input should be a valid dictionary"). No Content-Type at all is read as JSON, as
+    FastAPI does. It also closes the door that HTML forms open: a form can post text/plain across sites without
+    asking, JSON it cannot."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            given = dict(scope["headers"]).get(b"content-type")
+            if given is not None:
+                media = given.decode("latin-1").split(";")[0].strip().lower()
+                if media != "application/json" and not media.endswith("+json"):
+                    return await send_json(send, 400, error_body(
+                        400, f"the body's Content-Type is {media or 'empty'!r}: send application/json (the header "
+                             f"'Content-Type: application/json') with a JSON object."))
+        await self.app(scope, receive, send)
+
+
+class ClientAddress:
+    """Sets ``CLIENT`` to the address the request came from, for the per-client limits (``fair_share``), which
+    read it in the handler's task. The address, not the API key: a class shares one key."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        client = scope.get("client")
+        token = CLIENT.set(client[0] if client else "unknown")
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
 
 
 class HeadAsGet:

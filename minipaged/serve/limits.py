@@ -41,6 +41,12 @@ class ServerSettings:
     shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
     engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
     event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
+    host: Optional[str] = None               # the address it listens on: which Host names it answers to (None:
+                                             # an app built in-process, as tests do, checks no Host)
+    allowed_hosts: tuple[str, ...] = ()      # more Host names (--allowed-hosts; "*": any)
+    max_client_samples: Optional[int] = None         # per client (address) in the engine at once (None: no bound;
+                                                     # the flag's default is half of max_waiting_requests)
+    max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags

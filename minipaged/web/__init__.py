@@ -56,15 +56,24 @@ def self_contained_html(trace_lines: list[str], title: str = "minipaged replay")
     no network."""
     html = index_html()
     css = (_static() / "style.css").read_text(encoding="utf-8")
-    # "</" cannot end the script early inside JSON strings written as "<\\/" (JSON reads it back as "</").
-    trace = "\n".join(line.strip().replace("</", "<\\/") for line in trace_lines if line.strip())
+    trace = "\n".join(json_in_script(line.strip()) for line in trace_lines if line.strip())
     html = html.replace('<link rel="stylesheet" href="web/style.css">', f"<style>\n{css}</style>")
     html = html.replace("<title>minipaged: live engine</title>", f"<title>{_escape(title)}</title>")
-    script = inline_script().replace("</script", "<\\/script")
+    script = inline_script()
+    assert "<!--" not in script and "<script" not in script.lower() and "</script" not in script.lower(), \
+        "the page's code must not contain what would end or escape its inline script"
     html = html.replace('<script type="module" src="web/app.mjs"></script>',
                         f'<script type="application/json" id="trace">\n{trace}\n</script>\n'
                         f'<script type="module">\n{script}\n</script>')
     return html
+
+
+def json_in_script(line: str) -> str:
+    """A JSON line safe inside ``<script type="application/json">``: every "<" written as "\\u003c", which JSON
+    reads back as "<". Escaping "</" alone was not enough: a prompt holding "<!--<script>" puts the HTML parser
+    in its "double-escaped" state, where the next "</script>" no longer ends the block, and the page's own
+    script was swallowed into the JSON (a blank page). With no "<" left, no tag can start or end in there."""
+    return line.replace("<", "\\u003c")
 
 
 def _escape(text: str) -> str:

@@ -40,6 +40,9 @@ def page_server(html: str, host: str, port: int) -> ThreadingHTTPServer:
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Security-Policy", "frame-ancestors 'none'")   # no other site frames it
+            self.send_header("X-Frame-Options", "DENY")
+            self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

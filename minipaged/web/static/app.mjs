@@ -7,7 +7,7 @@ import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRe
   FREE, CACHED, PALETTE } from "./fold.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
-const MAX_BUFFER = 2000;          // steps kept for stepping back; older ones are folded into `base`
+const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
 const KEY_STORE = "minipaged-api-key";
 const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
 const $ = (id) => document.getElementById(id);
@@ -20,10 +20,15 @@ const el = (tag, props = {}, ...children) => {
 const embedded = $("trace");
 const replay = Boolean(embedded);
 const params = new URLSearchParams(location.search);
+// Steps kept for stepping back, by count and by the size of their JSON; older ones are folded into `base`.
+// (A step of 128 samples sharing a 1,000-token prompt is 0.5 MB: 2,000 of them would be a gigabyte.)
+// ?buffer=N and ?buffer_mb=M keep less, for small laptops.
+const MAX_BUFFER = Math.max(10, Number(params.get("buffer")) || 2000);
+const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 2 ** 20;
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null, forgot: false,
 };
 let drawPending = false;
 
@@ -34,6 +39,8 @@ function start(info) {
   view.base = newState(info);
   view.head = newState(info);
   view.events = [];
+  view.sizes = [];
+  view.bufferChars = 0;
   view.cursor = -1;
   $("engine-name").textContent = `${info.model} · ${info.device} ${info.dtype} · ${info.num_blocks} blocks of `
     + `${info.block_size} tokens · budget ${info.max_num_batched_tokens}` + (info.speculative ? ` · ${info.speculative}` : "");
@@ -42,15 +49,26 @@ function start(info) {
   $("cpu-title").hidden = $("cpu-map").hidden = info.num_cpu_blocks === 0;
 }
 
-function receive(ev) {
+function receive(ev, size) {
   view.events.push(ev);
+  view.sizes.push(size);
+  view.bufferChars += size;
   applyEvent(view.head, ev);
-  if (view.events.length > MAX_BUFFER) {
+  while (view.events.length > MAX_BUFFER || (view.bufferChars > MAX_BUFFER_CHARS && view.events.length > 1)) {
     applyEvent(view.base, view.events.shift());
+    view.bufferChars -= view.sizes.shift();
     if (view.frozen) view.cursor = Math.max(0, view.cursor - 1);
   }
   if (!view.frozen) view.cursor = view.events.length - 1;
   schedule();
+}
+
+/** The "forget key" control: the key leaves this browser, and the stream that used it is closed. */
+function forgetKey() {
+  localStorage.removeItem(KEY_STORE);
+  $("forget-key").hidden = true;
+  $("prompt-status").textContent = "the key is forgotten: this browser no longer keeps it";
+  if (view.abort) { view.forgot = true; view.abort.abort(); }
 }
 
 function authHeaders() {
@@ -75,9 +93,17 @@ async function connect() {
   banner(null);
   let dropped = null;
   let heard = Date.now();
+  view.abort = abort;
   const watchdog = setInterval(() => { if (Date.now() - heard > SILENCE_MS) abort.abort(); }, 1000);
+  let slice = performance.now();
   try {
     for (;;) {
+      // Pieces that are already there resolve read() at once, without giving the browser a turn: a big burst
+      // would be one long task (a frozen page). Yield every SLICE_MS.
+      if (performance.now() - slice > SLICE_MS) {
+        await new Promise((resume) => setTimeout(resume, 0));
+        slice = performance.now();
+      }
       const { value, done } = await reader.read();
       if (done) break;
       heard = Date.now();
@@ -85,7 +111,7 @@ async function connect() {
         if (msg.event === "message") {
           const record = JSON.parse(msg.data);
           if (record.type === "engine") start(record);
-          else if (record.type === "step") receive(record);
+          else if (record.type === "step") receive(record, msg.data.length);
         } else if (msg.event === "dropped") {
           dropped = JSON.parse(msg.data).reason || "too far behind";
         } else if (msg.event === "goodbye") {
@@ -101,6 +127,7 @@ async function connect() {
     clearInterval(watchdog);
   }
   view.connected = false;
+  if (view.forgot) { view.forgot = false; connect(); return; }          // the key was forgotten: ask again
   if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
   if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
   lost("lost the server; reconnecting");
@@ -359,6 +386,23 @@ function drawOutput(st) {
   const r = rid && st.requests.get(rid);
   $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
   $("output").replaceChildren(...(r ? colouredOutput(r) : []));
+  // Events carry a preview of a long prompt (its start and end around " … "): the whole text on demand.
+  const button = $("whole-prompt");
+  button.hidden = replay || !r || r.state === "finished" || !r.prompt.includes(" … ");
+  button.dataset.request = rid || "";
+  if ($("whole-prompt-text").dataset.request !== rid) $("whole-prompt-text").hidden = true;
+}
+
+async function showWholePrompt(rid) {
+  const out = $("whole-prompt-text");
+  out.dataset.request = rid;
+  out.hidden = false;
+  out.textContent = "fetching the whole prompt ...";
+  try {
+    const response = await fetch(`v1/events/prompts/${encodeURIComponent(rid)}`, { headers: authHeaders() });
+    const body = await response.json();
+    out.textContent = response.ok ? body.prompt : (body.error && body.error.message) || response.statusText;
+  } catch (err) { out.textContent = `cannot reach the server (${err.message})`; }
 }
 
 // tui/widgets/output.py's PROBABILITY_COLOURS: a step's tokens coloured by their probability (requests that
@@ -488,9 +532,14 @@ $("prompt-form").onsubmit = (e) => {
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("prompt-form").requestSubmit(); }
 });
+$("forget-key").onclick = () => forgetKey();
+$("whole-prompt").onclick = () => showWholePrompt($("whole-prompt").dataset.request);
+$("forget-key").hidden = !localStorage.getItem(KEY_STORE);
 $("key-form").onsubmit = (e) => {
   e.preventDefault();
   localStorage.setItem(KEY_STORE, $("key").value);
+  $("key").value = "";
+  $("forget-key").hidden = false;
   $("key-form").hidden = true;
   banner(null);
   connect();

@@ -12,6 +12,7 @@ export const UNKNOWN = "#888888";
 export const HISTORY_LEN = 120;         // points kept for each sparkline
 export const LOG_LEN = 400;             // event log lines kept
 export const RATE_WINDOW = 10;          // steps averaged for tokens per second
+export const FINISHED_KEPT = 200;       // finished requests remembered (tui/state.py's FINISHED_KEPT)
 export const METRICS = ["kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms",
   "acceptance_rate", "acceptance_length"];
 
@@ -29,6 +30,8 @@ export function newState(info) {
     step: 0,
     colours: new Map(),
     arrivalOrder: [],
+    numArrived: 0,                   // colours go by it (arrivalOrder forgets finished requests)
+    finishedOrder: [],
     log: [],
     numEvents: 0,
     metrics,
@@ -39,8 +42,10 @@ export function newState(info) {
   };
 }
 
-function newRequest(a) {
-  const prompt = a.prompt ?? a.prompt_preview ?? "";     // traces recorded before prompts were kept whole
+function newRequest(a, st) {
+  // n samples share one prompt, sent with the first of them (prompt_of names it); old traces: prompt_preview
+  const shared = a.prompt_of == null ? undefined : st.requests.get(a.prompt_of);
+  const prompt = shared ? shared.prompt : a.prompt ?? a.prompt_preview ?? "";
   return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
     finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [] };
@@ -60,7 +65,7 @@ function computedEnd(s) {
 
 /** EngineView.apply: block ownership and the request table. */
 function applyView(st, ev) {
-  for (const a of ev.arrivals || []) st.requests.set(a.request_id, newRequest(a));
+  for (const a of ev.arrivals || []) st.requests.set(a.request_id, newRequest(a, st));
   const kv = ev.kv || {};
   for (const [rid, pairs] of entries(kv.swapped_out)) {
     for (const [, cpu] of pairs) st.cpuBlockOwner[cpu] = rid;
@@ -236,17 +241,31 @@ function tokenOrder(ev) {
   return [...ordered, ...Object.keys(have).filter((rid) => !seen.has(rid))];
 }
 
+/** WatchState._forget_old_finished: only the FINISHED_KEPT most recently finished requests are kept. */
+function forgetOldFinished(st, ev) {
+  for (const f of ev.finished || []) st.finishedOrder.push(f.request_id);
+  if (st.finishedOrder.length <= FINISHED_KEPT) return;
+  const gone = new Set();
+  for (const rid of st.finishedOrder.splice(0, st.finishedOrder.length - FINISHED_KEPT)) {
+    const req = st.requests.get(rid);
+    if (req && req.state === "finished") { st.requests.delete(rid); st.colours.delete(rid); gone.add(rid); }
+  }
+  st.arrivalOrder = st.arrivalOrder.filter((rid) => !gone.has(rid));
+}
+
 /** Fold one StepEvent (parsed JSON) into ``st``; returns ``st``. */
 export function applyEvent(st, ev) {
   for (const a of ev.arrivals || []) {
     if (!st.colours.has(a.request_id)) {
-      st.colours.set(a.request_id, PALETTE[st.arrivalOrder.length % PALETTE.length]);
+      st.colours.set(a.request_id, PALETTE[st.numArrived % PALETTE.length]);
       st.arrivalOrder.push(a.request_id);
+      st.numArrived += 1;
     }
   }
   for (const line of describeEvent(ev, st)) push(st.log, line, LOG_LEN);
   applyView(st, ev);
   st.numEvents += 1;
+  forgetOldFinished(st, ev);
   const m = st.metrics;
   const total = ev.num_total_blocks || st.info.num_blocks;
   push(m.kv_usage, total ? (total - ev.num_free_blocks) / total : 0);
