@@ -29,7 +29,7 @@ def test_an_arrival_carries_a_bounded_preview_once_for_all_its_samples(tiny_engi
     engine = tiny_engine_factory(num_blocks=1024)
     prompt = "start of a long prompt " + "=" * 1800 + "and its own end"    # near the tiny model's context
     engine.add_request(prompt, SamplingParams(n=8, max_tokens=1, temperature=1.0), request_id="big")
-    event = engine.step()
+    event = engine.step().event
     line = event.to_json()
     arrivals = json.dumps(json.loads(line)["arrivals"])
     assert len(arrivals) < 3000, len(arrivals)               # not the 1.8 KB prompt eight times over (15 KB)
@@ -133,8 +133,10 @@ def test_the_whole_prompt_is_there_on_demand_behind_the_key(server):
         whole = httpx.get(f"{server}/v1/events/prompts/{request_id}.1", headers=AUTH, timeout=10)
         assert httpx.get(f"{server}/v1/events/prompts/{request_id}", timeout=10).status_code == 401
     assert whole.status_code == 200 and whole.json()["prompt"] == prompt
-    gone = httpx.get(f"{server}/v1/events/prompts/{request_id}", headers=AUTH, timeout=10)
-    assert "runs or waits" in openai_error(gone, 404)["message"]
+    finished = httpx.get(f"{server}/v1/events/prompts/{request_id}", headers=AUTH, timeout=10)
+    assert finished.json()["prompt"] == prompt                      # the page still shows it: still there
+    unknown = httpx.get(f"{server}/v1/events/prompts/{request_id}x", headers=AUTH, timeout=10)
+    assert "finished lately" in openai_error(unknown, 404)["message"]
     wait_until_idle(server)
 
 
@@ -203,7 +205,7 @@ def test_a_long_n_sample_prompt_is_chunked_and_a_running_decode_keeps_its_pace(t
                                                         ignore_eos=True))
     victim_tokens, hog_first_token, steps = [], None, 0
     while engine.has_unfinished_requests():
-        event = engine.step()
+        event = engine.step().event
         steps += 1
         assert event.budget_used <= budget
         victim_tokens.append(len(event.new_token_ids.get(victim, ())))
@@ -225,7 +227,7 @@ def record_with_prompt(tiny_engine_factory, path, prompt: str) -> None:
     with open(path, "w") as fp:
         write_trace_header(fp, engine.info)
         while engine.has_unfinished_requests():
-            write_trace_event(fp, engine.step())
+            write_trace_event(fp, engine.step().event)
 
 
 HOSTILE = 'look: <!--<script> and </script><script>alert(1)</script> <\\/script> </SCRIPT'

@@ -42,7 +42,7 @@ from ..metrics import EngineMetrics
 from ..outputs import RequestDelta
 from ..request import InvalidRequestError
 from . import protocol as p
-from .async_engine import Accepted, AsyncEngine
+from .async_engine import RECENT_PROMPTS, Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
 from .fair_share import ClientQuotas
 from .host_check import HostCheck, allowed_hosts
@@ -202,12 +202,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/events/prompts/{request_id}")
     async def event_prompt(request_id: str) -> JSONResponse:
-        """The whole prompt of a request in the engine: events carry a bounded preview (behind the key, as the
-        event stream is)."""
+        """The whole prompt of a request in the engine, or among the last finished: events carry a bounded
+        preview (behind the key, as the event stream is)."""
         text = await async_engine.prompt_text(request_id)
         if text is None:
-            raise p.ServerError(404, f"no request {request_id!r} runs or waits in the engine now: a prompt can be "
-                                     f"fetched while its request is in the engine.", "request_id")
+            raise p.ServerError(404, f"no request {request_id!r} runs or waits in the engine, or finished lately: a "
+                                     f"prompt can be fetched while its request is in the engine and for the last "
+                                     f"{RECENT_PROMPTS} requests after.", "request_id")
         return JSONResponse({"request_id": request_id, "prompt": text})
 
     # ---------------------------------------------------------------- the live view (static files)

@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -49,6 +50,7 @@ logger = logging.getLogger("minipaged.serve")
 Prompt = Union[str, list[int]]
 Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine thread, gets the Engine
 PROMPT_WAIT_S = 10.0            # how long a prompt look-up waits for the engine thread (which may be stuck)
+RECENT_PROMPTS = 64             # finished requests whose whole prompt is still given on demand (a page shows them)
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
 # MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/peer_llamacpp.py's
 # minipaged-fp32-hand-off-after-step server).
@@ -82,6 +84,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}          # engine thread only: request id -> its handler's queue
         self._sample_parent: dict[str, str] = {}        # engine thread only: sample id -> request id
+        self._recent: OrderedDict[str, _Stream] = OrderedDict()   # engine thread only: finished, by sample id
         self._num_watchers = 0                          # engine thread only: serialise events while > 0
         self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
@@ -188,8 +191,8 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     async def prompt_text(self, request_id: str) -> Optional[str]:
-        """The whole prompt of a request in the engine (a parent id or one of its samples' ids), decoded on the
-        engine thread; None when no such request runs or waits. Events carry a bounded preview only."""
+        """The whole prompt of a request in the engine or among the last ones finished (a parent id or a sample's
+        id), decoded on the engine thread; None for any other id. Events carry a bounded preview only."""
         assert self._loop is not None
         answer: asyncio.Future = self._loop.create_future()
         self._commands.put(("prompt", request_id, answer))
@@ -304,7 +307,7 @@ class AsyncEngine:
         self._aborts_unpublished = True
 
     def _do_prompt(self, request_id: str, answer: asyncio.Future) -> None:
-        stream = self._streams.get(self._sample_parent.get(request_id, request_id))
+        stream = self._streams.get(self._sample_parent.get(request_id, request_id)) or self._recent.get(request_id)
         text = None
         if stream is not None:
             prompt = stream.prompt
@@ -348,6 +351,10 @@ class AsyncEngine:
         if stream is not None:
             for sample in stream.samples:
                 self._sample_parent.pop(sample, None)
+                self._recent[sample] = stream         # its whole prompt stays on demand a while (a page still
+            self._recent[request_id] = stream         # shows it), for the last RECENT_PROMPTS ids
+            while len(self._recent) > RECENT_PROMPTS:
+                self._recent.popitem(last=False)
         return stream
 
     def _fail_all(self, error: ServerError) -> None:
