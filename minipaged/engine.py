@@ -41,6 +41,7 @@ from .stats import EngineCounters
 from .step_records import preemption_records, scheduled_record
 
 logger = logging.getLogger("minipaged")
+GRAMMAR_POLL_S = 0.05     # an otherwise idle step waits this long for a grammar to finish compiling
 
 
 class Engine:
@@ -72,15 +73,22 @@ class Engine:
         grammar = self.logits.compile(prompt.params)      # a bad schema is refused here, before anything is queued
         request_id, requests = self.inputs.make_requests(prompt, request_id, self.outputs.id_in_use)
         self.outputs.add_requests(request_id, requests)
-        for req in requests:
-            self.logits.add(req, grammar)
         text = self.inputs.prompt_text(prompt)
         for req in requests:
-            self.scheduler.add(req)
+            if self.logits.add(req, grammar):             # False: it waits for its grammar to compile
+                self._schedule_or_fail(req)
             self._pending_arrivals.append(RequestArrival(req.request_id, req.num_prompt_tokens,
                                                          req.params.max_tokens, text,
                                                          req.arrival_time - self._start_time))
         return request_id
+
+    def _schedule_or_fail(self, req: Request) -> None:
+        """Queue a request whose processors are ready, or finish it as aborted if preparing them failed."""
+        if req.error is None:
+            self.scheduler.add(req)
+        else:
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._record_finish(req, time.perf_counter())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (or all n samples of it) now and free its blocks. False if it is not running."""
@@ -91,7 +99,7 @@ class Engine:
         return bool(requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.logits.has_waiting()
 
     def subscribe(self, callback: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` after every step; returns a function that unsubscribes it."""
@@ -105,6 +113,9 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> StepEvent:
         start = time.perf_counter()
+        # Requests whose grammar compiled (or failed) meanwhile; with nothing else to run, wait a moment for one.
+        for req in self.logits.grammars_ready(wait_s=0.0 if self.scheduler.has_unfinished() else GRAMMAR_POLL_S):
+            self._schedule_or_fail(req)
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
         for req in plan.failed:                            # a policy raised deciding about it: aborted
             self._record_finish(req, time.perf_counter())

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .kernels import torch_argmax
-from .request import Request, SamplingParams
+from .request import Request, SamplingParams, fail_request
 
 logger = logging.getLogger("minipaged.sampling")
 
@@ -42,11 +42,13 @@ class Sampler:
         whose sampling failed: the engine aborts that one request and serves the others."""
         tokens: list[Optional[int]] = self.argmax(logits).tolist()
         for row, req in enumerate(requests):
-            if not req.params.greedy:
+            if req.error is not None:            # the logits stage failed it: nothing to sample
+                tokens[row] = None
+            elif not req.params.greedy:
                 try:
                     tokens[row] = self._sample_row(logits[row], req)
-                except (RuntimeError, ValueError) as exc:
-                    logger.error("sampling failed for request %s (%s); it is aborted.", req.request_id, exc)
+                except Exception as exc:
+                    fail_request(req, f"sampling failed ({type(exc).__name__}: {exc}).")
                     tokens[row] = None
         return tokens
 

@@ -30,17 +30,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
                    help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
-    from .limits import ServerLimits
+    from .limits import ServerLimits, limit_names
     limits = ServerLimits()
-    g.add_argument("--max-n", type=int, default=limits.max_n, help="the most samples (n) one request may ask for")
-    g.add_argument("--max-prompts", type=int, default=limits.max_prompts,
-                   help="the most prompts one completions request may carry")
-    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
-                   help="the most stop strings one request may give")
-    g.add_argument("--max-stop-length", type=int, default=limits.max_stop_length,
-                   help="the longest stop string, in characters")
-    g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
-                   help="the largest request body; larger ones get 413")
+    for name in limit_names():
+        default = getattr(limits, name)
+        g.add_argument(ServerLimits.flag(name), type=type(default), default=default, help=ServerLimits.HELP[name])
     g.add_argument("--event-heartbeat-s", type=float, default=DEFAULT_EVENT_HEARTBEAT_S,
                    help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -54,11 +48,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Server flags that cannot work, caught before the model loads."""
-    for name in ("max_waiting_requests", "max_n", "max_prompts", "max_stop_strings", "max_stop_length",
-                 "max_body_bytes"):
+    from .limits import ServerLimits, limit_names
+    for name in ("max_waiting_requests", *limit_names()):
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be at least 1, not {value}."
+        if value is not None and not value > 0:
+            flag = ServerLimits.FLAGS.get(name, f"--{name.replace('_', '-')}")
+            return f"{flag} must be {'positive' if isinstance(value, float) else 'at least 1'}, not {value}."
     for name in ("event_heartbeat_s", "shutdown_timeout", "event_buffer_mb"):
         if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
@@ -69,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api_server import ServerSettings, build_app
-    from .limits import ServerLimits
+    from .limits import ServerLimits, limit_names
     from .shutdown import DrainingServer
 
     problem = flag_problem(args)
@@ -77,8 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
-    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
-                          max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
+    limits = ServerLimits(**{name: getattr(args, name) for name in limit_names()})
+    engine.logits.compiler.timeout_s = limits.grammar_timeout_s
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests, limits=limits,
                               event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
