@@ -60,7 +60,7 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: Optional[int] = N
     top = INT64_MAX if vocab_size is None else vocab_size - 1
     bad = [t for t in ids if not is_int(t) or not 0 <= t <= top]
     if bad:
-        where = "a token id" if vocab_size is None else "the vocabulary"
+        where = "the int64 range of token ids" if vocab_size is None else "the vocabulary"
         raise InvalidRequestError(f"{name} has token id(s) {[_short(t) for t in bad[:5]]} outside {where} "
                                   f"(0..{top}).", name)
 

@@ -17,8 +17,12 @@ recomputed (preempted) request keeps its tokens, so its matcher is already where
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -65,6 +69,7 @@ class StructuredOutputCompiler:
         self.timeout_s = timeout_s
         self._compiler: Any = None
         self._work: Optional[queue.SimpleQueue] = None   # (future, grammar) for the compiling thread
+        self._busy = threading.Event()           # set while the compiling thread is inside xgrammar
         self._jobs: OrderedDict[tuple[str, str], GrammarJob] = OrderedDict()   # spec -> its compilation (LRU)
         self._lock = threading.Lock()            # the compiler is built once, whichever thread asks first
 
@@ -127,9 +132,10 @@ class StructuredOutputCompiler:
         with self._lock:
             if self._work is None:
                 self._work = queue.SimpleQueue()
-                # A daemon thread, not a ThreadPoolExecutor: quitting must not wait for a long compile to end.
-                threading.Thread(target=_compile_forever, args=(compiler, self._work), name="minipaged-grammar",
-                                 daemon=True).start()
+                # A daemon thread, not a ThreadPoolExecutor: quitting must not wait for every queued compile.
+                threading.Thread(target=_compile_forever, args=(compiler, self._work, self._busy),
+                                 name="minipaged-grammar", daemon=True).start()
+                atexit.register(self._at_exit)
             job = self._jobs[key] = GrammarJob(Future())
             self._work.put((job.future, grammar))
             while len(self._jobs) > CACHE_SIZE:
@@ -151,15 +157,37 @@ class StructuredOutputCompiler:
         return None, None
 
 
+    def _at_exit(self) -> None:
+        """A daemon thread still inside xgrammar's C++ when Python finalises aborts the process ("terminate
+        called without an active exception"): let a compile in flight end first, within the time limit, and
+        otherwise leave at once (exit status 1, never a silent 0)."""
+        assert self._work is not None
+        self._work.put(None)                     # nothing queued starts now
+        deadline = time.monotonic() + self.timeout_s
+        while self._busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._busy.is_set():
+            print("minipaged: a structured-output grammar was still compiling; exiting without waiting for it.",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
 
-def _compile_forever(compiler: Any, work: queue.SimpleQueue) -> None:
-    """The compiling thread: xgrammar lets go of the GIL while it compiles, so the step loop runs meanwhile."""
-    while True:
-        future, grammar = work.get()
+
+def _compile_forever(compiler: Any, work: queue.SimpleQueue, busy: threading.Event) -> None:
+    """The compiling thread: xgrammar lets go of the GIL while it compiles, so the step loop runs meanwhile. On
+    a machine with few cores, the compile would still take a core from the step loop: the thread asks the OS
+    for the lowest priority (Linux sets it per thread), so that steps come first."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    while (item := work.get()) is not None:
+        future, grammar = item
+        busy.set()
         try:
             future.set_result(compiler.compile_grammar(grammar))
         except Exception as exc:
             future.set_exception(exc)
+        finally:
+            busy.clear()
 
 
 class GrammarMask(LogitsProcessor):

@@ -34,7 +34,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits = ServerLimits()
     for name in limit_names():
         default = getattr(limits, name)
-        g.add_argument(ServerLimits.flag(name), type=type(default), default=default, help=ServerLimits.HELP[name])
+        g.add_argument(ServerLimits.flag(name), dest=name, type=type(default), default=default,
+                       help=ServerLimits.HELP[name])
     g.add_argument("--event-heartbeat-s", type=float, default=DEFAULT_EVENT_HEARTBEAT_S,
                    help="/v1/events sends a ': heartbeat' comment after this many seconds without an event")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
