@@ -67,7 +67,7 @@ def test_a_grammar_compiles_off_the_step_loop_once_per_spec_and_times_out(engine
     compiler = engine.logits.compiler
     release = threading.Event()
     calls = []
-    real = compiler._grammar_compiler()
+    real = compiler._grammar_compiler()          # built here, so the slow one below can hand it the work
 
     class Slow:                          # xgrammar's compiler, held until the test lets it go
         def compile_grammar(self, grammar):

@@ -31,7 +31,7 @@ from minipaged.policies.order import RequestOrder
 
 class RaisesOnBoom(RequestOrder):
     def key(self, request):
-        if "boom" in (request.prompt or ""):
+        if b"boom" in bytes(t for t in request.prompt_token_ids if t < 256):   # the byte tokenizer's text
             raise ValueError("this policy refuses prompts that say boom")
         return request.arrival_index
 '''

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -128,12 +128,11 @@ class StructuredOutputCompiler:
                 self._jobs.move_to_end(key)
                 return job
         grammar = self.parse(params)
-        compiler = self._grammar_compiler()
         with self._lock:
             if self._work is None:
                 self._work = queue.SimpleQueue()
                 # A daemon thread, not a ThreadPoolExecutor: quitting must not wait for every queued compile.
-                threading.Thread(target=_compile_forever, args=(compiler, self._work, self._busy),
+                threading.Thread(target=_compile_forever, args=(self._grammar_compiler, self._work, self._busy),
                                  name="minipaged-grammar", daemon=True).start()
                 atexit.register(self._at_exit)
             job = self._jobs[key] = GrammarJob(Future())
@@ -173,17 +172,18 @@ class StructuredOutputCompiler:
             os._exit(1)
 
 
-def _compile_forever(compiler: Any, work: queue.SimpleQueue, busy: threading.Event) -> None:
+def _compile_forever(make_compiler: Callable[[], Any], work: queue.SimpleQueue, busy: threading.Event) -> None:
     """The compiling thread: xgrammar lets go of the GIL while it compiles, so the step loop runs meanwhile. On
     a machine with few cores, the compile would still take a core from the step loop: the thread asks the OS
-    for the lowest priority (Linux sets it per thread), so that steps come first."""
+    for the lowest priority (Linux sets it per thread), so that steps come first. It builds xgrammar's compiler
+    itself, after that, so that the worker threads xgrammar starts inherit the low priority."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     while (item := work.get()) is not None:
         future, grammar = item
         busy.set()
         try:
-            future.set_result(compiler.compile_grammar(grammar))
+            future.set_result(make_compiler().compile_grammar(grammar))
         except Exception as exc:
             future.set_exception(exc)
         finally:
