@@ -155,7 +155,7 @@ def test_2_grammars_compile_off_the_step_loop_with_a_limit_a_timeout_and_a_cache
     with victim(server):
         start = time.monotonic()
         late = post(server, body)
-        assert time.monotonic() - start < GRAMMAR_TIMEOUT_S + 1.0
+        assert time.monotonic() - start < GRAMMAR_TIMEOUT_S + 4.0      # parsing it, on a loaded 2-core machine
         error = error_of(late, 500)
         assert "--grammar-timeout" in error["message"] and f"{GRAMMAR_TIMEOUT_S:g} s" in error["message"]
         # It went on compiling in the background; the same grammar, asked again, comes from the cache.

@@ -196,6 +196,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         echo_only = body.echo and asked == 0
         max_tokens = 1 if echo_only else asked
         params = body.sampling_params(max_tokens)         # bad values fail here, before queueing
+        await parse_grammar(params)
         if body.echo and body.logprobs is not None:       # echo scores the prompt's tokens too
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         echo = Echo(echo_only) if body.echo else None
@@ -221,7 +222,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here, before queueing
+        await parse_grammar(body.sampling_params(asked or max(1, body.min_tokens)))   # bad values fail here
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             try:
@@ -243,6 +244,12 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             body.check_prompt_logprobs(params, len(token_ids), settings.limits)
             return token_ids, params
         return await respond("chat", body, [prepare], request)
+
+    async def parse_grammar(params: Any) -> None:
+        """Parse a structured-output grammar (a bad one is a 400 here) and start its compilation, in a worker
+        thread: the engine thread then finds the compilation under way, and parses nothing itself."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(engine.logits.compiler.compile, params.structured_outputs)
 
     async def respond(kind: p.Kind, body: p.SamplingFields, prepares: list[Any], request: Request,
                       echo: Optional[Echo] = None) -> Response:
