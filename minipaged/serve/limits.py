@@ -24,8 +24,9 @@ class ServerLimits:
     max_word_length: int = 256          # characters in one bad word or one choice
     max_grammar_bytes: int = 65536      # a JSON schema (as JSON), a regex or an EBNF grammar
     grammar_timeout_s: float = 30.0     # a grammar still compiling (in the background) after this fails
-    # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each a decoded token in the response.
-    max_prompt_logprobs: int = 100_000
+    # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each decoded into text on the engine thread
+    # (the LM head over the prompt's rows costs like prefill, and is chunked with it).
+    max_prompt_logprobs: int = 16_384
 
     FLAGS = {"max_n": "--max-n", "max_prompts": "--max-prompts", "max_stop_strings": "--max-stop-strings",
              "max_stop_length": "--max-stop-length", "max_body_bytes": "--max-body-bytes",
