@@ -6,15 +6,12 @@ which other requests share the batch, so seeded outputs are reproducible under a
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .kernels import torch_argmax
 from .request import Request, SamplingParams, fail_request
-
-logger = logging.getLogger("minipaged.sampling")
 
 
 class Sampler:
