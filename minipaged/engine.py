@@ -2,7 +2,8 @@
 
 Follow a request from top to bottom:
   1. ``add_request``: the ``InputProcessor`` validates the prompt, tokenises it and makes a ``Request``
-     (n of them for n samples); the scheduler puts it in its waiting queue.
+     (n of them for n samples); the scheduler puts it in its waiting queue (a request with structured
+     outputs first waits in the logits stage while its grammar compiles in the background).
   2. ``step`` asks the ``Scheduler`` which requests run and how many tokens each computes (it allocates
      their KV blocks, using prefix-cache hits, preempting if memory runs out). Its output carries each
      request's block table.
