@@ -2,7 +2,8 @@
 
 Follow a request from top to bottom:
   1. ``add_request``: the ``InputProcessor`` validates the prompt, tokenises it and makes a ``Request``
-     (n of them for n samples); the scheduler puts it in its waiting queue.
+     (n of them for n samples); the scheduler puts it in its waiting queue (a request with structured
+     outputs first waits in the logits stage while its grammar compiles in the background).
   2. ``step`` asks the ``Scheduler`` which requests run and how many tokens each computes (it allocates
      their KV blocks, using prefix-cache hits, preempting if memory runs out). Its output carries each
      request's block table.
@@ -49,6 +50,7 @@ from .stats import EngineCounters
 from .step_records import preemption_records, scheduled_record
 
 logger = logging.getLogger("minipaged")
+GRAMMAR_POLL_S = 0.05     # an otherwise idle step waits this long for a grammar to finish compiling
 
 
 class Engine:
@@ -99,18 +101,25 @@ class Engine:
         grammar = self.logits.compile(prompt.params)      # a bad schema is refused here, before anything is queued
         request_id, requests = self.inputs.make_requests(prompt, request_id, self.outputs.id_in_use)
         self.outputs.add_requests(request_id, requests)
-        for req in requests:
-            self.logits.add(req, grammar)
         preview = prompt_preview(self.inputs.prompt_text(prompt))   # bounded: every watcher gets it
         first = requests[0].request_id
         for req in requests:
-            self.scheduler.add(req)
             shared = req.request_id != first                  # n samples: the prompt goes out once
             self._pending_arrivals.append(RequestArrival(req.request_id, req.num_prompt_tokens,
                                                          req.params.max_tokens, "" if shared else preview,
                                                          req.arrival_time - self._start_time,
                                                          prompt_of=first if shared else None))
+            if self.logits.add(req, grammar):                 # False: it waits for its grammar to compile
+                self._schedule_or_fail(req)
         return request_id
+
+    def _schedule_or_fail(self, req: Request) -> None:
+        """Queue a request whose processors are ready, or finish it as aborted if preparing them failed."""
+        if req.error is None:
+            self.scheduler.add(req)
+        else:
+            self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+            self._record_finish(req, time.perf_counter())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (or all n samples of it) now and free its blocks; its caller gets no more outputs
@@ -122,7 +131,7 @@ class Engine:
         return bool(requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.logits.has_waiting()
 
     def subscribe(self, callback: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` after every step; returns a function that unsubscribes it."""
@@ -154,6 +163,9 @@ class Engine:
         """One engine step: schedule, run the model once, sample, and hand out what changed (``outputs`` for
         clients, ``event`` for observers, who also get the event through ``subscribe``)."""
         start = time.perf_counter()
+        # Requests whose grammar compiled (or failed) meanwhile; with nothing else to run, wait a moment for one.
+        for req in self.logits.grammars_ready(wait_s=0.0 if self.scheduler.has_unfinished() else GRAMMAR_POLL_S):
+            self._schedule_or_fail(req)
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
         for req in plan.failed:                            # a policy raised deciding about it: aborted
             self._record_finish(req, time.perf_counter())

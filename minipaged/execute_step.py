@@ -45,6 +45,9 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
     verified: dict[str, Verified] = {}
     plain: list[tuple[Request, torch.Tensor]] = []
     for req, rows in zip(requests, logits.split(model_input.num_logits_rows)):
+        if req.error is not None and req.request_id in drafts:    # the logits stage failed it: it is aborted
+            sampled[req.request_id] = None
+            continue
         if req.request_id not in drafts:
             plain.append((req, rows[-1]))
             continue

@@ -259,7 +259,7 @@ class OutputProcessor:
             outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.request.output_token_ids),
                                       s.request.status.value, s.request.stop_reason, list(s.token_times),
                                       s.logprobs[:len(s.request.output_token_ids)]
-                                      if s.request.params.logprobs is not None else None)
+                                      if s.request.params.logprobs is not None else None, s.request.error)
                      for s in samples],
             prompt_logprobs=samples[0].prompt_logprobs if first.params.prompt_logprobs is not None else None,
             num_cached_tokens=max(max(s.request.num_cached_tokens for s in samples), 0),  # later samples hit

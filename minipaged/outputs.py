@@ -68,6 +68,7 @@ class CompletionOutput:
     stop_reason: Optional[str | int] = None
     token_times: list[float] = field(default_factory=list)
     logprobs: Optional[list[PositionLogprobs]] = None     # one per token, when SamplingParams.logprobs is set
+    error: Optional[str] = None           # why an "abort" happened, when serving it failed (a server answers it)
 
     @property
     def itls(self) -> list[float]:

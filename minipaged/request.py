@@ -5,23 +5,30 @@ The one number that drives scheduling is ``num_computed_tokens``: how many of th
 grants ``num_new_tokens``: a whole prompt, a chunk of it, or one decode token. Prefill and decode differ
 only in that number (vLLM v1's unified view).
 
-    WAITING --admit--> RUNNING --finish--> FINISHED_*
-       ^                  |  \\
-       |   preempt        |   \\ preempt (swap)
-       +---(recompute)----+    +--> SWAPPED --swap in--> RUNNING
+    WAITING_FOR_GRAMMAR --compiled--> WAITING --admit--> RUNNING --finish--> FINISHED_*
+                                         ^                  |  \\
+                                         |   preempt        |   \\ preempt (swap)
+                                         +---(recompute)----+    +--> SWAPPED --swap in--> RUNNING
+
+A request with structured outputs waits in WAITING_FOR_GRAMMAR, outside the scheduler, while its grammar
+compiles in a background thread (``logits.structured``); the step loop never waits for a compiler.
 """
 from __future__ import annotations
 
 import enum
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .config import is_int, is_number
 
+logger = logging.getLogger("minipaged")
+
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
@@ -36,7 +43,35 @@ class RequestStatus(enum.Enum):
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message says what is wrong and how to fix it."""
+    """A request the engine refuses; the message says what is wrong and how to fix it. ``param`` names the
+    field at fault (the server answers it as OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+INT64_MAX = 2**63 - 1           # token ids travel as int64 tensors: a larger integer cannot even be stored
+
+
+def check_token_ids(name: str, ids: Sequence[int], vocab_size: Optional[int] = None) -> None:
+    """Every id an integer in the vocabulary (``0..vocab_size-1``; without a vocabulary, 0..2**63-1): one
+    out-of-range id would otherwise index the logits inside a step, where it fails the batch, not the request."""
+    top = INT64_MAX if vocab_size is None else vocab_size - 1
+    bad = [t for t in ids if not is_int(t) or not 0 <= t <= top]
+    if bad:
+        where = "the int64 range of token ids" if vocab_size is None else "the vocabulary"
+        raise InvalidRequestError(f"{name} has token id(s) {[_short(t) for t in bad[:5]]} outside {where} "
+                                  f"(0..{top}).", name)
+
+
+def _short(value: Any) -> Any:
+    """A value for an error message: a 1e30-sized integer as its first digits."""
+    text = repr(value)
+    return value if len(text) <= 24 else text[:20] + "..."
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -60,13 +95,15 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise InvalidRequestError(
                 f"structured outputs take exactly one of json, regex, choice, grammar or json_object; got "
-                f"{given or 'none'}.")
+                f"{given or 'none'}.", "structured_outputs")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
-            raise InvalidRequestError("structured outputs 'choice' must be a non-empty list of strings.")
+            raise InvalidRequestError("structured outputs 'choice' must be a non-empty list of strings.",
+                                      "structured_outputs.choice")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"structured outputs '{name}' must be a non-empty string.")
+                raise InvalidRequestError(f"structured outputs '{name}' must be a non-empty string.",
+                                          f"structured_outputs.{name}")
 
     @property
     def kind(self) -> str:
@@ -87,8 +124,13 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, StructuredOutputsParams):
             return value
         if isinstance(value, dict):
+            unknown = [k for k in value if k not in STRUCTURED_KEYS]
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs has no field {str(unknown[0])!r}; it takes one of "
+                                          f"{', '.join(STRUCTURED_KEYS)}.", f"structured_outputs.{unknown[0]}")
             return StructuredOutputsParams(**value)
-        raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict of its fields.")
+        raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict of its fields.",
+                                  "structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -175,8 +217,7 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings.")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}.")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
         self._validate_logits_fields()
 
     def _validate_logits_fields(self) -> None:
@@ -189,14 +230,16 @@ class SamplingParams:
                                       f"{self.repetition_penalty!r}.")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100] (OpenAI's range).")
-        if self.logit_bias and any(t < 0 for t in self.logit_bias):
-            raise InvalidRequestError("logit_bias keys must be non-negative token ids.")
+        if self.logit_bias:
+            check_token_ids("logit_bias", list(self.logit_bias))
         if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
                                       f"{self.min_tokens!r}.")
-        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
-                not is_int(t) or t < 0 for t in self.allowed_token_ids)):
-            raise InvalidRequestError("allowed_token_ids must be a non-empty list of non-negative token ids.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids (an empty one "
+                                          "would allow nothing).", "allowed_token_ids")
+            check_token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             raise InvalidRequestError("bad_words must be a list of non-empty strings.")
         for name in ("logprobs", "prompt_logprobs"):
@@ -237,6 +280,7 @@ class Request:
     first_scheduled_time: Optional[float] = None
     sample_index: int = 0               # which of the n parallel samples this is
     parent_id: Optional[str] = None     # the id the user sees when n > 1
+    error: Optional[str] = None         # why it was aborted, when something failed while serving it (the client sees it)
     # Speculative decoding: guesses of the next tokens, made after the last step, for the next one to
     # check. They are not the request's tokens (num_tokens leaves them out) until the target accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -270,3 +314,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def fail_request(req: Request, message: str) -> None:
+    """Mark one request failed while it is served (a logits processor, the sampler or a policy raised about
+    it): the engine aborts it when the step's tokens are counted, its client gets ``message``, the others go on."""
+    logger.error("request %s failed and is aborted (the others go on): %s", req.request_id, message)
+    if req.error is None:
+        req.error = message

@@ -6,15 +6,12 @@ which other requests share the batch, so seeded outputs are reproducible under a
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .kernels import torch_argmax
-from .request import Request, SamplingParams
-
-logger = logging.getLogger("minipaged.sampling")
+from .request import Request, SamplingParams, fail_request
 
 
 class Sampler:
@@ -42,11 +39,13 @@ class Sampler:
         whose sampling failed: the engine aborts that one request and serves the others."""
         tokens: list[Optional[int]] = self.argmax(logits).tolist()
         for row, req in enumerate(requests):
-            if not req.params.greedy:
+            if req.error is not None:            # the logits stage failed it: nothing to sample
+                tokens[row] = None
+            elif not req.params.greedy:
                 try:
                     tokens[row] = self._sample_row(logits[row], req)
-                except (RuntimeError, ValueError) as exc:
-                    logger.error("sampling failed for request %s (%s); it is aborted.", req.request_id, exc)
+                except Exception as exc:
+                    fail_request(req, f"sampling failed ({type(exc).__name__}: {exc}).")
                     tokens[row] = None
         return tokens
 

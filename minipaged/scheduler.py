@@ -266,6 +266,8 @@ class Scheduler:
         """A policy raised while deciding about ``req``: abort it (its blocks freed) and serve the others."""
         logger.error("%s %s raised %s: %s; request %s is aborted, the others go on.", option,
                      type(policy).__name__, type(error).__name__, error, req.request_id)
+        req.error = req.error or (f"the {option} policy {type(policy).__name__} raised {type(error).__name__}: "
+                                  f"{error}")
         self.finish_request(req, RequestStatus.FINISHED_ABORTED)
         out.failed.append(req)
 

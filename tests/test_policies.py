@@ -207,6 +207,8 @@ def test_a_policy_that_raises_fails_its_request_and_the_engine_serves_the_others
         outputs = engine.generate(prompts, GREEDY)
     assert [o.finish_reason for o in outputs] == ["length", "abort", "length"]
     assert "scheduling_policy Explodes raised RuntimeError: I do not like nine" in caplog.text
+    assert "Explodes raised RuntimeError: I do not like nine" in outputs[1].outputs[0].error   # for its client
+    assert outputs[0].outputs[0].error is None
     plain = tiny_engine_factory().generate([prompts[0], prompts[2]], GREEDY)
     assert [outputs[0].token_ids, outputs[2].token_ids] == [o.token_ids for o in plain]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

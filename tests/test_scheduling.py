@@ -286,7 +286,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(tiny_engine_
     (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k"), (dict(n=0), "n must"),
     (dict(stop=[""]), "stop"), (dict(top_k=True), "top_k"), (dict(temperature=float("inf")), "temperature"),
-    (dict(seed=1.5), "seed"), (dict(stop_token_ids=5), "list of token ids"), (dict(stop_token_ids=[-1]), "non-negative"),
+    (dict(seed=1.5), "seed"), (dict(stop_token_ids=5), "list of token ids"), (dict(stop_token_ids=[-1]), "outside the int64 range of token ids"),
     (dict(n=True), "n must"),
 ])
 def test_invalid_sampling_values_are_refused(kwargs, message):

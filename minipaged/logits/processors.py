@@ -96,33 +96,60 @@ class MinTokens(LogitsProcessor):
             logits[self.stop_ids.to(logits.device)] = NEG_INF
 
 
+class BadWordTable:
+    """The token sequences of a request's bad words, built once for all its samples and looked up in O(1):
+    a word's last token is banned where the output ends with the word's other tokens, so the table maps each
+    prefix (by length) to the last tokens it bans. Each word counts as written and with a leading space."""
+
+    def __init__(self, always: Sequence[int], by_prefix: dict[int, dict[tuple[int, ...], list[int]]]) -> None:
+        self.always = torch.tensor(sorted(set(always)), dtype=torch.long)    # one-token words: banned everywhere
+        self.by_prefix = by_prefix                                           # prefix length -> prefix -> banned
+
+    @staticmethod
+    def build(words: Sequence[str], tokenizer: Any, vocab_size: int) -> "BadWordTable":
+        variants = [v for word in words for v in (word, " " + word.lstrip())]
+        encoded = tokenizer(variants, add_special_tokens=False).input_ids if variants else []   # one batched call
+        always: list[int] = []
+        by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        seen: set[tuple[int, ...]] = set()
+        for ids in encoded:
+            ids = tuple(ids)
+            if not ids or ids in seen or any(not 0 <= t < vocab_size for t in ids):
+                continue                          # a token outside the model's vocabulary is never generated
+            seen.add(ids)
+            if len(ids) == 1:
+                always.append(ids[0])
+            else:
+                by_prefix.setdefault(len(ids) - 1, {}).setdefault(ids[:-1], []).append(ids[-1])
+        return BadWordTable(always, by_prefix)
+
+    def __bool__(self) -> bool:
+        return bool(len(self.always) or self.by_prefix)
+
+
 class BadWords(LogitsProcessor):
     """vLLM's ``bad_words``: a word's last token is banned wherever the output ends with the word's other
-    tokens (a one-token word is banned everywhere). Each word counts as written and with a leading space."""
+    tokens (a one-token word is banned everywhere); the work per row is one lookup per distinct word length."""
 
-    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
-        self.sequences = [list(s) for s in sequences if s]
+    def __init__(self, table: BadWordTable) -> None:
+        self.table = table
 
     def apply(self, logits, prompt_token_ids, output_token_ids) -> None:
-        for seq in self.sequences:
-            prefix = seq[:-1]
-            if not prefix or list(output_token_ids[len(output_token_ids) - len(prefix):]) == prefix:
-                logits[seq[-1]] = NEG_INF
-
-
-def bad_word_sequences(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
-    sequences: list[list[int]] = []
-    for word in words:
-        for variant in (word, " " + word.lstrip()):
-            ids = list(tokenizer.encode(variant, add_special_tokens=False))
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
+        if len(self.table.always):
+            logits[self.table.always.to(logits.device)] = NEG_INF
+        n = len(output_token_ids)
+        for length, prefixes in self.table.by_prefix.items():
+            if length <= n:
+                banned = prefixes.get(tuple(output_token_ids[n - length:]))
+                if banned:
+                    logits[banned] = NEG_INF
 
 
 def build_processors(params: SamplingParams, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                     grammar: Optional[LogitsProcessor] = None) -> list[LogitsProcessor]:
-    """The processors a request's parameters ask for, in the order they run (empty: the request skips the stage)."""
+                     grammar: Optional[LogitsProcessor] = None,
+                     bad_words: Optional[BadWordTable] = None) -> list[LogitsProcessor]:
+    """The processors a request's parameters ask for, in the order they run (empty: the request skips the stage).
+    ``bad_words``: the table already built for this request's parameters (else it is built here)."""
     processors: list[LogitsProcessor] = []
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenalty(params.repetition_penalty))
@@ -133,7 +160,9 @@ def build_processors(params: SamplingParams, tokenizer: Any, vocab_size: int, eo
     if params.allowed_token_ids is not None:
         processors.append(AllowedTokens(params.allowed_token_ids, vocab_size))
     if params.bad_words:
-        processors.append(BadWords(bad_word_sequences(params.bad_words, tokenizer)))
+        table = bad_words if bad_words is not None else BadWordTable.build(params.bad_words, tokenizer, vocab_size)
+        if table:
+            processors.append(BadWords(table))
     if params.min_tokens:
         stop_ids = [] if params.ignore_eos else list(eos_token_ids)
         processors.append(MinTokens(params.min_tokens, stop_ids + list(params.stop_token_ids)))

@@ -1,8 +1,12 @@
 """Structured outputs: a grammar (xgrammar, vLLM's default backend) as a token mask in the logits stage.
 
-A request's ``StructuredOutputsParams`` is compiled once when it is queued (a bad schema, regex or grammar
-is refused there, naming the problem); each request (each of n samples) then gets its own
-``GrammarMatcher``, which knows which tokens may come next. The mask is a bitmask over the vocabulary,
+A request's ``StructuredOutputsParams`` is *parsed* when it is queued (cheap, and independent of the
+vocabulary: a bad schema, regex or grammar is refused there, naming the problem), then *compiled* against the
+tokenizer in a background thread, as vLLM does: compiling walks the whole vocabulary for every grammar state
+(about a millisecond per choice with SmolLM2's 49k tokens), far too slow for the step loop. The request
+waits meanwhile (``RequestStatus.WAITING_FOR_GRAMMAR``); one that takes longer than ``timeout_s`` fails with
+a message that says so. Compiled grammars are cached by their spec, so a repeated schema compiles once.
+Each request (each of n samples) then gets its own ``GrammarMatcher``, which knows which tokens may come next. The mask is a bitmask over the vocabulary,
 applied in place to the row's logits.
 
 The matcher follows the row's history rather than being pushed by the engine: before masking a row it is
@@ -13,8 +17,18 @@ recomputed (preempted) request keeps its tokens, so its matcher is already where
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import queue
 import re
-from typing import Any, Optional, Sequence
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -33,44 +47,147 @@ def regex_literal(text: str) -> str:
     return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
-class StructuredOutputCompiler:
-    """Compiles structured-output requests for one tokenizer (xgrammar caches compiled grammars)."""
+GRAMMAR_TIMEOUT_S = 30.0        # a grammar still compiling after this long fails its request (serve flag)
+CACHE_SIZE = 64                 # compiled grammars kept (a schema a class sends again compiles once)
+COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compiled pieces, bounded (it is unbounded by default)
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+
+@dataclass
+class GrammarJob:
+    """One spec's compilation, shared by every request (and sample) that asks for the same grammar."""
+
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+
+
+class StructuredOutputCompiler:
+    """Parses structured-output requests at once and compiles them for one tokenizer in the background."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
         self._compiler: Any = None
+        self._work: Optional[queue.SimpleQueue] = None   # (future, grammar) for the compiling thread
+        self._busy = threading.Event()           # set while the compiling thread is inside xgrammar
+        self._jobs: OrderedDict[tuple[str, str], GrammarJob] = OrderedDict()   # spec -> its compilation (LRU)
+        self._lock = threading.Lock()            # the compiler is built once, whichever thread asks first
 
     def _xgr(self) -> Any:
-        if self._compiler is None:
-            try:
-                import xgrammar as xgr              # imported on the first structured request only
-            except ImportError:
-                raise InvalidRequestError("structured outputs need the xgrammar package, which is not installed "
-                                          "here: pip install xgrammar (or send the request without them).") from None
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+        try:
+            import xgrammar as xgr              # imported on the first structured request only
+        except ImportError:
+            raise InvalidRequestError("structured outputs need the xgrammar package, which is not installed "
+                                      "here: pip install xgrammar (or send the request without them).",
+                                      "structured_outputs") from None
+        return xgr
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar; raises InvalidRequestError naming what is wrong with the request's grammar."""
-        compiler = self._xgr()
+    def _grammar_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = self._xgr()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
+            return self._compiler
+
+    @staticmethod
+    def spec(params: StructuredOutputsParams) -> tuple[str, str]:
+        """What the grammar is, as text: the cache key, and what ``parse`` reads."""
         kind = params.kind
+        if kind == "json":
+            return kind, params.schema_text()
+        if kind == "json_object":                  # OpenAI's json_object: any JSON *object*
+            return "json", '{"type": "object"}'
+        if kind == "choice":
+            return "regex", "|".join(regex_literal(c) for c in params.choice)
+        return kind, params.regex if kind == "regex" else params.grammar
+
+    def parse(self, params: StructuredOutputsParams) -> Any:
+        """The grammar, parsed (no vocabulary involved: milliseconds); raises InvalidRequestError naming what is
+        wrong with it."""
+        xgr = self._xgr()
+        kind, text = self.spec(params)
         try:
             if kind == "json":
-                return compiler.compile_json_schema(params.schema_text(), any_whitespace=False)
-            if kind == "json_object":                  # OpenAI's json_object: any JSON *object*
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return xgr.Grammar.from_json_schema(text, any_whitespace=False)
             if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_regex("|".join(regex_literal(c) for c in params.choice))
-            return compiler.compile_grammar(params.grammar)
-        except InvalidRequestError:
-            raise
+                return xgr.Grammar.from_regex(text)
+            return xgr.Grammar.from_ebnf(text)
         except Exception as exc:                    # xgrammar raises RuntimeError (C++) or ValueError
-            what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
-            raise InvalidRequestError(f"invalid structured outputs {what}: {_library_message(exc)}") from None
+            what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "JSON schema"}[params.kind]
+            raise InvalidRequestError(f"invalid structured outputs {what}: {_library_message(exc)}",
+                                      f"structured_outputs.{params.kind}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> GrammarJob:
+        """Parse now (a bad grammar raises here), compile in the background; the same spec shares one job."""
+        key = self.spec(params)
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is not None and not (job.future.done() and job.future.exception() is not None):
+                self._jobs.move_to_end(key)
+                return job
+        grammar = self.parse(params)
+        with self._lock:
+            if self._work is None:
+                self._work = queue.SimpleQueue()
+                # A daemon thread, not a ThreadPoolExecutor: quitting must not wait for every queued compile.
+                threading.Thread(target=_compile_forever, args=(self._grammar_compiler, self._work, self._busy),
+                                 name="minipaged-grammar", daemon=True).start()
+                atexit.register(self._at_exit)
+            job = self._jobs[key] = GrammarJob(Future())
+            self._work.put((job.future, grammar))
+            while len(self._jobs) > CACHE_SIZE:
+                self._jobs.popitem(last=False)
+        return job
+
+    def outcome(self, job: GrammarJob, since: float, now: Optional[float] = None) -> tuple[Any, Optional[str]]:
+        """(compiled grammar, None) when it is ready, (None, why) when it failed or the request has waited for it
+        longer than the limit (``since``: when it began waiting), and (None, None) while it still compiles."""
+        if job.future.done():
+            exc = job.future.exception()
+            if exc is None:
+                return job.future.result(), None
+            return None, f"compiling the structured outputs grammar failed: {_library_message(exc)}"
+        elapsed = (time.monotonic() if now is None else now) - since
+        if elapsed > self.timeout_s:
+            return None, (f"compiling the structured outputs grammar took longer than {self.timeout_s:g} s "
+                          f"(minipaged serve --grammar-timeout); simplify the schema, regex, grammar or choices.")
+        return None, None
+
+
+    def _at_exit(self) -> None:
+        """A daemon thread still inside xgrammar's C++ when Python finalises aborts the process ("terminate
+        called without an active exception"): let a compile in flight end first, within the time limit, and
+        otherwise leave at once (exit status 1, never a silent 0)."""
+        assert self._work is not None
+        self._work.put(None)                     # nothing queued starts now
+        deadline = time.monotonic() + self.timeout_s
+        while self._busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._busy.is_set():
+            print("minipaged: a structured-output grammar was still compiling; exiting without waiting for it.",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def _compile_forever(make_compiler: Callable[[], Any], work: queue.SimpleQueue, busy: threading.Event) -> None:
+    """The compiling thread: xgrammar lets go of the GIL while it compiles, so the step loop runs meanwhile. On
+    a machine with few cores, the compile would still take a core from the step loop: the thread asks the OS
+    for the lowest priority (Linux sets it per thread), so that steps come first. It builds xgrammar's compiler
+    itself, after that, so that the worker threads xgrammar starts inherit the low priority."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    while (item := work.get()) is not None:
+        future, grammar = item
+        busy.set()
+        try:
+            future.set_result(make_compiler().compile_grammar(grammar))
+        except Exception as exc:
+            future.set_exception(exc)
+        finally:
+            busy.clear()
 
 
 class GrammarMask(LogitsProcessor):

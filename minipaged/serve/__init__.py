@@ -13,7 +13,7 @@ from typing import Optional
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
 
-from .limits import DEFAULTS, ServerLimits, ServerSettings
+from .limits import DEFAULTS, ServerLimits, ServerSettings, limit_names
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
@@ -29,16 +29,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,
                    help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
-    limits = DEFAULTS.limits
-    g.add_argument("--max-n", type=int, default=limits.max_n, help="the most samples (n) one request may ask for")
-    g.add_argument("--max-prompts", type=int, default=limits.max_prompts,
-                   help="the most prompts one completions request may carry")
-    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
-                   help="the most stop strings one request may give")
-    g.add_argument("--max-stop-length", type=int, default=limits.max_stop_length,
-                   help="the longest stop string, in characters")
-    g.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
-                   help="the largest request body; larger ones get 413")
+    for name in limit_names():
+        default = getattr(DEFAULTS.limits, name)
+        g.add_argument(ServerLimits.flag(name), dest=name, type=type(default), default=default,
+                       help=ServerLimits.HELP[name])
     g.add_argument("--max-client-samples", type=int, default=None,
                    help="the most samples (n counts) one client (address) may have in the engine at once; more get "
                         "429 with Retry-After (default: half of --max-waiting-requests, at least --max-n)")
@@ -64,12 +58,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
     """Server flags that cannot work, caught before the model loads."""
-    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", "max_n", "max_prompts",
-                 "max_stop_strings", "max_stop_length",
-                 "max_body_bytes"):
+    for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", *limit_names()):
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be at least 1, not {value}."
+        if value is not None and not value > 0:
+            flag = ServerLimits.FLAGS.get(name, f"--{name.replace('_', '-')}")
+            return f"{flag} must be {'positive' if isinstance(value, float) else 'at least 1'}, not {value}."
     for name in ("event_heartbeat_s", "shutdown_timeout", "event_buffer_mb"):
         if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
@@ -84,8 +77,7 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     """The server's settings from its flags (flags left alone give ``ServerSettings``' own defaults)."""
-    limits = ServerLimits(max_n=args.max_n, max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
-                          max_stop_length=args.max_stop_length, max_body_bytes=args.max_body_bytes)
+    limits = ServerLimits(**{name: getattr(args, name) for name in limit_names()})
     return ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, limits=limits,
                           event_heartbeat_s=args.event_heartbeat_s, shutdown_timeout_s=args.shutdown_timeout,
@@ -115,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
     settings = server_settings(args)
+    engine.logits.compiler.timeout_s = settings.limits.grammar_timeout_s
     app = build_app(engine, settings)
     from .kv_publisher import KVEventsConfig, KVEventsConfigError, start_kv_events
     kv_events = KVEventsConfig.parse(args.kv_events_config)

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import web
 from ..metrics import EngineMetrics
 from ..outputs import RequestDelta
-from ..request import InvalidRequestError
+from ..request import InvalidRequestError, check_token_ids
 from . import protocol as p
 from .async_engine import RECENT_PROMPTS, Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
@@ -103,7 +103,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(p.error_body(400, str(exc)), status_code=400)
+        return JSONResponse(p.error_body(400, str(exc), exc.param), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -233,14 +233,18 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         echo_only = body.echo and asked == 0
         max_tokens = 1 if echo_only else asked
         params = body.sampling_params(max_tokens)         # bad values fail here, before queueing
+        await parse_grammar(params)
         if body.echo and body.logprobs is not None:       # echo scores the prompt's tokens too
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         echo = Echo(echo_only) if body.echo else None
 
         def prepare_for(index: int, prompt: Union[str, list[int]]) -> Any:
             def prepare(eng: Any) -> tuple[list[int], Any]:
+                if not isinstance(prompt, str):               # before decoding them for echo
+                    check_token_ids("prompt", prompt, eng.inputs.vocab_size)
                 token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
                 check_context(len(token_ids), max_tokens, max_model_len)
+                body.check_prompt_logprobs(params, len(token_ids), settings.limits)
                 if echo is not None:                      # the engine thread decodes (the tokenizer lives there)
                     echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else eng.tokenizer.decode(
                         token_ids))
@@ -255,7 +259,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here, before queueing
+        await parse_grammar(body.sampling_params(asked or max(1, body.min_tokens)))   # bad values fail here
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
             try:
@@ -274,8 +278,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             else:
                 max_tokens = asked
                 check_context(len(token_ids), max_tokens, max_model_len)
-            return token_ids, body.sampling_params(max_tokens)
+            params = body.sampling_params(max_tokens)
+            body.check_prompt_logprobs(params, len(token_ids), settings.limits)
+            return token_ids, params
         return await respond("chat", body, [prepare], request)
+
+    async def parse_grammar(params: Any) -> None:
+        """Parse a structured-output grammar (a bad one is a 400 here) and start its compilation, in a worker
+        thread: the engine thread then finds the compilation under way, and parses nothing itself."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(engine.logits.compiler.compile, params.structured_outputs)
 
     async def respond(kind: p.Kind, body: p.SamplingFields, prepares: list[Any], request: Request,
                       echo: Optional[Echo] = None) -> Response:
@@ -304,6 +316,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             return Response(status_code=499)
         gone.cancel()
         outputs = collect.result()
+        failed = request_error(outputs)
+        if failed is not None:                            # serving it failed (the others were not touched)
+            raise p.ServerError(500, failed)
         n = accepted[0].params.n
         choices = [choice_json(kind, body, i * n + c.index, c, echo and echo.prompts.get(i), out.prompt_logprobs,
                                echo.only if echo else False)
@@ -365,6 +380,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                             index, positions) if with_logprobs else None)])
                 if update.output is not None:
                     outputs[prompt_index] = update.output
+                    failed = request_error([update.output])
+                    if failed is not None:                # serving it failed: an error event, as vLLM sends
+                        raise p.ServerError(500, failed)
         except p.ServerError as exc:                      # the server ended it (shutdown): say so, as vLLM does
             yield sse(exc.body())
             yield sse("[DONE]")
@@ -488,6 +506,12 @@ async def merged(all_updates: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[i
     finally:
         for task in tasks:
             task.cancel()
+
+
+def request_error(outputs: list[Any]) -> Optional[str]:
+    """Why serving a request failed (a logits processor, the sampler, a policy or its grammar), if it did."""
+    return next((f"this request failed while it was served: {c.error}" for out in outputs for c in out.outputs
+                 if c.error), None)
 
 
 async def final_output(updates: AsyncIterator[Any]) -> Any:

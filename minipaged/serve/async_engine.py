@@ -288,7 +288,7 @@ class AsyncEngine:
                                         else len(self.engine.tokenizer(prompt).input_ids))
             self.engine.add_request(prompt, params, request_id=request_id)
         except (InvalidRequestError, ServerError) as exc:
-            self._send(q, exc if isinstance(exc, ServerError) else ServerError(400, str(exc)))
+            self._send(q, exc if isinstance(exc, ServerError) else ServerError(400, str(exc), exc.param))
             return
         except Exception as exc:
             logger.exception("preparing request %s failed", request_id)

@@ -13,6 +13,7 @@ This module stays free of torch: it only turns JSON into ``SamplingParams`` and 
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -174,6 +175,44 @@ class SamplingFields(BaseModel):
         longest = max((len(s) for s in stops), default=0)
         self._check_limit("stop", longest, limits.max_stop_length, "max_stop_length",
                           "characters in a stop string")
+        self._check_logits_sizes(limits)
+
+    def _check_logits_sizes(self, limits: ServerLimits) -> None:
+        """The logits stage's tables and grammars: each bounded before the request is queued, so that building
+        them (on arrival) and consulting them (every step) stays cheap for everyone else."""
+        for name in ("stop_token_ids", "logit_bias"):
+            self._check_limit(name, len(getattr(self, name) or ()), limits.max_token_ids, "max_token_ids",
+                              "token ids")
+        self._check_limit("allowed_token_ids", len(self.allowed_token_ids or ()), limits.max_allowed_token_ids,
+                          "max_allowed_token_ids", "token ids")
+        self._check_limit("bad_words", len(self.bad_words or ()), limits.max_bad_words, "max_bad_words", "bad words")
+        self._check_limit("bad_words", max(map(len, self.bad_words or ()), default=0), limits.max_word_length,
+                          "max_word_length", "characters in a bad word")
+        so = self.structured_outputs if isinstance(self.structured_outputs, dict) else {}
+        choice = so.get("choice")
+        if isinstance(choice, list):
+            self._check_limit("structured_outputs.choice", len(choice), limits.max_choices, "max_choices", "choices")
+            self._check_limit("structured_outputs.choice", max((len(c) for c in choice if isinstance(c, str)),
+                                                               default=0),
+                              limits.max_word_length, "max_word_length", "characters in a choice")
+        for key in ("json", "regex", "grammar"):
+            self._check_grammar_size(f"structured_outputs.{key}", so.get(key), limits)
+        if isinstance(self.response_format, dict):
+            self._check_grammar_size("response_format", self.response_format.get("json_schema"), limits)
+
+    def _check_grammar_size(self, param: str, value: Any, limits: ServerLimits) -> None:
+        if value is None:
+            return
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        self._check_limit(param, len(text.encode("utf-8", "surrogatepass")), limits.max_grammar_bytes,
+                          "max_grammar_bytes", "bytes of grammar")
+
+    def check_prompt_logprobs(self, params: SamplingParams, num_prompt_tokens: int, limits: ServerLimits) -> None:
+        """Scoring a prompt costs its tokens x (top N + 1) entries, each decoded into the response."""
+        if params.prompt_logprobs is not None:
+            self._check_limit("prompt_logprobs", num_prompt_tokens * (params.prompt_logprobs + 1),
+                              limits.max_prompt_logprobs, "max_prompt_logprobs",
+                              "prompt log-probability entries (prompt tokens x (prompt_logprobs + 1))")
 
     @staticmethod
     def _check_limit(param: str, value: Any, limit: int, name: str, what: str) -> None:
