@@ -89,4 +89,7 @@ def test_serve_flags_left_alone_give_the_servers_own_defaults():
     from minipaged.serve.limits import ServerSettings
 
     args = make_parser().parse_args(["serve", "--model", "m"])
-    assert server_settings(args) == ServerSettings(served_model_name="m")
+    # Two follow from other flags by design: the Host check knows the address it listens on (an app built
+    # in-process checks none), and a client's share of samples is half the queue, at least one request's n.
+    derived = {"host": args.host, "max_client_samples": max(args.max_n, args.max_waiting_requests // 2)}
+    assert server_settings(args) == ServerSettings(served_model_name="m", **derived)

@@ -11,6 +11,7 @@ import pytest
 from minipaged import SamplingParams
 from minipaged.logits import processors as processors_module
 from minipaged.request import InvalidRequestError, RequestStatus
+from tests.conftest import step_until_done
 
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -87,18 +88,15 @@ def test_a_grammar_compiles_off_the_step_loop_once_per_spec_and_times_out(engine
     assert [r.status for r in engine.outputs.unfinished(first) + engine.outputs.unfinished(second)] == \
         [RequestStatus.WAITING_FOR_GRAMMAR] * 2
     release.set()
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert {engine.outputs.pop_finished(rid)[0].text for rid in (first, second)} <= {"yes", "no"}
+    outputs = step_until_done(engine)
+    assert {outputs[rid].text for rid in (first, second)} <= {"yes", "no"}
     assert len(calls) == 1
     # A grammar still compiling past the limit fails its request with a message that says which limit.
     release.clear()
     compiler.timeout_s = 0.2
     late = engine.add_request([8], SamplingParams(max_tokens=3, structured_outputs={"regex": "[0-9]{4}"}))
     start = time.monotonic()
-    while engine.has_unfinished_requests():
-        engine.step()
-    out = engine.outputs.pop_finished(late)[0].outputs[0]
+    out = step_until_done(engine)[late].outputs[0]
     release.set()
     assert out.finish_reason == "abort" and "--grammar-timeout" in out.error and time.monotonic() - start < 5
 
