@@ -341,16 +341,19 @@ def test_a_non_streaming_client_that_gives_up_is_aborted_too(server, model_name)
 
 # ------------------------------------------------------------------------------------ the event stream
 
-def read_events(url: str, until_step: int, into: list, ready: threading.Event) -> None:
-    """Collect /v1/events records until one with step >= until_step arrives."""
+def read_events(url: str, until_step: list, into: list, ready: threading.Event) -> None:
+    """Collect /v1/events records until one with step >= until_step[0] arrives (until_step[0] is set later: the
+    watchers read until a step chosen once both are in)."""
     with httpx.stream("GET", url + "/v1/events", timeout=30) as response:
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
             record = json.loads(line[len("data: "):])
             into.append(record)
-            ready.set()
-            if record["type"] == "step" and record["step"] >= until_step and len(into) > 2:
+            if record["type"] == "step":
+                ready.set()
+            if (record["type"] == "step" and until_step[0] is not None and record["step"] >= until_step[0]
+                    and len(into) > 2):
                 return
 
 
@@ -359,28 +362,32 @@ def test_a_late_watcher_sees_the_same_block_map_as_an_early_one(client, server, 
 
     wait_until_idle(server)
     start_step = httpx.get(server + "/health").json()["steps"]
-    # Both watchers read to the same step, well before the three 400-token requests end (>= 400 steps), and
-    # far enough ahead that the late one has joined by then even on a busy machine (it joins at ~20).
-    target = start_step + 300
+    # Both watchers read to the same step: one chosen once the late watcher has its snapshot, while the three
+    # 800-token requests still run (>= 800 steps), however fast the steps or slow the machine.
+    target: list = [None]
     early, late = [], []
     early_ready, late_ready = threading.Event(), threading.Event()
     watcher = threading.Thread(target=read_events, args=(server, target, early, early_ready))
     watcher.start()
-    assert early_ready.wait(10)
     requests = [threading.Thread(target=client.completions.create,
-                                 kwargs=dict(model=model_name, prompt=f"watch me {i} " * (i + 1), max_tokens=400,
+                                 kwargs=dict(model=model_name, prompt=f"watch me {i} " * (i + 1), max_tokens=800,
                                              temperature=0, extra_body={"ignore_eos": True})) for i in range(3)]
     for r in requests:
         r.start()
+    assert early_ready.wait(20)
     deadline = time.monotonic() + 20
     while httpx.get(server + "/health").json()["steps"] < start_step + 20 and time.monotonic() < deadline:
         time.sleep(0.02)
     late_watcher = threading.Thread(target=read_events, args=(server, target, late, late_ready))
     late_watcher.start()
+    assert late_ready.wait(20)
+    target[0] = max(r["step"] for r in list(late) if r["type"] == "step") + 30
     for t in (*requests, watcher, late_watcher):
         t.join(60)
     assert late[0]["type"] == "engine" and late[1]["type"] == "step"
-    assert start_step < late[1]["step"] < target and late[1]["arrivals"], "the late watcher joined while requests ran"
+    assert start_step < late[1]["step"] < target[0] and late[1]["arrivals"], \
+        "the late watcher joined while requests ran"
+    target = target[0]
 
     def fold(records: list) -> EngineView:
         view = EngineView(EngineInfo(**{k: v for k, v in records[0].items() if k != "type"}))
