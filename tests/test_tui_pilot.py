@@ -362,10 +362,11 @@ class GatedEngine:
 
     def step(self):
         from minipaged.events import StepEvent
+        from minipaged.outputs import StepResult
         assert self.gate.acquire(timeout=30), "the test never let the step finish"
         self.steps += 1
-        return StepEvent(step=self.steps, time_s=float(self.steps), duration_s=1.0, schedule_s=0.0, model_s=1.0,
-                         budget_limit=64, budget_used=0, max_num_seqs=8)
+        return StepResult((), StepEvent(step=self.steps, time_s=float(self.steps), duration_s=1.0, schedule_s=0.0,
+                                        model_s=1.0, budget_limit=64, budget_used=0, max_num_seqs=8))
 
 
 @run_async
