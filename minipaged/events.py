@@ -46,6 +46,7 @@ class EngineInfo:
     eviction_policy: str = "lru"
     quantization: Optional[str] = None   # "int8": weight-only int8 (kernels/int8.py); None: the weights' own dtype
     weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
+    async_scheduling: bool = False       # outputs processed while the next forward pass runs (one step late)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,10 @@ class RequestFinish:
 @dataclass(frozen=True)
 class KVChanges:
     """Every change to block ownership during the step.
+
+    With async scheduling, a step's event is emitted while the next step's forward pass runs, and its changes
+    run up to that moment: they include the blocks allocated for the step in flight (the block map folded from
+    the events always equals the block manager's when an event is emitted).
 
     Apply them in this order (``EngineView.apply`` does): ``swapped_out``, ``freed`` (aborts and preemptions,
     before scheduling), ``evicted``/``uncached``, ``swapped_in``, ``allocated``, ``cached``, and last
