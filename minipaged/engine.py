@@ -216,7 +216,6 @@ class Engine:
             buffer = PromptLogprobsBuffer()
             self._in_flight = InFlight(plan, self._model_thread.launch(
                 lambda: execute_and_sample(plan, self.runner, self.logits, self.sampler, buffer, None)), buffer)
-        self.kv.mark_forward_done()                        # frees from here on come after N's allocations
         return self._process_outputs(outcome or StepOutcome(), plan.failed, start, wait_s)
 
     def _join(self) -> tuple[Optional[StepOutcome], float]:

@@ -155,7 +155,7 @@ def test_outputs_are_processed_while_the_next_forward_pass_runs(tiny_engine_fact
 def test_an_id_used_again_while_its_last_owner_is_in_flight_starts_afresh(tiny_engine_factory):
     """Aborting a request whose token is being computed, then adding another under the same id: the new one
     gets its own random stream and processors (the old one's are forgotten before, not after, it arrives)."""
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logit_bias={42: 4.0, 17: 4.0})
     fresh = tiny_engine_factory().generate([[9, 8, 7, 6]], params)[0].token_ids
     engine = tiny_engine_factory(async_scheduling=True)
     engine.add_request([1, 2, 3], params, request_id="r")
