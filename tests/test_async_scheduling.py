@@ -99,7 +99,7 @@ def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factor
         for prompt in random_prompts(rng, 8, 1, 48):
             stop = [chr(rng.randrange(32, 127))] if rng.random() < 0.5 else None    # one character: often hit
             ids.append(engine.add_request(system + prompt if rng.random() < 0.5 else prompt, SamplingParams(
-                temperature=0, max_tokens=rng.randint(1, 20), ignore_eos=True, stop=stop)))
+                temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 20), ignore_eos=True, stop=stop)))
         view = EngineView(engine.info)
         step = 0
         while engine.has_unfinished_requests():
@@ -194,3 +194,65 @@ def test_the_start_up_line_says_whether_it_is_on(tiny_model):
         Engine(tiny_model, num_blocks=16, block_size=4, async_scheduling=on, load_progress=lines.append)
         said = [line for line in lines if line.startswith("Async scheduling:")]
         assert len(said) == 1 and said[0].startswith(f"Async scheduling: {'on' if on else 'off'} (")
+
+
+# ------------------------------------------------------------------------------------ the server
+
+def test_the_servers_engine_thread_hands_each_step_over_after_it_returns(tiny_model_untied):
+    """With async scheduling the model-call hook does not run (the model thread must never touch the server's
+    outbox): each step's tokens go to the event loop from the engine thread when ``step()`` returns, which is
+    while the next forward pass runs; the tokens are the engine's own."""
+    from minipaged import Engine
+    from tests.test_serve_hand_off import MAX_TOKENS, serve_one_request
+    expected = Engine(tiny_model_untied, block_size=4, num_blocks=64).generate(
+        [[3, 4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    tokens, wake_ups = serve_one_request(Engine(tiny_model_untied, block_size=4, num_blocks=64,
+                                                async_scheduling=True))
+    assert tokens == list(expected)
+    # one step more than without it: the last one only processes the last forward pass's outputs
+    assert [w for w in wake_ups if w[1] > 0] == [(False, n) for n in range(1, MAX_TOKENS + 2)], wake_ups
+
+
+def test_a_server_with_async_scheduling_streams_the_engines_own_outputs(tiny_model, tiny_engine_factory, tmp_path):
+    """A real ``minipaged serve --async-scheduling``: concurrent streams (stop strings among them) get the text
+    the engine gives without it, a client that hangs up is aborted, and every block comes back."""
+    import asyncio
+
+    import httpx
+    import openai
+    from tests.serve_util import running_server, wait_until_idle
+    from tests.test_serve import metric_samples
+
+    prompts = random_prompts(random.Random(5), 8, 3, 20, vocab=200)
+    plain = tiny_engine_factory().generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stops = [[o.text[4:6]] if i % 2 else None for i, o in enumerate(plain)]
+    expected = tiny_engine_factory().generate(prompts, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                       stop=stop) for stop in stops])
+    log = tmp_path / "server.log"
+    with running_server(tiny_model, "--async-scheduling", "--block-size", "4", "--num-blocks", "512",
+                        "--max-num-seqs", "4", log_path=str(log)) as url:
+        async def run_all() -> list[tuple[str, str]]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+            model = (await client.models.list()).data[0].id
+
+            async def one(prompt: list[int], stop) -> tuple[str, str]:
+                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+                chunks = [c async for c in stream]
+                return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+            try:
+                return await asyncio.gather(*[one(p, s) for p, s in zip(prompts, stops)])
+            finally:
+                await client.close()
+        got = asyncio.run(run_all())
+        assert got == [(o.text, o.finish_reason) for o in expected]
+        body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True,
+                "model": tiny_model}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            assert len([line for line, _ in zip(response.iter_lines(), range(6))]) == 6
+        health = wait_until_idle(url, timeout=10.0)
+        assert health["blocks_free"] == health["blocks_total"]
+        aborted = metric_samples(url).get(("minipaged:request_success_total", (("finished_reason", "abort"),)))
+        assert aborted == 1
+    assert "Async scheduling: on" in log.read_text()
