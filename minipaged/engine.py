@@ -267,8 +267,8 @@ class Engine:
         """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
         and hand it to every subscriber. ``wait_s``: the time ``step()`` waited for a forward pass in the model
         thread (async scheduling), which is not the host's work."""
-        plan, new_token_ids, verified, model_s = outcome.plan, outcome.update.new_token_ids, outcome.verified, \
-            outcome.model_s
+        plan, update, verified, model_s = outcome.plan, outcome.update, outcome.verified, outcome.model_s
+        new_token_ids = update.new_token_ids
         self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []

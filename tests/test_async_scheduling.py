@@ -82,7 +82,7 @@ def test_greedy_outputs_and_stop_strings_are_the_same_with_async_scheduling(name
 def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factory):
     """The property test of test_scheduling.py with async scheduling on: aborts between steps (while a forward
     pass is in flight), stop strings found late, preemption of both kinds, chunked prefill and prefix caching."""
-    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(budget=st.integers(4, 64), seed=st.integers(0, 10_000), num_blocks=st.integers(30, 100),
            chunked=st.booleans(), max_num_seqs=st.integers(1, 8), aborts=st.integers(0, 3),
            preemption_mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
