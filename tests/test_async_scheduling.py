@@ -178,6 +178,27 @@ def test_log_probabilities_and_seeded_samples_are_the_same_with_async_scheduling
     assert run(async_scheduling=True) == run()
 
 
+def test_structured_outputs_and_their_masks_are_the_same_with_async_scheduling(tiny_engine_factory):
+    """A grammar's matcher follows the request's tokens (``GrammarMask.sync``), which step N's forward pass has
+    up to N-1's, as without async scheduling; the masks' sizes reach the events in the same order."""
+    from tests.test_logits import SCHEMA
+    prompt = "Answer in JSON about the weather today, please: "
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs={"json": SCHEMA})
+              for s in range(6)]
+
+    def run(**options):
+        engine = tiny_engine_factory(num_blocks=40, max_num_batched_tokens=16, **options)
+        masks: dict[str, list[int]] = {}
+        engine.subscribe(lambda ev: [masks.setdefault(rid, []).append(allowed)
+                                     for rid, (allowed, _vocab) in ev.constrained.items()])
+        outs = engine.generate([prompt] * len(params), params)
+        assert engine.counters["preemptions_recompute"] >= 1, "no preemption happened: shrink num_blocks"
+        return [(o.text, o.finish_reason) for o in outs], masks
+    expected = run()
+    assert sum(reason == "stop" for _text, reason in expected[0]) >= 3 and expected[1]
+    assert run(async_scheduling=True) == expected
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
     (dict(tensor_parallel_size=2), "parallelism"),
