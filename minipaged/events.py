@@ -148,11 +148,17 @@ class KVChanges:
 
 @dataclass(frozen=True)
 class StepEvent:
+    """What one ``Engine.step()`` did. With async scheduling each ``step()`` returns the event of the step whose
+    forward pass ended during it (the first returns one with nothing scheduled), one step late; its ``kv``
+    also carries the blocks allocated for the step now in flight (see ``KVChanges``)."""
+
     step: int
     time_s: float                # seconds since the engine started, at the end of the step
     duration_s: float            # the whole step
     schedule_s: float            # everything but the forward pass: scheduling, KV bookkeeping, batch building
-    model_s: float               # the model's forward pass and sampling (verification included)
+                                 # (async scheduling: the step() call's time but its wait for the model thread)
+    model_s: float               # the model's forward pass and sampling (verification included); with async
+                                 # scheduling, in the model thread, beside the previous step's host work
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step
     max_num_seqs: int
