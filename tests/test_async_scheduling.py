@@ -152,6 +152,26 @@ def test_outputs_are_processed_while_the_next_forward_pass_runs(tiny_engine_fact
     assert [name.startswith("minipaged-model") for name in forward_threads] == [True]
 
 
+def test_an_abort_while_its_token_is_computed_drops_that_token(tiny_engine_factory):
+    engine = tiny_engine_factory(async_scheduling=True)
+    engine.add_request([1, 2, 3], GREEDY, request_id="a")
+    engine.add_request([4, 5, 6], GREEDY, request_id="b")
+    engine.step()                                       # nothing done yet: step 1 (both prompts) computes
+    delivered = [t for d in engine.step().outputs if d.request_id == "a" for s in d.samples for t in s.token_ids]
+    assert len(delivered) == 1                          # a's first token; its second is being computed
+    assert engine.abort("a")
+    events, later = [], []
+    engine.subscribe(events.append)
+    while engine.has_unfinished_requests():
+        later += [d.request_id for d in engine.step().outputs]
+    assert "a" not in later
+    assert [f.finish_reason for e in events for f in e.finished if f.request_id == "a"] == ["abort"]
+    assert "a" in events[0].kv.freed                     # freed at once, before the next step's allocations
+    assert not any("a" in e.new_token_ids for e in events)
+    assert engine.counters["generation_tokens"] == len(delivered) + GREEDY.max_tokens
+    assert_all_free(engine)
+
+
 def test_an_id_used_again_while_its_last_owner_is_in_flight_starts_afresh(tiny_engine_factory):
     """Aborting a request whose token is being computed, then adding another under the same id: the new one
     gets its own random stream and processors (the old one's are forgotten before, not after, it arrives)."""
