@@ -228,6 +228,15 @@ def test_combinations_it_cannot_make_exact_are_refused_naming_the_flag(tiny_engi
         tiny_engine_factory(async_scheduling=True, **options)
 
 
+def test_both_of_vllms_flags_parse_and_turn_back_into_flags():
+    from minipaged.cli import make_parser
+    from minipaged.options import as_command_line, engine_options
+    for on in (True, False):
+        words = as_command_line({"async_scheduling": on})
+        assert words == ["--async-scheduling" if on else "--no-async-scheduling"]
+        assert engine_options(make_parser().parse_args(["generate", *words])) == {"async_scheduling": on}
+
+
 def test_the_start_up_line_says_whether_it_is_on(tiny_model):
     from minipaged import Engine
     for on in (False, True):
