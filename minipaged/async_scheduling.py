@@ -30,6 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
+import torch
+
+from .kernels.devices import use_in_this_thread
 from .logits.logprobs import TokenLogprobs
 from .output_processor import OutputProcessor
 from .request import Request
@@ -77,14 +80,16 @@ class InFlight:
 
 
 class ModelThread:
-    """One thread that runs forward passes, one at a time, started on first use."""
+    """One thread that runs forward passes, one at a time, started on first use on the engine's device."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def launch(self, fn: Callable[[], T]) -> "Future[T]":
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-model")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-model",
+                                            initializer=use_in_this_thread, initargs=(self.device,))
         return self._pool.submit(fn)
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class Engine:
         self._counters = EngineCounters()
         # Async scheduling (minipaged/async_scheduling.py): the step whose forward pass runs in the model thread,
         # and the requests whose sampler and logits state waits for it to end before it is forgotten.
-        self._model_thread = ModelThread()
+        self._model_thread = ModelThread(parts.device)
         self._in_flight: Optional[InFlight] = None
         self._forget_after_join: list[str] = []
 

@@ -306,3 +306,29 @@ def test_a_server_with_async_scheduling_streams_the_engines_own_outputs(tiny_mod
         aborted = metric_samples(url).get(("minipaged:request_success_total", (("finished_reason", "abort"),)))
         assert aborted == 1
     assert "Async scheduling: on" in log.read_text()
+
+
+def test_the_model_thread_is_put_on_the_engines_device(tiny_engine_factory, monkeypatch):
+    """CUDA keeps the current device per thread (a new one starts on device 0, where Triton would launch): the
+    model thread is set to the engine's device before its first forward pass."""
+    seen = []
+    monkeypatch.setattr("minipaged.async_scheduling.use_in_this_thread",
+                        lambda device: seen.append((device, threading.current_thread().name)))
+    engine = tiny_engine_factory(async_scheduling=True)
+    engine.generate([[1, 2, 3]], GREEDY)
+    engine.generate([[4, 5, 6]], GREEDY)
+    assert len(seen) == 1 and seen[0][0] == engine.device and seen[0][1].startswith("minipaged-model")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_tokens_on_cuda_are_the_same_with_async_scheduling(tiny_model):
+    from minipaged import Engine
+    prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(**options):
+        engine = Engine(tiny_model, device="cuda", dtype="float32", block_size=16, num_blocks=12,
+                        max_num_batched_tokens=32, preemption_mode="swap", num_cpu_blocks=32, **options)
+        return [o.token_ids for o in engine.generate(prompts, params)]
+    assert run(async_scheduling=True) == run()
