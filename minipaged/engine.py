@@ -23,6 +23,9 @@ Follow a request from top to bottom:
   9. ``step`` returns a ``StepResult``: ``outputs``, the deltas clients read (the server, the CLI,
      ``generate``), and ``event``, a ``StepEvent`` recording all of it for observers (the TUI, traces,
      metrics, the web view), who also get it through ``subscribe``.
+  10. With async scheduling (``async_scheduling=True``, ``--async-scheduling``) steps 4-5 of step N (the forward
+      pass, logits, sampling) run in a model thread while 7-9 of step N-1 run here; the next ``step()`` waits
+      for them before its 6 and 2. So ``step()`` returns step N-1's result (minipaged/async_scheduling.py).
 
 The engine's surface: ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``info``, ``stats``,
 ``subscribe`` (observers), ``before_model_call`` (a hook at the model call), and ``generate`` / ``chat`` on top.
@@ -45,6 +48,7 @@ from .output_processor import DrainedStep
 from .outputs import RequestOutput, StepResult
 from .request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from .scheduler import SchedulerOutput
+from .spec_decode.rejection_sampler import Verified
 from .stats import EngineCounters
 from .step_records import preemption_records, scheduled_record
 
@@ -180,7 +184,7 @@ class Engine:
         return plan
 
     def _account(self, plan: SchedulerOutput, sampled: dict[str, Optional[list[int]]],
-                 verified: dict, model_s: float) -> StepOutcome:
+                 verified: dict[str, Verified], model_s: float) -> StepOutcome:
         """The forward pass is over: append its tokens (finishing on EOS, stop ids, length) and take what the
         logits stage kept for them."""
         update = self.scheduler.update_from_output(plan, sampled)
