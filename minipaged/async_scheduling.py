@@ -21,6 +21,11 @@ Each step's KV changes still reach observers in order, and an event's block map 
 when it is emitted: the event of step N-1 carries every block change up to that moment, which includes the
 blocks allocated for step N (in flight). Its ``scheduled`` records are step N-1's.
 
+What it can win is bounded by Python's GIL: the two threads' Python runs one at a time, so only the model's
+GIL-free time (compiled calls, torch's kernels, waiting for a GPU) can hide the host's work. On a CPU with a
+tiny model the forward pass is mostly Python; with a real model the host's share of a step is small. That is
+why it is off by default; ``bench/async_scheduling.py`` measures wall time and each thread's CPU time.
+
 Speculative decoding proposes from the tokens of the step just verified and would need them a step early:
 ``EngineConfig.validate`` refuses it with async scheduling on (and parallel ranks, not built for it yet).
 """
