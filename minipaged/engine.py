@@ -24,6 +24,9 @@ Follow a request from top to bottom:
   9. ``step`` returns a ``StepResult``: ``outputs``, the deltas clients read (the server, the CLI,
      ``generate``), and ``event``, a ``StepEvent`` recording all of it for observers (the TUI, traces,
      metrics, the web view), who also get it through ``subscribe``.
+  10. With async scheduling (``async_scheduling=True``, ``--async-scheduling``) steps 4-5 of step N (the forward
+      pass, logits, sampling) run in a model thread while 7-9 of step N-1 run here; the next ``step()`` waits
+      for them before its 6 and 2. So ``step()`` returns step N-1's result (minipaged/async_scheduling.py).
 
 The engine's surface: ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``info``, ``stats``,
 ``subscribe`` (observers), ``before_model_call`` (a hook at the model call), and ``generate`` / ``chat`` on top.
@@ -37,6 +40,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+from .async_scheduling import InFlight, ModelThread, PromptLogprobsBuffer, StepOutcome
 from .engine_builder import build_engine_parts
 from .execute_step import execute_and_sample
 from .events import RequestArrival, RequestFinish, StepEvent, prompt_preview
@@ -86,6 +90,11 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
+        # Async scheduling (minipaged/async_scheduling.py): the step whose forward pass runs in the model thread,
+        # and the requests whose sampler and logits state waits for it to end before it is forgotten.
+        self._model_thread = ModelThread(parts.device)
+        self._in_flight: Optional[InFlight] = None
+        self._forget_after_join: list[str] = []
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -100,6 +109,8 @@ class Engine:
     def _queue(self, prompt: ProcessedPrompt, request_id: Optional[str]) -> str:
         grammar = self.logits.compile(prompt.params)      # a bad schema is refused here, before anything is queued
         request_id, requests = self.inputs.make_requests(prompt, request_id, self.outputs.id_in_use)
+        if any(r.request_id in self._forget_after_join for r in requests):
+            self._wait_for_model()                      # an id used again: forget its last owner's state first
         self.outputs.add_requests(request_id, requests)
         preview = prompt_preview(self.inputs.prompt_text(prompt))   # bounded: every watcher gets it
         first = requests[0].request_id
@@ -131,7 +142,9 @@ class Engine:
         return bool(requests)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.logits.has_waiting()
+        """True while a request waits (for its grammar, too), runs or is swapped out, or (async scheduling) a
+        forward pass is in flight."""
+        return self.scheduler.has_unfinished() or self.logits.has_waiting() or self._in_flight is not None
 
     def subscribe(self, callback: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` after every step; returns a function that unsubscribes it."""
@@ -146,7 +159,9 @@ class Engine:
         """Run ``hook()`` in each step, just before the model's long call that lets go of Python's GIL, where
         the backend has one (the cpu backend's compiled decode step; the start of its other steps); on other
         backends it does not run. A server hands the previous step's outputs to its HTTP thread there, so that
-        thread's Python runs while the model computes. Returns a function that removes the hook."""
+        thread's Python runs while the model computes. With async scheduling it does not run either: the
+        model computes in its own thread while ``step()`` returns, so the caller's hand-off after the step
+        already overlaps it. Returns a function that removes the hook."""
         self._model_call_hooks.append(hook)
 
         def remove() -> None:
@@ -161,23 +176,46 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:
         """One engine step: schedule, run the model once, sample, and hand out what changed (``outputs`` for
-        clients, ``event`` for observers, who also get the event through ``subscribe``)."""
+        clients, ``event`` for observers, who also get the event through ``subscribe``).
+
+        With async scheduling (``async_scheduling=True``) it starts this step's forward pass in the model thread
+        and returns the previous step's outputs and event while it runs (minipaged/async_scheduling.py)."""
+        if self.config.async_scheduling:
+            return self._step_async()
         start = time.perf_counter()
+        plan = self._schedule()
+        sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
+            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator, self._run_model_call_hooks)
+        outcome = self._account(plan, sampled, verified, model_s)
+        return self._process_outputs(outcome, plan.failed, start, wait_s=0.0)
+
+    def _schedule(self) -> SchedulerOutput:
         # Requests whose grammar compiled (or failed) meanwhile; with nothing else to run, wait a moment for one.
         for req in self.logits.grammars_ready(wait_s=0.0 if self.scheduler.has_unfinished() else GRAMMAR_POLL_S):
             self._schedule_or_fail(req)
         plan = self.scheduler.schedule()                   # who runs, how many tokens, which blocks
-        for req in plan.failed:                            # a policy raised deciding about it: aborted
-            self._record_finish(req, time.perf_counter())
         for p in plan.preempted:                           # its KV is gone (or swapped): so is the draft's
             self._drop_drafts(p.request.request_id)
         self.runner.swap_blocks(self.cpu_kv_cache, plan.swap_out, plan.swap_in)   # before the model reads the cache
-        sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
-            plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator, self._run_model_call_hooks)
-        update = self.scheduler.update_from_output(plan, sampled)     # appended; finished on EOS, stop ids, length
-        logprobs = self.logits.take_logprobs(update.new_token_ids)
-        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(), logprobs):
+        return plan
+
+    def _account(self, plan: SchedulerOutput, sampled: dict[str, Optional[list[int]]],
+                 verified: dict[str, Verified], model_s: float) -> StepOutcome:
+        """The forward pass is over: append its tokens (finishing on EOS, stop ids, length) and take what the
+        logits stage kept for them."""
+        update = self.scheduler.update_from_output(plan, sampled)
+        return StepOutcome(plan, update, verified, model_s, self.logits.take_logprobs(update.new_token_ids),
+                           self.logits.drain_constrained())
+
+    def _process_outputs(self, outcome: StepOutcome, failed: list[Request], start: float,
+                         wait_s: float) -> StepResult:
+        """Text, stop strings, finishes, the deltas and the event of a step whose forward pass is over."""
+        plan, update = outcome.plan, outcome.update
+        for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(),
+                                                              outcome.logprobs):
             self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
+        for req in failed:                                 # a policy raised deciding about it: aborted
+            self._record_finish(req, time.perf_counter())
         for req in update.finished:
             self._record_finish(req, time.perf_counter())
         drained = self.outputs.drain()                     # the step's deltas, and the same as observers see it
@@ -185,24 +223,72 @@ class Engine:
         if self.speculator is not None:                    # guesses for the next step
             draft_s = self.speculator.propose([c.request for c in plan.chunks
                                                if c.request.request_id in update.new_token_ids])
-        return StepResult(drained.deltas,
-                          self._emit(plan, update.new_token_ids, drained, verified, start, model_s, draft_s))
+        return StepResult(drained.deltas, self._emit(outcome, drained, start, draft_s, wait_s))
+
+    # ------------------------------------------------------------------ one step, async scheduling
+    def _step_async(self) -> StepResult:
+        """Join step N-1's forward pass and account for its tokens, schedule step N and start its forward pass
+        in the model thread, then process N-1's outputs while N runs (the first call has none to process)."""
+        start = time.perf_counter()
+        outcome, wait_s = self._join()
+        plan = self._schedule()                            # after the join: nothing else touches blocks meanwhile
+        if plan.chunks:
+            buffer = PromptLogprobsBuffer()
+            self._in_flight = InFlight(plan, self._model_thread.launch(
+                lambda: execute_and_sample(plan, self.runner, self.logits, self.sampler, buffer, None)), buffer)
+        return self._process_outputs(outcome or StepOutcome(), plan.failed, start, wait_s)
+
+    def _join(self) -> tuple[Optional[StepOutcome], float]:
+        """Wait for the forward pass in flight (if any) and account for it; also the seconds waited."""
+        if self._in_flight is None:
+            return None, 0.0
+        waited = time.perf_counter()
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            sampled, verified, model_s = in_flight.future.result()
+        finally:
+            self._forget_waiting()
+        in_flight.prompt_logprobs.replay(self.outputs)
+        return self._account(in_flight.plan, sampled, verified, model_s), time.perf_counter() - waited
+
+    def _wait_for_model(self) -> None:
+        """Let the forward pass in flight end (its result stays for the join), then forget what waited for it."""
+        if self._in_flight is not None:
+            self._in_flight.future.exception()             # waits; the join raises whatever it raised
+        self._forget_waiting()
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's sampler and logits state, or, while the model thread may be using it,
+        once its forward pass is over."""
+        if self._in_flight is not None:
+            self._forget_after_join.append(request_id)
+            return
+        self.sampler.forget(request_id)
+        self.logits.forget(request_id)
+
+    def _forget_waiting(self) -> None:
+        waiting, self._forget_after_join = self._forget_after_join, []
+        for request_id in waiting:
+            self.sampler.forget(request_id)
+            self.logits.forget(request_id)
 
     def _drop_drafts(self, request_id: str) -> None:
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
     def _record_finish(self, req: Request, now: float, deliver: bool = True) -> None:
-        self.sampler.forget(req.request_id)
-        self.logits.forget(req.request_id)
+        self._forget(req.request_id)
         self._drop_drafts(req.request_id)
         self._counters.count_finish()
         self._pending_finishes.append(self.outputs.finish(req, now, deliver))
 
-    def _emit(self, plan: SchedulerOutput, new_token_ids: dict[str, list[int]], drained: DrainedStep,
-              verified: dict[str, Verified], start: float, model_s: float, draft_s: float) -> StepEvent:
+    def _emit(self, outcome: StepOutcome, drained: DrainedStep, start: float, draft_s: float,
+              wait_s: float) -> StepEvent:
         """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
-        and hand it to every subscriber."""
+        and hand it to every subscriber. ``wait_s``: the time ``step()`` waited for a forward pass in the model
+        thread (async scheduling), which is not the host's work."""
+        plan, update, verified, model_s = outcome.plan, outcome.update, outcome.verified, outcome.model_s
+        new_token_ids = update.new_token_ids
         self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
         self._step_index += 1
         arrivals, self._pending_arrivals = self._pending_arrivals, []
@@ -222,12 +308,13 @@ class Engine:
             waiting=tuple(r.request_id for r in s.waiting), running=tuple(r.request_id for r in s.running),
             swapped=tuple(r.request_id for r in s.swapped), counters=stats,
             new_logprobs=drained.logprobs,
-            constrained={rid: (allowed, self.logits.vocab_size)
-                         for rid, allowed in self.logits.drain_constrained().items()})
+            constrained={rid: (allowed, self.logits.vocab_size) for rid, allowed in outcome.constrained.items()})
         end = time.perf_counter()
         stats["step_seconds"] = self._counters.add_step_seconds(end - start)
-        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
-                                    schedule_s=(end - start) - model_s - draft_s)
+        # The host's share: without async scheduling all but the forward pass; with it, all but the wait for it
+        # (the forward pass ran in the model thread, beside the host's work).
+        host_s = (end - start) - wait_s if self.config.async_scheduling else (end - start) - model_s - draft_s
+        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start, schedule_s=host_s)
         for callback in list(self._subscribers):
             try:
                 callback(event)
@@ -288,7 +375,10 @@ class Engine:
                 **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine (a single-process engine has nothing to stop)."""
+        """Stop the worker processes of a parallel engine, and the model thread of async scheduling (after the
+        forward pass in flight)."""
+        self._wait_for_model()
+        self._model_thread.close()
         self.runner.close()
 
     def __enter__(self) -> "Engine":

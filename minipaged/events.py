@@ -46,6 +46,7 @@ class EngineInfo:
     eviction_policy: str = "lru"
     quantization: Optional[str] = None   # "int8": weight-only int8 (kernels/int8.py); None: the weights' own dtype
     weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
+    async_scheduling: bool = False       # outputs processed while the next forward pass runs (one step late)
 
 
 PROMPT_PREVIEW_CHARS = 1000    # the most prompt text one arrival carries (start and end, PREVIEW_GAP between)
@@ -141,6 +142,10 @@ class RequestFinish:
 class KVChanges:
     """Every change to block ownership during the step.
 
+    With async scheduling, a step's event is emitted while the next step's forward pass runs, and its changes
+    run up to that moment: they include the blocks allocated for the step in flight (the block map folded from
+    the events always equals the block manager's when an event is emitted).
+
     Apply them in this order (``EngineView.apply`` does): ``swapped_out``, ``freed`` (aborts and preemptions,
     before scheduling), ``evicted``/``uncached``, ``swapped_in``, ``allocated``, ``cached``, and last
     ``freed_on_finish`` (requests that finished after the forward pass: a block can be taken and let go
@@ -161,11 +166,17 @@ class KVChanges:
 
 @dataclass(frozen=True)
 class StepEvent:
+    """What one ``Engine.step()`` did. With async scheduling each ``step()`` returns the event of the step whose
+    forward pass ended during it (the first returns one with nothing scheduled), one step late; its ``kv``
+    also carries the blocks allocated for the step now in flight (see ``KVChanges``)."""
+
     step: int
     time_s: float                # seconds since the engine started, at the end of the step
     duration_s: float            # the whole step
     schedule_s: float            # everything but the forward pass: scheduling, KV bookkeeping, batch building
-    model_s: float               # the model's forward pass and sampling (verification included)
+                                 # (async scheduling: the step() call's time but its wait for the model thread)
+    model_s: float               # the model's forward pass and sampling (verification included); with async
+                                 # scheduling, in the model thread, beside the previous step's host work
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step
     max_num_seqs: int

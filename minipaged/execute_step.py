@@ -5,12 +5,12 @@ runner does after its forward pass). ``Engine.step`` calls ``execute_and_sample`
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from .logits.stage import LogitsStage, prompt_logprobs
-from .output_processor import OutputProcessor
+from .logits.logprobs import TokenLogprobs
 from .request import Request
 from .runner import ModelInput, ModelRunner
 from .sampling import Sampler
@@ -19,8 +19,15 @@ from .spec_decode.rejection_sampler import Verified
 from .spec_decode.speculator import Speculator
 
 
+class PromptLogprobsSink(Protocol):
+    """Where the prompt log-probabilities a forward pass scores go: the OutputProcessor, or (async scheduling)
+    a buffer the engine thread replays into it after the join."""
+
+    def record_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprobs]) -> None: ...
+
+
 def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage: LogitsStage, sampler: Sampler,
-                       outputs: OutputProcessor, speculator: Optional[Speculator],
+                       outputs: PromptLogprobsSink, speculator: Optional[Speculator],
                        before_model_call: Callable[[], None] = lambda: None,
                        ) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
     """Run the model on every scheduled token and pick the new tokens (a sample from a last row, or the
@@ -62,7 +69,7 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
 
 
 def run_logits_stage(model_input: ModelInput, logits: torch.Tensor, drafts: dict[str, Sequence[int]],
-                     logits_stage: LogitsStage, outputs: OutputProcessor) -> torch.Tensor:
+                     logits_stage: LogitsStage, outputs: PromptLogprobsSink) -> torch.Tensor:
     """Score the prompt rows a request asked log-probabilities for, then let the logits stage process the
     sampled rows in place (penalties, biases, masks; raw log-probabilities kept first). A step where no
     request has anything for the stage skips it."""

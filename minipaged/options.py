@@ -46,10 +46,13 @@ class EngineFlag:
     choices: Optional[tuple[str, ...]] = None   # from a Literal type
     switch_to: Optional[bool] = None            # a switch (no value) sets the field to this
     aliases: tuple[str, ...] = ()               # other spellings of the flag (``--threads``)
+    negatable: bool = False                     # a switch that also has its --no-... form (vLLM's BooleanOptional)
 
     def words(self, value: Any) -> list[str]:
         """What to type to set this option to ``value``: ["--policy", "static"], ["--no-prefix-caching"],
         or nothing when a switch's value is the default already."""
+        if self.negatable:
+            return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
         if self.switch_to is not None:
             return [self.flag] if value == self.switch_to else []
         return [self.flag, json.dumps(value) if isinstance(value, dict) else str(value)]
@@ -74,7 +77,8 @@ def _flag_of(f: Field, hints: dict[str, Any]) -> EngineFlag:
     shown = str(f.metadata.get("shown_default", default))
     if isinstance(default, bool):          # a switch: it flips the default
         flag = "--no-" + f.name.removeprefix("enable_") if default else "--" + f.name
-        return EngineFlag(f.name, flag.replace("_", "-"), f.metadata["help"], shown, switch_to=not default)
+        return EngineFlag(f.name, flag.replace("_", "-"), f.metadata["help"], shown, switch_to=not default,
+                          negatable=f.metadata.get("negatable", False))
     value_type, choices = _value_type(hints[f.name])
     value_type = f.metadata.get("cli_type", value_type)    # a dict field is typed as JSON text
     return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, value_type, choices,
@@ -111,7 +115,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
         # argparse %-formats help; "%(default).0s" prints nothing and stops ArgumentDefaultsHelpFormatter
         # from adding "(default: None)" of its own.
         help_text = f"{f.help} (default: {f.shown_default})".replace("%", "%%") + "%(default).0s"
-        if f.switch_to is not None:
+        if f.negatable:                    # --async-scheduling and --no-async-scheduling
+            group.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif f.switch_to is not None:
             group.add_argument(f.flag, dest=f.name, action=f"store_{str(f.switch_to).lower()}", default=None,
                                help=help_text)
         else:

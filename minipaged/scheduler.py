@@ -381,12 +381,16 @@ class Scheduler:
         ``num_computed_tokens`` rolls back over them; their slots stay allocated and get overwritten.
         Each token is appended and checked against the stop conditions that a token decides (EOS, stop ids,
         lengths); tokens after a stop are dropped. Stop *strings* need text: the output processor finds them
-        afterwards and ends the request through ``finish_on_stop_string``.
+        afterwards and ends the request through ``finish_on_stop_string``. A request that finished while the
+        forward pass ran (async scheduling: a stop string found in the previous step's text, an abort) is skipped.
         """
         self.kv.mark_forward_done()
         update = StepUpdate()
         for chunk in out.chunks:
             req = chunk.request
+            if req.is_finished:
+                continue      # async scheduling: a stop string or an abort ended it while this step ran; its
+                              # token is dropped as if never generated (its blocks are freed already)
             req.num_computed_tokens = chunk.end
             if req.request_id not in sampled:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
