@@ -65,6 +65,53 @@ class RequestArrival:
 
 
 @dataclass(frozen=True)
+class PrefixLookup:
+    """What the prefix cache answered when a request was admitted: how many of its full blocks hit, and why
+    the first one that did not hit missed (``KVCacheManager.explain_lookup`` in minipaged/block_manager.py).
+
+    ``reason`` is one of:
+
+    * ``"all_hit"``: every full block was cached (only full blocks are cached: the tail is computed anyway);
+    * ``"never"``: no block ever held that block's hash (exact: the engine's record of evictions never
+      overflowed);
+    * ``"evicted"``: it was cached, and the allocation for request ``evicted_for`` took its block at step
+      ``evicted_step``;
+    * ``"reset"``: it was cached until ``reset_prefix_cache`` dropped every hash, at step ``evicted_step``;
+    * ``"differs"``: the request's tokens differ from every cached continuation of its hits from token
+      ``differs_at`` on (the cached chain it shares is ``differs_at`` tokens long);
+    * ``"unrecorded"``: not cached, nor among the recent evictions the engine remembers (a bounded record):
+      never computed, or evicted before those.
+    """
+
+    num_blocks: int              # full blocks of the request's tokens when it was admitted
+    num_hit_blocks: int          # the first num_hit_blocks of them were cached
+    reason: str
+    evicted_step: Optional[int] = None
+    evicted_for: Optional[str] = None
+    differs_at: Optional[int] = None
+
+    @property
+    def missed_block(self) -> Optional[int]:
+        """Index (in the request's block table) of the first block that missed; None if all hit."""
+        return None if self.reason == "all_hit" else self.num_hit_blocks
+
+
+def describe_prefix_lookup(lookup: PrefixLookup, block_size: int) -> str:
+    """One line for a person: the TUI's output panel and the web page (fold.mjs's describeLookup) say the same."""
+    hits = f"{lookup.num_hit_blocks}/{lookup.num_blocks} full blocks cached"
+    if lookup.reason == "all_hit":
+        return hits
+    start = lookup.num_hit_blocks * block_size
+    why = {"never": "never computed",
+           "evicted": f"evicted at step {lookup.evicted_step} for {lookup.evicted_for}",
+           "reset": f"dropped by a prefix-cache reset at step {lookup.evicted_step}",
+           "differs": f"its tokens differ from the cached ones from position {lookup.differs_at}",
+           "unrecorded": "not cached (never computed, or evicted longer ago than the engine remembers)",
+           }.get(lookup.reason, lookup.reason)
+    return f"{hits}; block {lookup.num_hit_blocks} (tokens {start}-{start + block_size - 1}) missed: {why}"
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step. Tokens ``start:end`` of the request get their KV computed.
 
@@ -84,6 +131,7 @@ class ScheduledRequest:
     num_accepted: int = 0
     draft_pieces: tuple[str, ...] = ()   # each draft token as text, for drawing (thin clients have no tokenizer)
     target_piece: str = ""               # the target's own token after the accepted drafts, as text
+    prefix_lookup: Optional[PrefixLookup] = None   # the step it was admitted: its prefix-cache hits and first miss
 
     @property
     def num_new_tokens(self) -> int:
@@ -193,7 +241,8 @@ class StepEvent:
         return StepEvent(
             **{**d, "kv": kv,
                "scheduled": tuple(ScheduledRequest(**{**s, "draft_token_ids": tuple(s.get("draft_token_ids", ())),
-                                                       "draft_pieces": tuple(s.get("draft_pieces", ()))})
+                                                       "draft_pieces": tuple(s.get("draft_pieces", ())),
+                                                       "prefix_lookup": _lookup(s.get("prefix_lookup"))})
                                   for s in d.get("scheduled", ())),
                "arrivals": tuple(RequestArrival.from_dict(a) for a in d.get("arrivals", ())),
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
@@ -202,6 +251,11 @@ class StepEvent:
                "constrained": {r: tuple(pair) for r, pair in d.get("constrained", {}).items()},
                "waiting": tuple(d.get("waiting", ())), "running": tuple(d.get("running", ())),
                "swapped": tuple(d.get("swapped", ()))})
+
+
+def _lookup(d: Optional[dict[str, Any]]) -> Optional[PrefixLookup]:
+    """A PrefixLookup from JSON (None: a trace recorded before lookups were explained, or no lookup was made)."""
+    return None if d is None else PrefixLookup(**d)
 
 
 # --------------------------------------------------------------------------------------------- traces
@@ -297,6 +351,7 @@ class RequestView:
     num_preemptions: int = 0
     blocks: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
+    prefix_lookup: Optional[PrefixLookup] = None   # its latest admission's (a recompute is admitted again)
 
 
 class EngineView:
@@ -354,6 +409,8 @@ class EngineView:
                 req.num_output_tokens = s.num_output_tokens
                 if s.num_cached_tokens:
                     req.num_cached_tokens = s.num_cached_tokens
+                if s.prefix_lookup is not None:
+                    req.prefix_lookup = s.prefix_lookup
         for rid, text in ev.new_text.items():
             if rid in self.requests:
                 self.requests[rid].text += text
