@@ -55,13 +55,15 @@ class RequestArrival:
     max_tokens: int
     prompt: str                  # the prompt as text (token-id prompts decoded); how to shorten it is the UI's call
     arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
+    # Only in a late watcher's snapshot (serve/async_engine.py): the lookup it was admitted with, long ago.
+    prefix_lookup: Optional["PrefixLookup"] = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RequestArrival":
         d = dict(d)
         if "prompt_preview" in d:           # traces recorded before the engine stopped shortening prompts
             d["prompt"] = d.pop("prompt_preview")
-        return RequestArrival(**d)
+        return RequestArrival(**{**d, "prefix_lookup": _lookup(d.get("prefix_lookup"))})
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,8 @@ class EngineView:
 
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
-            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt)
+            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, a.prompt,
+                                                      prefix_lookup=a.prefix_lookup)
         kv = ev.kv
         for rid, pairs in kv.swapped_out.items():
             for _gpu, cpu in pairs:

@@ -43,7 +43,8 @@ function newRequest(a) {
   const prompt = a.prompt ?? a.prompt_preview ?? "";     // traces recorded before prompts were kept whole
   return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
-    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [] };
+    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [],
+    prefix_lookup: a.prefix_lookup ?? null };      // an arrival carries one only in a late watcher's snapshot
 }
 
 /** events.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
@@ -91,6 +92,7 @@ function applyView(st, ev) {
       req.num_computed = computedEnd(s);
       req.num_output_tokens = s.num_output_tokens;
       if (s.num_cached_tokens) req.num_cached_tokens = s.num_cached_tokens;
+      if (s.prefix_lookup) req.prefix_lookup = s.prefix_lookup;
     }
   }
   for (const [rid, text] of entries(ev.new_text)) {
@@ -124,6 +126,21 @@ function release(st, freed) {
     const req = st.requests.get(rid);
     if (req) { const gone = new Set(blocks); req.blocks = req.blocks.filter((b) => !gone.has(b)); }
   }
+}
+
+/** events.py's describe_prefix_lookup: a request's prefix-cache hits and why its first miss missed. */
+export function describeLookup(lookup, blockSize) {
+  const hits = `${lookup.num_hit_blocks}/${lookup.num_blocks} full blocks cached`;
+  if (lookup.reason === "all_hit") return hits;
+  const start = lookup.num_hit_blocks * blockSize;
+  const why = {
+    never: "never computed",
+    evicted: `evicted at step ${lookup.evicted_step} for ${lookup.evicted_for}`,
+    reset: `dropped by a prefix-cache reset at step ${lookup.evicted_step}`,
+    differs: `its tokens differ from the cached ones from position ${lookup.differs_at}`,
+    unrecorded: "not cached (never computed, or evicted longer ago than the engine remembers)",
+  }[lookup.reason] ?? lookup.reason;
+  return `${hits}; block ${lookup.num_hit_blocks} (tokens ${start}-${start + blockSize - 1}) missed: ${why}`;
 }
 
 // ------------------------------------------------------------------------------------------ the log
@@ -329,6 +346,8 @@ export function comparable(st) {
     colours: Object.fromEntries(st.colours), arrival_order: [...st.arrivalOrder],
     queues: queues(st), ordered_requests: orderedRequests(st), used_blocks: usedBlocks(st),
     log: st.log.map((l) => [l.step, l.kind, l.text, l.request_id]),
+    lookups: Object.fromEntries([...st.requests].map(([rid, r]) =>
+      [rid, r.prefix_lookup && describeLookup(r.prefix_lookup, st.info.block_size)])),
     metrics: Object.fromEntries(METRICS.map((name) => [name, [...st.metrics[name]]])),
   };
 }
