@@ -7,9 +7,12 @@ the same trace says happened to the blocks, not against numbers written here.
 """
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
+from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +24,8 @@ from minipaged.prefix_misses import MissRecord, common_prefix
 from minipaged.request import Request, SamplingParams as Params
 
 BS = 4
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
@@ -44,14 +49,21 @@ def admission(events: list[StepEvent], rid: str):
     return next((ev, s) for ev in events for s in ev.scheduled if s.request_id == rid and s.prefix_lookup)
 
 
-def test_a_trace_explains_a_never_seen_prefix_a_one_token_difference_and_an_eviction(tiny_engine_factory, tmp_path):
+@pytest.fixture(scope="module")
+def three_misses(tiny_engine_factory, tmp_path_factory):
+    """A recorded run: a never-seen prompt, the same with one token changed, a filler that evicts, the first again."""
     rng = random.Random(0)
     a = [rng.randrange(256) for _ in range(14)]                      # 3 full blocks of 4, and 2 tokens
     a_changed = a[:6] + [(a[6] + 1) % 256] + a[7:]                    # one token differs, at position 6
     filler = [rng.randrange(256) for _ in range(4 * 9)]              # needs every free block: evicts a's
     engine = tiny_engine_factory(num_blocks=12)
-    events, view = run_one_at_a_time(engine, {"a": a, "b": a_changed, "fill": filler, "again": a},
-                                     tmp_path / "trace.jsonl")
+    path = tmp_path_factory.mktemp("misses") / "trace.jsonl"
+    events, view = run_one_at_a_time(engine, {"a": a, "b": a_changed, "fill": filler, "again": a}, path)
+    return path, events, view
+
+
+def test_a_trace_explains_a_never_seen_prefix_a_one_token_difference_and_an_eviction(three_misses):
+    _path, events, view = three_misses
 
     assert view.requests["a"].prefix_lookup == PrefixLookup(3, 0, "never")
     # b shares a's first block, and the second up to the token that differs.
@@ -71,6 +83,35 @@ def test_a_trace_explains_a_never_seen_prefix_a_one_token_difference_and_an_evic
     assert missed_block in taker.kv.allocated["fill"]
     assert s.num_cached_tokens == lookup.num_hit_blocks * BS
     assert f"evicted at step {taker.step} for fill" in describe_prefix_lookup(lookup, BS)
+
+
+@needs_chromium
+def test_the_page_says_why_the_selected_request_missed(three_misses, tmp_path):
+    """The exported page (offline, the page's own fold) shows the selected request's lookup in the TUI's words."""
+    from minipaged.cli import main
+    path, _events, view = three_misses
+    page_file = tmp_path / "run.html"
+    assert main(["export-html", str(path), "-o", str(page_file)]) == 0
+
+    async def run() -> dict[str, str]:
+        async with open_page(page_file.as_uri(), offline=True) as page:
+            deadline = time.monotonic() + 30
+            while not await evaluate(page, "!!(window.minipaged && window.minipaged.state)"):
+                assert time.monotonic() < deadline, "the exported page never drew"
+                await asyncio.sleep(0.2)
+            await evaluate(page, """(() => { const s = document.getElementById('slider');
+                s.value = s.max; s.dispatchEvent(new Event('input')); })()""")
+            shown = {}
+            for rid in ("b", "again"):
+                await asyncio.sleep(0.3)
+                await evaluate(page, f"document.querySelector('tr[data-request=\"{rid}\"]').click()")
+                await asyncio.sleep(0.3)
+                shown[rid] = await evaluate(page, "document.getElementById('output-cache').textContent")
+            return shown
+
+    shown = asyncio.run(run())
+    for rid in ("b", "again"):
+        assert shown[rid] == "prefix cache: " + describe_prefix_lookup(view.requests[rid].prefix_lookup, BS), shown
 
 
 def test_a_fully_cached_prompt_and_a_preempted_recompute_are_explained_again(tiny_engine_factory, tmp_path):

@@ -1,5 +1,8 @@
 """The selected request's output, streaming in token by token (from ``StepEvent.new_text``).
 
+Between its prompt and its output: what the prefix cache said when it was admitted (how many full blocks
+hit, and why the first miss missed: ``ScheduledRequest.prefix_lookup``).
+
 A request that asked for log-probabilities has its output coloured by how likely the model found each
 step's tokens (``StepEvent.new_logprobs``: the raw model's probabilities), from green (likely) to red.
 """
@@ -9,6 +12,8 @@ from typing import Optional, Sequence
 
 from rich.text import Text
 from textual.widget import Widget
+
+from minipaged.events import describe_prefix_lookup
 
 from ..state import WatchState, clean_preview, printable
 
@@ -58,6 +63,9 @@ class OutputPanel(Widget):
         self.border_title = f"Output of {rid} ({req.state}, {req.num_output_tokens}/{req.max_tokens} tokens)"
         text = Text()
         text.append(clean_preview(req.prompt, PROMPT_CHARS) + "\n", style=f"italic {state.colour(rid)}")
+        if req.prefix_lookup is not None:
+            text.append("prefix cache: " + describe_prefix_lookup(req.prefix_lookup, state.info.block_size) + "\n",
+                        style="#7d8fa3")
         if req.text_probs:
             text.append_text(coloured_output(req.text, req.text_probs))
         else:
