@@ -195,14 +195,6 @@ CHECKPOINTS = [
 
 QUIZ = [
     QuizQuestion(
-        "r8's system prompt is the cached one with token {{measured.r8_differs_at}} changed (a date, say). How "
-        "many of the system prompt's {{measured.sys_blocks}} blocks does r8 find cached?",
-        ("{{measured.sys_blocks_but_one}}", "{{measured.r8_hit_blocks}}", "0", "{{measured.sys_blocks}}"),
-        1,
-        "{{measured.r8_hit_blocks}}: the blocks before the change. A block's hash chains every token before it, "
-        "so the block holding token {{measured.r8_differs_at}} and all {{measured.r8_recomputed_sys_blocks}} "
-        "system-prompt blocks from it on are new, though their own tokens after it are the same."),
-    QuizQuestion(
         "r2's prompt fills {{measured.r2_blocks}} blocks and {{measured.r2_hit_blocks}} are cached. How many "
         "free blocks must the pool have to admit it?",
         ("{{measured.r2_blocks}}", "{{measured.r2_new_blocks}}", "{{measured.r2_hit_blocks}}", "none"),
@@ -226,4 +218,12 @@ QUIZ = [
         "Freed blocks join the back of the free queue and new blocks come from the front: LRU. A popular "
         "system prompt is freed last (its last user finished most recently), so it survived r6's eviction "
         "of {{measured.r6_evicted}} blocks."),
+    QuizQuestion(
+        "r8's system prompt is the cached one with token {{measured.r8_differs_at}} changed (a date, say). How "
+        "many of the system prompt's {{measured.sys_blocks}} blocks does r8 find cached?",
+        ("{{measured.sys_blocks_but_one}}", "{{measured.r8_hit_blocks}}", "0", "{{measured.sys_blocks}}"),
+        1,
+        "{{measured.r8_hit_blocks}}: the blocks before the change. A block's hash chains every token before it, "
+        "so the {{measured.r8_recomputed_sys_blocks}} system-prompt blocks from the one holding token "
+        "{{measured.r8_differs_at}} on are all new, though their tokens after it are the same."),
 ]
