@@ -161,7 +161,7 @@ def _miss(t: Trace, rid: str, reason: str) -> Any:
     found = t.view.requests[rid].prefix_lookup
     if found is None or found.reason != reason:
         return None
-    return f"{rid}: {describe_prefix_lookup(found, t.info.block_size)}"
+    return f"{rid}: {describe_prefix_lookup(found)}"
 
 
 def _no_cache_wait(t: Trace) -> Any:

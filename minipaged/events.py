@@ -98,19 +98,19 @@ class PrefixLookup:
         return None if self.reason == "all_hit" else self.num_hit_blocks
 
 
-def describe_prefix_lookup(lookup: PrefixLookup, block_size: int) -> str:
-    """One line for a person: the TUI's output panel and the web page (fold.mjs's describeLookup) say the same."""
-    hits = f"{lookup.num_hit_blocks}/{lookup.num_blocks} full blocks cached"
+def describe_prefix_lookup(lookup: PrefixLookup) -> str:
+    """One short line for a person (a narrow TUI panel keeps it in view): the TUI's output panel and the web
+    page (fold.mjs's describeLookup) say the same. Blocks are full blocks: only those are cached."""
+    hits = f"{lookup.num_hit_blocks}/{lookup.num_blocks} blocks hit"
     if lookup.reason == "all_hit":
         return hits
-    start = lookup.num_hit_blocks * block_size
     why = {"never": "never computed",
            "evicted": f"evicted at step {lookup.evicted_step} for {lookup.evicted_for}",
-           "reset": f"dropped by a prefix-cache reset at step {lookup.evicted_step}",
-           "differs": f"its tokens differ from the cached ones from position {lookup.differs_at}",
-           "unrecorded": "not cached (never computed, or evicted longer ago than the engine remembers)",
+           "reset": f"cache reset at step {lookup.evicted_step}",
+           "differs": f"tokens differ at position {lookup.differs_at}",
+           "unrecorded": "evicted long ago, or never seen",
            }.get(lookup.reason, lookup.reason)
-    return f"{hits}; block {lookup.num_hit_blocks} (tokens {start}-{start + block_size - 1}) missed: {why}"
+    return f"{hits}; block {lookup.num_hit_blocks} missed: {why}"
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,8 @@ def test_a_trace_explains_a_never_seen_prefix_a_one_token_difference_and_an_evic
     assert view.requests["a"].prefix_lookup == PrefixLookup(3, 0, "never")
     # b shares a's first block, and the second up to the token that differs.
     assert view.requests["b"].prefix_lookup == PrefixLookup(3, 1, "differs", differs_at=6)
-    assert describe_prefix_lookup(view.requests["b"].prefix_lookup, BS) == (
-        "1/3 full blocks cached; block 1 (tokens 4-7) missed: its tokens differ from the cached ones from position 6")
+    assert describe_prefix_lookup(view.requests["b"].prefix_lookup) == \
+        "1/3 blocks hit; block 1 missed: tokens differ at position 6"
 
     # "again" repeats a: its first miss is the block of a's chain evicted first, and the trace shows which step
     # took that block, and for whom.
@@ -82,7 +82,30 @@ def test_a_trace_explains_a_never_seen_prefix_a_one_token_difference_and_an_evic
     assert (lookup.evicted_step, lookup.evicted_for) == (taker.step, "fill")
     assert missed_block in taker.kv.allocated["fill"]
     assert s.num_cached_tokens == lookup.num_hit_blocks * BS
-    assert f"evicted at step {taker.step} for fill" in describe_prefix_lookup(lookup, BS)
+    assert f"evicted at step {taker.step} for fill" in describe_prefix_lookup(lookup)
+
+
+def test_the_tui_says_why_the_selected_request_missed(three_misses, tmp_path):
+    """The output panel of ``watch --replay`` shows the selected request's lookup, between prompt and output."""
+    from minipaged.tui.app import WatchApp
+    from minipaged.tui.widgets.output import OutputPanel
+    path, events, view = three_misses
+    app = WatchApp(replay=read_trace(str(path)), paused=True)
+    shown = {}
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            app.go_to(len(events))
+            for rid in ("a", "b", "again"):
+                app.select(rid)
+                await pilot.pause()
+                shown[rid] = " ".join(str(app.query_one(OutputPanel).render()).split())   # unwrapped
+            app.save_screenshot(str(tmp_path / "again.svg"))
+
+    asyncio.run(run())
+    for rid in ("a", "b", "again"):
+        line = "prefix cache: " + describe_prefix_lookup(view.requests[rid].prefix_lookup)
+        assert shown[rid].startswith(line), shown[rid]          # first, above the prompt and output
 
 
 @needs_chromium
@@ -111,7 +134,7 @@ def test_the_page_says_why_the_selected_request_missed(three_misses, tmp_path):
 
     shown = asyncio.run(run())
     for rid in ("b", "again"):
-        assert shown[rid] == "prefix cache: " + describe_prefix_lookup(view.requests[rid].prefix_lookup, BS), shown
+        assert shown[rid] == "prefix cache: " + describe_prefix_lookup(view.requests[rid].prefix_lookup), shown
 
 
 def test_a_fully_cached_prompt_and_a_preempted_recompute_are_explained_again(tiny_engine_factory, tmp_path):
@@ -119,7 +142,7 @@ def test_a_fully_cached_prompt_and_a_preempted_recompute_are_explained_again(tin
     engine = tiny_engine_factory()
     events, view = run_one_at_a_time(engine, {"first": prompt, "second": prompt}, tmp_path / "trace.jsonl")
     assert view.requests["second"].prefix_lookup == PrefixLookup(3, 3, "all_hit")
-    assert describe_prefix_lookup(view.requests["second"].prefix_lookup, BS) == "3/3 full blocks cached"
+    assert describe_prefix_lookup(view.requests["second"].prefix_lookup) == "3/3 blocks hit"
     # Only admissions carry a lookup: decodes and later chunks do not.
     assert sum(1 for ev in events for s in ev.scheduled if s.prefix_lookup) == 2
 
@@ -204,7 +227,8 @@ def test_an_evicted_block_stops_being_a_sibling():
 
 
 @pytest.mark.parametrize("reason", ["never", "evicted", "reset", "differs", "unrecorded"])
-def test_every_reason_reads_as_a_sentence(reason):
-    text = describe_prefix_lookup(PrefixLookup(5, 2, reason, 3, "r1", 9), 4)
-    assert text.startswith("2/5 full blocks cached; block 2 (tokens 8-11) missed: ") and reason not in ("",)
-    assert "None" not in text
+def test_every_reason_is_said_in_a_short_line(reason):
+    text = describe_prefix_lookup(PrefixLookup(13, 6, reason, 31, "r6", 100))
+    assert text.startswith("6/13 blocks hit; block 6 missed: ") and "None" not in text
+    # Two lines of the output panel in a 100x30 terminal (about 45 columns), so it stays in view there.
+    assert len("prefix cache: " + text) <= 80

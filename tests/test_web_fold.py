@@ -39,7 +39,7 @@ def comparable(state: WatchState) -> dict[str, Any]:
         "ordered_requests": state.ordered_requests(),
         "used_blocks": sum(1 for o in view.block_owners if o),
         "log": [[line.step, line.kind, line.text, line.request_id] for line in state.log],
-        "lookups": {rid: r.prefix_lookup and describe_prefix_lookup(r.prefix_lookup, view.info.block_size)
+        "lookups": {rid: r.prefix_lookup and describe_prefix_lookup(r.prefix_lookup)
                     for rid, r in view.requests.items()},
         "metrics": {name: list(getattr(state, name).history) for name in METRICS},
     }

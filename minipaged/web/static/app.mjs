@@ -336,7 +336,7 @@ function drawTable(st) {
       el("td", { textContent: r.state }), el("td", { className: "prompt", textContent: preview(r.prompt), title: r.prompt }),
       el("td", { textContent: `${r.num_computed}/${r.prompt_len}` }), el("td", { textContent: `${r.num_output_tokens}/${r.max_tokens}` }),
       el("td", { textContent: String(r.num_cached_tokens),
-        title: r.prefix_lookup ? describeLookup(r.prefix_lookup, st.info.block_size) : "" }),
+        title: r.prefix_lookup ? describeLookup(r.prefix_lookup) : "" }),
       el("td", { textContent: String(r.num_preemptions) }),
       el("td", { textContent: r.finish_reason || "" }));
     row.dataset.request = rid;
@@ -363,7 +363,7 @@ function drawOutput(st) {
   $("output").replaceChildren(...(r ? colouredOutput(r) : []));
   // What the prefix cache said when it was admitted, in the TUI's words (tui/widgets/output.py).
   $("output-cache").textContent = r && r.prefix_lookup
-    ? `prefix cache: ${describeLookup(r.prefix_lookup, st.info.block_size)}` : "";
+    ? `prefix cache: ${describeLookup(r.prefix_lookup)}` : "";
 }
 
 // tui/widgets/output.py's PROBABILITY_COLOURS: a step's tokens coloured by their probability (requests that

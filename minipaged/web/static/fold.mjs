@@ -129,18 +129,17 @@ function release(st, freed) {
 }
 
 /** events.py's describe_prefix_lookup: a request's prefix-cache hits and why its first miss missed. */
-export function describeLookup(lookup, blockSize) {
-  const hits = `${lookup.num_hit_blocks}/${lookup.num_blocks} full blocks cached`;
+export function describeLookup(lookup) {
+  const hits = `${lookup.num_hit_blocks}/${lookup.num_blocks} blocks hit`;
   if (lookup.reason === "all_hit") return hits;
-  const start = lookup.num_hit_blocks * blockSize;
   const why = {
     never: "never computed",
     evicted: `evicted at step ${lookup.evicted_step} for ${lookup.evicted_for}`,
-    reset: `dropped by a prefix-cache reset at step ${lookup.evicted_step}`,
-    differs: `its tokens differ from the cached ones from position ${lookup.differs_at}`,
-    unrecorded: "not cached (never computed, or evicted longer ago than the engine remembers)",
+    reset: `cache reset at step ${lookup.evicted_step}`,
+    differs: `tokens differ at position ${lookup.differs_at}`,
+    unrecorded: "evicted long ago, or never seen",
   }[lookup.reason] ?? lookup.reason;
-  return `${hits}; block ${lookup.num_hit_blocks} (tokens ${start}-${start + blockSize - 1}) missed: ${why}`;
+  return `${hits}; block ${lookup.num_hit_blocks} missed: ${why}`;
 }
 
 // ------------------------------------------------------------------------------------------ the log
@@ -347,7 +346,7 @@ export function comparable(st) {
     queues: queues(st), ordered_requests: orderedRequests(st), used_blocks: usedBlocks(st),
     log: st.log.map((l) => [l.step, l.kind, l.text, l.request_id]),
     lookups: Object.fromEntries([...st.requests].map(([rid, r]) =>
-      [rid, r.prefix_lookup && describeLookup(r.prefix_lookup, st.info.block_size)])),
+      [rid, r.prefix_lookup && describeLookup(r.prefix_lookup)])),
     metrics: Object.fromEntries(METRICS.map((name) => [name, [...st.metrics[name]]])),
   };
 }
