@@ -19,7 +19,8 @@ reasons, and each needs its own evidence, kept as blocks gain and lose their has
 
 The engine thread pays on the hot path only a tuple, an ``insort`` and a dict write per block that gets a
 hash (one every ``block_size`` tokens), and a ``bisect`` removal per evicted block; the explanation itself
-is built once per admission.
+is built once per admission. Inserting and removing move up to k list entries, k being the cached blocks
+with the same parent: a handful inside a shared prefix, and one per distinct first block at the root.
 """
 from __future__ import annotations
 
