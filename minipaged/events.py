@@ -56,7 +56,7 @@ class RequestArrival:
     prompt: str                  # the prompt as text (token-id prompts decoded); how to shorten it is the UI's call
     arrival_s: Optional[float] = None   # when add_request took it, on StepEvent.time_s's clock (None: old trace)
     # Only in a late watcher's snapshot (serve/async_engine.py): the lookup it was admitted with, long ago.
-    prefix_lookup: Optional["PrefixLookup"] = None
+    prefix_lookup: Optional[PrefixLookup] = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RequestArrival":
@@ -74,8 +74,8 @@ class PrefixLookup:
     ``reason`` is one of:
 
     * ``"all_hit"``: every full block was cached (only full blocks are cached: the tail is computed anyway);
-    * ``"never"``: no block ever held that block's hash (exact: the engine's record of evictions never
-      overflowed);
+    * ``"never"``: no block ever held that block's hash (said only while the engine's bounded record of
+      evictions has forgotten none, so it is exact);
     * ``"evicted"``: it was cached, and the allocation for request ``evicted_for`` took its block at step
       ``evicted_step``;
     * ``"reset"``: it was cached until ``reset_prefix_cache`` dropped every hash, at step ``evicted_step``;
@@ -91,11 +91,6 @@ class PrefixLookup:
     evicted_step: Optional[int] = None
     evicted_for: Optional[str] = None
     differs_at: Optional[int] = None
-
-    @property
-    def missed_block(self) -> Optional[int]:
-        """Index (in the request's block table) of the first block that missed; None if all hit."""
-        return None if self.reason == "all_hit" else self.num_hit_blocks
 
 
 def describe_prefix_lookup(lookup: PrefixLookup) -> str:
