@@ -62,6 +62,22 @@ class Text:
 
 
 @dataclass(frozen=True)
+class OneTokenChanged(Text):
+    """``Text(source, num_tokens)`` with the token at ``position`` replaced by the first token of ``word``: a
+    prompt that differs from the other in exactly one token (the date in a system prompt, a name)."""
+
+    position: int = 0
+    word: str = ""
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        ids = super().token_ids(tokenizer)
+        new = list(tokenizer(self.word, add_special_tokens=False).input_ids)[:1]
+        if not new or new[0] == ids[self.position]:
+            raise ValueError(f"{self.word!r} does not change token {self.position} of {self.source[:30]!r}")
+        return ids[:self.position] + new + ids[self.position + 1:]
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     """One request of a scenario: added just before engine step ``step`` (1 is the first step)."""
 

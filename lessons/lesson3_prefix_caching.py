@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core import Checkpoint, QuizQuestion, Run, Scenario, Trace, Text, pct, request
+from minipaged.events import PrefixLookup, describe_prefix_lookup
+
+from .core import Checkpoint, OneTokenChanged, QuizQuestion, Run, Scenario, Trace, Text, pct, request
 from .texts import DOCUMENTS, OTHER_SYSTEM, QUESTIONS, SYSTEM
 
 NUMBER = 3
 TITLE = "Prefix caching"
-SUMMARY = "a shared system prompt: hits, shared blocks, LRU eviction"
+SUMMARY = "a shared system prompt: hits, shared blocks, LRU eviction, why a block missed"
 
 SYS = Text(SYSTEM, 192)                 # the shared system prompt: 12 full blocks of 16 tokens
+SYS_EDITED = OneTokenChanged(SYSTEM, 192, position=100, word=" Monday")   # the same but for one token
 
 SCENARIO = Scenario(
     options=dict(block_size=16, num_blocks=32, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512),
@@ -23,6 +26,8 @@ SCENARIO = Scenario(
         request("r5", 30, SYS, Text(QUESTIONS[4], 24), max_tokens=6),     # after everyone else finished
         request("r6", 40, Text(OTHER_SYSTEM, 100), Text(DOCUMENTS[1], 200), max_tokens=6),   # needs room
         request("r7", 50, SYS, Text(QUESTIONS[5], 28), max_tokens=6),
+        request("r8", 60, SYS_EDITED, Text(QUESTIONS[6], 24), max_tokens=6),  # one token differs at 100
+        request("r9", 62, Text(DOCUMENTS[0], 150), max_tokens=6),         # r1's prompt again, after r6
     ),
     variants={"cache-on": {}, "cache-off": {"enable_prefix_caching": False}},
 )
@@ -39,6 +44,12 @@ def admission(run: Run, rid: str) -> dict[str, Any]:
                 waited=step - run.arrival_step(rid))
 
 
+def lookup(run: Run, rid: str) -> PrefixLookup:
+    """What the prefix cache said when the request was admitted (its ScheduledRequest's ``prefix_lookup``)."""
+    return next(s.prefix_lookup for ev in run.events for s in ev.scheduled
+                if s.request_id == rid and s.prefix_lookup is not None)
+
+
 def measure(runs: dict[str, Run]) -> dict[str, Any]:
     on, off = runs["cache-on"], runs["cache-off"]
     bs = on.info.block_size
@@ -49,6 +60,7 @@ def measure(runs: dict[str, Run]) -> dict[str, Any]:
     for _ev, view in on.views():
         max_share = max(max_share, max(len(o) for o in view.block_owners))
     counters = on.events[-1].counters
+    r2_miss, r8_miss, r9_miss = lookup(on, "r2"), lookup(on, "r8"), lookup(on, "r9")
     return {
         "sys_tokens": SYS.num_tokens,
         "sys_blocks": SYS.num_tokens // bs,
@@ -77,6 +89,19 @@ def measure(runs: dict[str, Run]) -> dict[str, Any]:
         "r6_evicted": len(on.event(r6_step).kv.evicted),
         "evictions": int(counters["blocks_evicted"]),
         "r7_cached": r7["cached"],
+        "r1_miss": lookup(on, "r1").reason,
+        "r2_miss": r2_miss.reason,
+        "r2_differs_at": r2_miss.differs_at,
+        "r8_miss": r8_miss.reason,
+        "r8_differs_at": r8_miss.differs_at,
+        "r8_hit_blocks": r8_miss.num_hit_blocks,
+        "r8_recomputed_sys_blocks": SYS.num_tokens // bs - r8_miss.num_hit_blocks,
+        "sys_blocks_but_one": SYS.num_tokens // bs - 1,
+        "r9_miss": r9_miss.reason,
+        "r9_hit_blocks": r9_miss.num_hit_blocks,
+        "r9_blocks": r9_miss.num_blocks,
+        "r9_evicted_step": r9_miss.evicted_step,
+        "r9_evicted_for": r9_miss.evicted_for,
     }
 
 
@@ -129,6 +154,16 @@ def _hit_after_eviction(t: Trace) -> Any:
     return None
 
 
+def _miss(t: Trace, rid: str, reason: str) -> Any:
+    """The request was admitted this step and its event says why its first missing block missed."""
+    if rid not in t.admitted():
+        return None
+    found = t.view.requests[rid].prefix_lookup
+    if found is None or found.reason != reason:
+        return None
+    return f"{rid}: {describe_prefix_lookup(found)}"
+
+
 def _no_cache_wait(t: Trace) -> Any:
     if "r2" in t.admitted():
         req = t.view.requests["r2"]
@@ -149,6 +184,11 @@ CHECKPOINTS = [
                "watch for ✗ evicted in the event log when r6 arrives", variants=("cache-on",)),
     Checkpoint("after the eviction, r7 still finds the whole system prompt cached", _hit_after_eviction,
                "let r7 arrive; count its cached tokens in the Requests table", variants=("cache-on",)),
+    Checkpoint("one changed token in r8's system prompt: every block from it on misses",
+               lambda t: _miss(t, "r8", "differs"),
+               "let r8 arrive and select it: the Output panel says where its tokens differ", variants=("cache-on",)),
+    Checkpoint("r1's prompt comes back as r9, but r6 evicted its blocks: the miss names the step and the request",
+               lambda t: _miss(t, "r9", "evicted"), "let r9 arrive and select it", variants=("cache-on",)),
     Checkpoint("without the cache, r2 has to wait until all its blocks are free", _no_cache_wait,
                "run with --no-prefix-caching and press n until r2 is admitted", variants=("cache-off",)),
 ]
@@ -178,4 +218,12 @@ QUIZ = [
         "Freed blocks join the back of the free queue and new blocks come from the front: LRU. A popular "
         "system prompt is freed last (its last user finished most recently), so it survived r6's eviction "
         "of {{measured.r6_evicted}} blocks."),
+    QuizQuestion(
+        "r8's system prompt is the cached one with token {{measured.r8_differs_at}} changed (a date, say). How "
+        "many of the system prompt's {{measured.sys_blocks}} blocks does r8 find cached?",
+        ("{{measured.sys_blocks_but_one}}", "{{measured.r8_hit_blocks}}", "0", "{{measured.sys_blocks}}"),
+        1,
+        "{{measured.r8_hit_blocks}}: the blocks before the change. A block's hash chains every token before it, "
+        "so the {{measured.r8_recomputed_sys_blocks}} system-prompt blocks from the one holding token "
+        "{{measured.r8_differs_at}} on are all new, though their tokens after it are the same."),
 ]

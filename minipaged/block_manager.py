@@ -14,6 +14,10 @@ vLLM's LRU takes the blocks freed longest ago first; a request frees its blocks 
 freed together the deepest goes first. Blocks with no hash hold nothing reusable, so they go to the *front*
 of the queue and are reused first.
 
+Every admission's lookup is explained (``explain_lookup``): how many blocks hit, and why the first miss
+missed (never computed, evicted at step S for request R, or its tokens differ from the cached ones from
+position P), from a small bounded record of evictions and cached blocks (minipaged/prefix_misses.py).
+
 The pool keeps its counts (free, cached and free) as it goes, so every step's event reads them in O(1).
 
 Every change is written straight into ``changes``, the ``events.KVChanges`` that the step's StepEvent
@@ -25,9 +29,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .events import KVChanges
+from .events import KVChanges, PrefixLookup
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .policies.eviction import FreeBlockQueue, LRUFreeBlockQueue
+from .prefix_misses import MissRecord
 from .request import Request
 
 BlockHash = bytes
@@ -81,6 +86,8 @@ class KVCacheManager:
         self.changes = KVChanges()
         self.forward_done = False     # frees from now on happened after this step's forward pass
         self.kv_events: Optional[list[KVCacheEvent]] = None   # a list: record vLLM's KV events (kv_events.py)
+        self.step = 1                 # the engine step under way: drain_changes (once a step) counts them
+        self.misses = MissRecord(num_blocks)     # evidence for explain_lookup
 
     # ------------------------------------------------------------------ queries
     @property
@@ -124,6 +131,16 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits, min(len(hits) * self.block_size, req.num_tokens - 1)
+
+    def explain_lookup(self, req: Request, num_hit_blocks: int) -> PrefixLookup:
+        """Why ``find_cached_prefix`` found only ``num_hit_blocks`` blocks of the request: call it before the
+        request's own allocation publishes its blocks (its own hashes would then be found)."""
+        bs = self.block_size
+        hashes = self._block_hashes(req, req.num_tokens // bs)
+        parent = hashes[num_hit_blocks - 1] if num_hit_blocks else ROOT_HASH
+        missed = req.token_ids_between(num_hit_blocks * bs, (num_hit_blocks + 1) * bs) \
+            if num_hit_blocks < len(hashes) else []
+        return self.misses.explain(hashes, num_hit_blocks, parent, req_extra_keys(req), missed, bs)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup. With caching off there was no lookup, so nothing is counted (as vLLM)."""
@@ -175,7 +192,7 @@ class KVCacheManager:
             self.changes.cache_hits.setdefault(rid, []).extend(cached_blocks)
             self.req_num_hashed[rid] = len(table)
         for _ in range(self.blocks_needed(start + num_new_tokens + num_lookahead_tokens) - len(table)):
-            block_id = self._take_free_block()
+            block_id = self._take_free_block(rid)
             table.append(block_id)
             self.changes.allocated.setdefault(rid, []).append(block_id)
         if self.enable_caching:
@@ -183,13 +200,14 @@ class KVCacheManager:
             self._register_full_blocks(req, min(start + num_new_tokens, req.num_tokens))
         return True
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self, for_request: str) -> int:
         block_id = self.free_queue.pop_front()
         block = self.blocks[block_id]
         if block.block_hash is not None:                 # reusing a cached block: its prefix is gone
             self._num_cached_free -= 1
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+                self.misses.dropped(block.block_hash, self.step, for_request)
             if self.kv_events is not None:
                 self.kv_events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None
@@ -212,6 +230,7 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(req, num_full)
         stored = []
+        bs, extra = self.block_size, req_extra_keys(req)
         for i in range(done, num_full):
             block = self.blocks[table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block:
@@ -219,6 +238,8 @@ class KVCacheManager:
                 self.hash_to_block[hashes[i]] = block.block_id
                 self.changes.cached.append(block.block_id)
                 stored.append(i)
+                self.misses.cached(hashes[i], hashes[i - 1] if i else ROOT_HASH, extra,
+                                   req.token_ids_between(i * bs, (i + 1) * bs))
         self.req_num_hashed[rid] = num_full
         if self.kv_events is not None and stored:
             self._record_stored(req, hashes, stored)
@@ -265,6 +286,7 @@ class KVCacheManager:
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
         for block_id in dropped:
+            self.misses.dropped(self.blocks[block_id].block_hash, self.step, None)
             self.blocks[block_id].block_hash = None
         self.hash_to_block.clear()
         for rid, table in self.req_blocks.items():
@@ -296,7 +318,7 @@ class KVCacheManager:
 
     def swap_in(self, req: Request, cpu_pool: "CpuBlockPool") -> list[tuple[int, int]]:
         cpu_blocks = cpu_pool.release(req.request_id)
-        table = [self._take_free_block() for _ in cpu_blocks]
+        table = [self._take_free_block(req.request_id) for _ in cpu_blocks]
         self.req_blocks[req.request_id] = table
         self.req_num_hashed[req.request_id] = 0
         if self.enable_caching:
@@ -316,6 +338,7 @@ class KVCacheManager:
         """Everything that happened to blocks since the last drain; called once per step, for its event."""
         changes, self.changes = self.changes, KVChanges()
         self.forward_done = False
+        self.step += 1
         return changes
 
     def check_invariants(self) -> None:
@@ -334,6 +357,7 @@ class KVCacheManager:
                 assert self.hash_to_block.get(block.block_hash) == block.block_id, "hash map disagrees"
         for h, b in self.hash_to_block.items():
             assert self.blocks[b].block_hash == h, "hash map points at a block with another hash"
+        self.misses.check(self.hash_to_block.keys())
         assert len(free) + sum(1 for r in refs if r > 0) == self.num_blocks, "free + used != total"
         recount = sum(1 for b in free if self.blocks[b].block_hash is not None)
         assert self._num_cached_free == recount, f"kept cached-free count {self._num_cached_free} != recount {recount}"

@@ -74,13 +74,57 @@ class RequestArrival:
     # The n samples of one request share one prompt: it is sent once, with the first; the others name it here
     # (an earlier arrival of the same event) and carry prompt "". None: this arrival carries its own.
     prompt_of: Optional[str] = None
+    # Only in a late watcher's snapshot (serve/async_engine.py): the lookup it was admitted with, long ago.
+    prefix_lookup: Optional[PrefixLookup] = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RequestArrival":
         d = dict(d)
         if "prompt_preview" in d:           # traces recorded before the engine stopped shortening prompts
             d["prompt"] = d.pop("prompt_preview")
-        return RequestArrival(**d)
+        return RequestArrival(**{**d, "prefix_lookup": _lookup(d.get("prefix_lookup"))})
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """What the prefix cache answered when a request was admitted: how many of its full blocks hit, and why
+    the first one that did not hit missed (``KVCacheManager.explain_lookup`` in minipaged/block_manager.py).
+
+    ``reason`` is one of:
+
+    * ``"all_hit"``: every full block was cached (only full blocks are cached: the tail is computed anyway);
+    * ``"never"``: no block ever held that block's hash (said only while the engine's bounded record of
+      evictions has forgotten none, so it is exact);
+    * ``"evicted"``: it was cached, and the allocation for request ``evicted_for`` took its block at step
+      ``evicted_step``;
+    * ``"reset"``: it was cached until ``reset_prefix_cache`` dropped every hash, at step ``evicted_step``;
+    * ``"differs"``: the request's tokens differ from every cached continuation of its hits from token
+      ``differs_at`` on (the cached chain it shares is ``differs_at`` tokens long);
+    * ``"unrecorded"``: not cached, nor among the recent evictions the engine remembers (a bounded record):
+      never computed, or evicted before those.
+    """
+
+    num_blocks: int              # full blocks of the request's tokens when it was admitted
+    num_hit_blocks: int          # the first num_hit_blocks of them were cached
+    reason: str
+    evicted_step: Optional[int] = None
+    evicted_for: Optional[str] = None
+    differs_at: Optional[int] = None
+
+
+def describe_prefix_lookup(lookup: PrefixLookup) -> str:
+    """One short line for a person (a narrow TUI panel keeps it in view): the TUI's output panel and the web
+    page (fold.mjs's describeLookup) say the same. Blocks are full blocks: only those are cached."""
+    hits = f"{lookup.num_hit_blocks}/{lookup.num_blocks} blocks hit"
+    if lookup.reason == "all_hit":
+        return hits
+    why = {"never": "never computed",
+           "evicted": f"evicted at step {lookup.evicted_step} for {lookup.evicted_for}",
+           "reset": f"cache reset at step {lookup.evicted_step}",
+           "differs": f"tokens differ at position {lookup.differs_at}",
+           "unrecorded": "evicted long ago, or never seen",
+           }.get(lookup.reason, lookup.reason)
+    return f"{hits}; block {lookup.num_hit_blocks} missed: {why}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +147,7 @@ class ScheduledRequest:
     num_accepted: int = 0
     draft_pieces: tuple[str, ...] = ()   # each draft token as text, for drawing (thin clients have no tokenizer)
     target_piece: str = ""               # the target's own token after the accepted drafts, as text
+    prefix_lookup: Optional[PrefixLookup] = None   # the step it was admitted: its prefix-cache hits and first miss
 
     @property
     def num_new_tokens(self) -> int:
@@ -222,7 +267,8 @@ class StepEvent:
         return StepEvent(
             **{**d, "kv": kv,
                "scheduled": tuple(ScheduledRequest(**{**s, "draft_token_ids": tuple(s.get("draft_token_ids", ())),
-                                                       "draft_pieces": tuple(s.get("draft_pieces", ()))})
+                                                       "draft_pieces": tuple(s.get("draft_pieces", ())),
+                                                       "prefix_lookup": _lookup(s.get("prefix_lookup"))})
                                   for s in d.get("scheduled", ())),
                "arrivals": tuple(RequestArrival.from_dict(a) for a in d.get("arrivals", ())),
                "preempted": tuple(Preemption(**p) for p in d.get("preempted", ())),
@@ -231,6 +277,11 @@ class StepEvent:
                "constrained": {r: tuple(pair) for r, pair in d.get("constrained", {}).items()},
                "waiting": tuple(d.get("waiting", ())), "running": tuple(d.get("running", ())),
                "swapped": tuple(d.get("swapped", ()))})
+
+
+def _lookup(d: Optional[dict[str, Any]]) -> Optional[PrefixLookup]:
+    """A PrefixLookup from JSON (None: a trace recorded before lookups were explained, or no lookup was made)."""
+    return None if d is None else PrefixLookup(**d)
 
 
 # --------------------------------------------------------------------------------------------- traces
@@ -326,6 +377,7 @@ class RequestView:
     num_preemptions: int = 0
     blocks: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
+    prefix_lookup: Optional[PrefixLookup] = None   # its latest admission's (a recompute is admitted again)
 
 
 class EngineView:
@@ -347,7 +399,8 @@ class EngineView:
         for a in ev.arrivals:
             shared = self.requests.get(a.prompt_of) if a.prompt_of is not None else None
             prompt = shared.prompt if shared is not None else a.prompt
-            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, prompt)
+            self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, prompt,
+                                                      prefix_lookup=a.prefix_lookup)
         kv = ev.kv
         for rid, pairs in kv.swapped_out.items():
             for _gpu, cpu in pairs:
@@ -385,6 +438,8 @@ class EngineView:
                 req.num_output_tokens = s.num_output_tokens
                 if s.num_cached_tokens:
                     req.num_cached_tokens = s.num_cached_tokens
+                if s.prefix_lookup is not None:
+                    req.prefix_lookup = s.prefix_lookup
         for rid, text in ev.new_text.items():
             if rid in self.requests:
                 self.requests[rid].text += text

@@ -49,6 +49,7 @@ from typing import Optional, Sequence
 
 from .block_manager import CpuBlockPool, KVCacheManager
 from .config import EngineConfig
+from .events import PrefixLookup
 from .policies import load_policy
 from .request import Request, RequestStatus
 
@@ -72,6 +73,7 @@ class ScheduledChunk:
     cached_prefix_end: int = 0      # positions below this sit in cache-hit blocks: never rewrite their KV
     samples: bool = False           # True when every known token has KV after this chunk
     spec_token_ids: tuple[int, ...] = ()   # draft tokens, the chunk's last tokens (speculative decoding)
+    prefix_lookup: Optional[PrefixLookup] = None   # admitted this step: what the prefix cache said, and why
 
     @property
     def end(self) -> int:
@@ -173,11 +175,13 @@ class Scheduler:
             self.kv.free(req)
 
     def _chunk(self, req: Request, start: int, num_new: int, num_cached: int = 0,
-               cached_prefix_end: int = 0, spec_token_ids: Sequence[int] = ()) -> ScheduledChunk:
+               cached_prefix_end: int = 0, spec_token_ids: Sequence[int] = (),
+               prefix_lookup: Optional[PrefixLookup] = None) -> ScheduledChunk:
         """The runner's share of a grant: the tokens, the block table now, and whether it samples."""
         return ScheduledChunk(req, start, num_new, tuple(self.kv.blocks_of(req.request_id)), num_cached,
                               cached_prefix_end, samples=start + num_new - len(spec_token_ids) == req.num_tokens,
-                              spec_token_ids=tuple(spec_token_ids) if spec_token_ids else ())
+                              spec_token_ids=tuple(spec_token_ids) if spec_token_ids else (),
+                              prefix_lookup=prefix_lookup)
 
     def _allocate(self, req: Request, num_new: int, start: Optional[int] = None,
                   cached_blocks: Sequence[int] = ()) -> bool:
@@ -332,8 +336,10 @@ class Scheduler:
                     self._fail(culprit, "scheduling_policy", self.order, e, out)
                 continue
             # Prompt log-probabilities need every prompt row's logits: a cached prefix has none (as in vLLM).
-            cached_blocks, num_cached = self.kv.find_cached_prefix(req) if req.params.prompt_logprobs is None \
-                else ([], 0)
+            looked = self.kv.enable_caching and req.params.prompt_logprobs is None
+            cached_blocks, num_cached = self.kv.find_cached_prefix(req) if looked else ([], 0)
+            # Explained before the allocation publishes the request's own blocks (they would then be found).
+            lookup = self.kv.explain_lookup(req, len(cached_blocks)) if looked else None
             num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
             if num_new > budget:
                 if not chunked:
@@ -349,7 +355,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_cached, num_new, num_cached,
-                                          cached_prefix_end=len(cached_blocks) * self.kv.block_size))
+                                          cached_prefix_end=len(cached_blocks) * self.kv.block_size,
+                                          prefix_lookup=lookup))
             budget -= num_new
         return budget
 

@@ -70,7 +70,7 @@ async def test_panel_ticks_checkpoints_from_events_and_runs_the_quiz(tiny_model)
         wrong = (quiz[1].answer + 1) % len(quiz[1].choices)
         await pilot.press(str(wrong + 1))
         shown = str(panel.quiz_text())
-        assert "Quiz 1/3 right" in shown and "✗ Q2" in shown and quiz[1].explanation in shown
+        assert "Quiz 1/4 right" in shown and "✗ Q2" in shown and quiz[1].explanation in shown
         await pilot.press("pagedown", "pageup")
         for event in run.events[3:]:
             panel.feed(event, run.info)
@@ -99,15 +99,15 @@ def shown_marks(text: str) -> list[str]:
 
 
 def test_the_count_matches_the_checkpoints_listed_for_this_run(tiny_model):
-    """Lesson 3's cache-on run has 6 of the lesson's 7 checkpoints: the count says 6, six are listed under
-    it, and the seventh is listed apart, as another run's."""
+    """Lesson 3's cache-on run has 8 of the lesson's 9 checkpoints: the count says 8, eight are listed under
+    it, and the ninth is listed apart, as another run's."""
     lesson = get_lesson(3)
     run = run_variant(lesson.scenario, tiny_model, "cache-on")
     panel = LessonPanel(lesson)
     panel.tracker = lesson.tracker(run.info)
     text = str(panel.checkpoints_text())
     this_run, other_runs = text.split("more in the lesson's other runs")
-    assert "Checkpoints 0/6 in this run" in this_run and len(shown_marks(this_run)) == 6
+    assert "Checkpoints 0/8 in this run" in this_run and len(shown_marks(this_run)) == 8
     assert shown_marks(other_runs) == ["·"]
 
 
@@ -161,7 +161,7 @@ async def test_stepping_back_in_a_replay_unticks_later_checkpoints(tiny_model):
         await pilot.press("b")
         assert hit not in panel.ticked_on_screen()
         assert "✔ a request is admitted reusing" not in str(panel.checkpoints_text())
-        assert "Checkpoints 1/6" in str(panel.checkpoints_text())
+        assert "Checkpoints 1/8" in str(panel.checkpoints_text())
         await pilot.press("n")
         assert panel.ticked_on_screen()[hit][0] == 3
         await pilot.press("q")

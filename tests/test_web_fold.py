@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from minipaged import SamplingParams, StructuredOutputsParams
-from minipaged.events import StepEvent
+from minipaged.events import StepEvent, describe_prefix_lookup
 from minipaged.serve.async_engine import snapshot_event
 from minipaged.tui.state import FINISHED_KEPT, WatchState
 
@@ -39,6 +39,8 @@ def comparable(state: WatchState) -> dict[str, Any]:
         "ordered_requests": state.ordered_requests(),
         "used_blocks": sum(1 for o in view.block_owners if o),
         "log": [[line.step, line.kind, line.text, line.request_id] for line in state.log],
+        "lookups": {rid: r.prefix_lookup and describe_prefix_lookup(r.prefix_lookup)
+                    for rid, r in view.requests.items()},
         "metrics": {name: list(getattr(state, name).history) for name in METRICS},
     }
 
@@ -134,6 +136,8 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert shared and all(a.prompt == "" for a in shared), "no arrival that shares its prompt"
     finished = sum(len(ev.finished) for ev in traces["samples-share-a-prompt-old-ones-forgotten"][1])
     assert finished > FINISHED_KEPT, "nothing old enough to forget"
+    reasons = {s.prefix_lookup.reason for ev in events for s in ev.scheduled if s.prefix_lookup}
+    assert {"never", "differs", "evicted", "all_hit"} <= reasons, reasons      # the page says each in words
 
 
 @pytest.mark.skipif(NODE is None, reason="node (20 or later) is not installed: apt-get install nodejs (.ci/run installs it)")
@@ -144,7 +148,13 @@ def test_the_pages_fold_equals_watch_state_at_every_step(traces, tmp_path):
     state = WatchState(info)
     for ev in events[:9]:
         state.apply(ev)
-    cases.append(case("late-join-snapshot", info, [snapshot_event(state.view), *events[9:]]))
+    snapshot = snapshot_event(state.view)
+    late = WatchState(info)
+    late.apply(StepEvent.from_dict(json.loads(snapshot.to_json())))
+    assert {r.request_id: r.prefix_lookup for r in late.view.requests.values()} == \
+        {r.request_id: r.prefix_lookup for r in state.view.requests.values()}, "a late watcher lost the lookups"
+    assert any(r.prefix_lookup for r in late.view.requests.values())
+    cases.append(case("late-join-snapshot", info, [snapshot, *events[9:]]))
     path = tmp_path / "cases.json"
     path.write_text(json.dumps(cases))
     result = subprocess.run([NODE, "--test", str(HERE / "web" / "fold.test.mjs"), str(HERE / "web" / "sse.test.mjs")],

@@ -1,5 +1,8 @@
 """The selected request's output, streaming in token by token (from ``StepEvent.new_text``).
 
+Above them, kept in view while the output scrolls: what the prefix cache said when the request was admitted
+(how many full blocks hit, and why the first miss missed: ``ScheduledRequest.prefix_lookup``).
+
 A request that asked for log-probabilities has its output coloured by how likely the model found each
 step's tokens (``StepEvent.new_logprobs``: the raw model's probabilities), from green (likely) to red.
 """
@@ -9,6 +12,8 @@ from typing import Optional, Sequence
 
 from rich.text import Text
 from textual.widget import Widget
+
+from minipaged.events import describe_prefix_lookup
 
 from ..state import WatchState, clean_preview, printable
 
@@ -66,5 +71,12 @@ class OutputPanel(Widget):
             text.append(f"  [{req.finish_reason}]", style="dim")
         width = max(10, self.content_size.width)
         height = max(1, self.content_size.height)
-        lines = text.wrap(self.app.console, width)
-        return Text("\n").join(list(lines)[-height:])
+        lines = list(text.wrap(self.app.console, width))
+        if req.prefix_lookup is not None:
+            note = Text("prefix cache: " + describe_prefix_lookup(req.prefix_lookup),
+                        style="#7d8fa3")
+            pinned = list(note.wrap(self.app.console, width))
+            if 2 * len(pinned) <= height:           # kept in view above the output's tail, while it fits
+                return Text("\n").join(pinned + lines[max(0, len(lines) - (height - len(pinned))):])
+            lines = pinned + lines
+        return Text("\n").join(lines[-height:])

@@ -4,7 +4,7 @@
 // act on the buffered events and never touch the engine.
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
-  FREE, CACHED, PALETTE } from "./fold.mjs";
+  FREE, CACHED, PALETTE, describeLookup } from "./fold.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
 const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
@@ -362,7 +362,9 @@ function drawTable(st) {
     const row = el("tr", { className: rid === view.selected ? "selected" : "" }, el("td", {}, chip(st, rid)),
       el("td", { textContent: r.state }), el("td", { className: "prompt", textContent: preview(r.prompt), title: r.prompt }),
       el("td", { textContent: `${r.num_computed}/${r.prompt_len}` }), el("td", { textContent: `${r.num_output_tokens}/${r.max_tokens}` }),
-      el("td", { textContent: String(r.num_cached_tokens) }), el("td", { textContent: String(r.num_preemptions) }),
+      el("td", { textContent: String(r.num_cached_tokens),
+        title: r.prefix_lookup ? describeLookup(r.prefix_lookup) : "" }),
+      el("td", { textContent: String(r.num_preemptions) }),
       el("td", { textContent: r.finish_reason || "" }));
     row.dataset.request = rid;
     if (isMine(rid)) row.dataset.mine = "true";
@@ -386,6 +388,9 @@ function drawOutput(st) {
   const r = rid && st.requests.get(rid);
   $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
   $("output").replaceChildren(...(r ? colouredOutput(r) : []));
+  // What the prefix cache said when it was admitted, in the TUI's words (tui/widgets/output.py).
+  $("output-cache").textContent = r && r.prefix_lookup
+    ? `prefix cache: ${describeLookup(r.prefix_lookup)}` : "";
   // Events carry a preview of a long prompt (its start and end around " … "): the whole text on demand.
   const button = $("whole-prompt");
   button.hidden = replay || !r || r.state === "finished" || !r.prompt.includes(" … ");

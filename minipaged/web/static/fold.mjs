@@ -48,7 +48,8 @@ function newRequest(a, st) {
   const prompt = shared ? shared.prompt : a.prompt ?? a.prompt_preview ?? "";
   return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
-    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [] };
+    finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [],
+    prefix_lookup: a.prefix_lookup ?? null };      // an arrival carries one only in a late watcher's snapshot
 }
 
 /** events.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
@@ -96,6 +97,7 @@ function applyView(st, ev) {
       req.num_computed = computedEnd(s);
       req.num_output_tokens = s.num_output_tokens;
       if (s.num_cached_tokens) req.num_cached_tokens = s.num_cached_tokens;
+      if (s.prefix_lookup) req.prefix_lookup = s.prefix_lookup;
     }
   }
   for (const [rid, text] of entries(ev.new_text)) {
@@ -129,6 +131,20 @@ function release(st, freed) {
     const req = st.requests.get(rid);
     if (req) { const gone = new Set(blocks); req.blocks = req.blocks.filter((b) => !gone.has(b)); }
   }
+}
+
+/** events.py's describe_prefix_lookup: a request's prefix-cache hits and why its first miss missed. */
+export function describeLookup(lookup) {
+  const hits = `${lookup.num_hit_blocks}/${lookup.num_blocks} blocks hit`;
+  if (lookup.reason === "all_hit") return hits;
+  const why = {
+    never: "never computed",
+    evicted: `evicted at step ${lookup.evicted_step} for ${lookup.evicted_for}`,
+    reset: `cache reset at step ${lookup.evicted_step}`,
+    differs: `tokens differ at position ${lookup.differs_at}`,
+    unrecorded: "evicted long ago, or never seen",
+  }[lookup.reason] ?? lookup.reason;
+  return `${hits}; block ${lookup.num_hit_blocks} missed: ${why}`;
 }
 
 // ------------------------------------------------------------------------------------------ the log
@@ -348,6 +364,8 @@ export function comparable(st) {
     colours: Object.fromEntries(st.colours), arrival_order: [...st.arrivalOrder],
     queues: queues(st), ordered_requests: orderedRequests(st), used_blocks: usedBlocks(st),
     log: st.log.map((l) => [l.step, l.kind, l.text, l.request_id]),
+    lookups: Object.fromEntries([...st.requests].map(([rid, r]) =>
+      [rid, r.prefix_lookup && describeLookup(r.prefix_lookup)])),
     metrics: Object.fromEntries(METRICS.map((name) => [name, [...st.metrics[name]]])),
   };
 }
