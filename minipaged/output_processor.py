@@ -34,7 +34,7 @@ def sample_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}.{i}" for i in range(n)]
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleChange:
     """What one sample got since the last ``drain()``: its ``SampleDelta`` in the making."""
 
@@ -126,6 +126,18 @@ class OutputProcessor:
             state = self._states[rid]
             req = state.request
             change = self._change(state)
+            if len(tokens) == 1 and not req.params.stop and rid not in logprobs:
+                # The usual step: one token, no stop string to look for, no log-probabilities to keep. What the
+                # loop below does then, without its work: nothing is held back, so the new text goes out whole.
+                state.token_times.append(now)
+                change.token_ids.append(tokens[0])
+                piece = state.detokenizer.add_tokens(tokens)
+                if piece:
+                    state.text += piece
+                    if not req.is_finished:               # (a finished request's text goes out in finish())
+                        change.text += piece
+                        state.num_streamed_chars = len(state.text)
+                continue
             token_logprobs = logprobs.get(rid, ())
             for i, token in enumerate(tokens):
                 state.token_times.append(now)
@@ -237,8 +249,9 @@ class OutputProcessor:
                 self._delivered.add(parent)
             if output is not None:
                 self._delivered.discard(parent)
-            deltas.append(RequestDelta(parent, tuple(sorted(parent_samples, key=lambda d: d.index)),
-                                       prompt_logprobs, output))
+            if len(parent_samples) > 1:
+                parent_samples.sort(key=lambda d: d.index)
+            deltas.append(RequestDelta(parent, tuple(parent_samples), prompt_logprobs, output))
         return DrainedStep(
             tuple(deltas), {sid: c.text for sid, c in changes.items() if c.text},
             {sid: [position[token].logprob for position, token in zip(c.logprobs, c.token_ids)]

@@ -102,7 +102,10 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-@dataclass(frozen=True)
+# The step's deltas are built for every request every step, so they are plain slotted dataclasses: a frozen one
+# costs ~3.5x as much to make (each field set through object.__setattr__), ~0.3 ms a step at 256 requests.
+# Nobody changes them once made.
+@dataclass(slots=True)
 class SampleDelta:
     """What one sample (choice ``index`` of its request) got in one step."""
 
@@ -113,7 +116,7 @@ class SampleDelta:
     finish_reason: Optional[str] = None         # "stop", "length" or "abort", in the sample's last delta only
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestDelta:
     """One request's share of a step: a delta for each of its samples that changed, and its final
     ``RequestOutput`` in the step where its last sample finished. A stream is made of these."""

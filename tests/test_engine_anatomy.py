@@ -225,3 +225,23 @@ def test_a_steps_outputs_carry_each_samples_tokens_text_and_logprobs_and_the_out
         assert "".join(s.text for s in mine) == completion.text
         assert [lp for s in mine for lp in s.logprobs] == completion.logprobs
         assert [s.finish_reason for s in mine][-1] == "length" and {s.finish_reason for s in mine[:-1]} <= {None}
+
+
+def test_plain_requests_stream_their_whole_text_and_observers_see_the_same(tiny_engine_factory):
+    """No stop strings, no log-probabilities (the output processor's short way): every character goes out in the
+    step that made it, the joined deltas are the final text, and the events show the same text."""
+    engine = tiny_engine_factory()
+    shown: dict[str, str] = {}
+    engine.subscribe(lambda event: [shown.__setitem__(sid, shown.get(sid, "") + text)
+                                    for sid, text in event.new_text.items()])
+    ids = [engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True))
+           for i in range(3)]
+    sent: dict[str, str] = {}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step().outputs:
+            sent[delta.request_id] = sent.get(delta.request_id, "") + delta.samples[0].text
+            if delta.finished:
+                outputs[delta.request_id] = delta.output
+    for rid in ids:
+        assert outputs[rid].text and sent[rid] == outputs[rid].text == shown[rid]
