@@ -214,6 +214,10 @@ class Engine:
         for req, stop, surplus in self.outputs.process_tokens(update.new_token_ids, time.perf_counter(),
                                                               outcome.logprobs):
             self.scheduler.finish_on_stop_string(req, stop, surplus, update)     # a stop string, found in the text
+        for req in self.outputs.take_failed():             # its text could not be made: it ends, the others go on
+            if not req.is_finished:
+                self.scheduler.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+                update.finished.append(req)
         for req in failed:                                 # a policy raised deciding about it: aborted
             self._record_finish(req, time.perf_counter())
         for req in update.finished:

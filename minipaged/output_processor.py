@@ -24,7 +24,7 @@ from .detokenizer import IncrementalDetokenizer
 from .events import RequestFinish
 from .outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput,
                       SampleDelta, TokenLogprobs)
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, fail_request
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -84,6 +84,7 @@ class OutputProcessor:
         self._changes: dict[str, SampleChange] = {}      # sample id -> what it got since the last drain
         self._finished: dict[str, RequestOutput] = {}    # request id -> its output, finished since the last drain
         self._withheld: set[str] = set()                 # ids the caller aborted: their changes are not delivered
+        self._failed: list[Request] = []                 # samples whose text could not be made this step
         self._delivered: set[str] = set()                # request ids that got a delta already (prompt logprobs
                                                          # travel in the first)
 
@@ -124,38 +125,55 @@ class OutputProcessor:
         logprobs = logprobs or {}
         for rid, tokens in new_token_ids.items():
             state = self._states[rid]
-            req = state.request
-            change = self._change(state)
-            if len(tokens) == 1 and not req.params.stop and rid not in logprobs:
-                # The usual step: one token, no stop string to look for, no log-probabilities to keep. What the
-                # loop below does then, without its work: nothing is held back, so the new text goes out whole.
-                state.token_times.append(now)
-                change.token_ids.append(tokens[0])
-                piece = state.detokenizer.add_tokens(tokens)
-                if piece:
-                    state.text += piece
-                    if not req.is_finished:               # (a finished request's text goes out in finish())
-                        change.text += piece
-                        state.num_streamed_chars = len(state.text)
+            try:
+                stop = self._add_tokens(state, tokens, now, logprobs.get(rid))
+            except Exception as exc:          # ids its tokenizer cannot decode: this request ends, not the step
+                fail_request(state.request, f"turning its tokens into text failed ({type(exc).__name__}: {exc})")
+                self._failed.append(state.request)
                 continue
-            token_logprobs = logprobs.get(rid, ())
-            for i, token in enumerate(tokens):
-                state.token_times.append(now)
-                change.token_ids.append(token)
-                if i < len(token_logprobs):
-                    position = self.position_logprobs(token_logprobs[i])
-                    state.logprobs.append(position)
-                    change.logprobs.append(position)
-                old_len = len(state.text)
-                state.text += state.detokenizer.add_tokens([token])
-                stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
-                if stop is not None:
-                    stopped.append((req, stop, len(tokens) - 1 - i))
-                    break
-            else:
-                if not req.is_finished:
-                    self._stream(state, finished=False)
+            if stop is not None:
+                stopped.append((state.request, *stop))
         return stopped
+
+    def take_failed(self) -> list[Request]:
+        """The samples whose new tokens could not be turned into text this step (each carries its error): the
+        engine aborts them; the other requests go on."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _add_tokens(self, state: RequestState, tokens: list[int], now: float,
+                    token_logprobs: Optional[list[TokenLogprobs]]) -> Optional[tuple[str, int]]:
+        """One request's new tokens: its text, and (stop string, tokens after it) if a stop string ends it."""
+        req = state.request
+        change = self._change(state)
+        if len(tokens) == 1 and not req.params.stop and token_logprobs is None:
+            # The usual step: one token, no stop string to look for, no log-probabilities to keep. What the
+            # loop below does then, without its work: nothing is held back, so the new text goes out whole.
+            state.token_times.append(now)
+            change.token_ids.append(tokens[0])
+            piece = state.detokenizer.add_tokens(tokens)
+            if piece:
+                state.text += piece
+                if not req.is_finished:               # (a finished request's text goes out in finish())
+                    change.text += piece
+                    state.num_streamed_chars = len(state.text)
+            return None
+        token_logprobs = token_logprobs or ()
+        for i, token in enumerate(tokens):
+            state.token_times.append(now)
+            change.token_ids.append(token)
+            if i < len(token_logprobs):
+                position = self.position_logprobs(token_logprobs[i])
+                state.logprobs.append(position)
+                change.logprobs.append(position)
+            old_len = len(state.text)
+            state.text += state.detokenizer.add_tokens([token])
+            stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
+            if stop is not None:
+                return stop, len(tokens) - 1 - i
+        if not req.is_finished:
+            self._stream(state, finished=False)
+        return None
 
     def position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
         """vLLM's shape: token id -> Logprob, the top N first, then the chosen token if not among them."""

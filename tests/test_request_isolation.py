@@ -116,3 +116,21 @@ def test_bad_words_of_n_samples_are_tokenised_once_and_looked_up_by_prefix(engin
     # each word as written and after a space; "e" alone is one token, banned everywhere
     assert sum(len(v) for by in table.by_prefix.values() for v in by.values()) == 4001
     assert table.always.tolist() == [ord("e")]
+
+
+def test_a_request_whose_text_cannot_be_made_ends_alone(engine):
+    """Detokenizing is per request too: a tokenizer that raises on one request's ids aborts that request with
+    the reason; the others run to their ends and every block comes back."""
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    good = engine.add_request([1, 2, 3], greedy)
+    bad = engine.add_request([4, 5, 6], greedy)
+    state = engine.outputs._states[bad]
+
+    def broken(_tokens):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    state.detokenizer.add_tokens = broken
+    outputs = step_until_done(engine)
+    assert outputs[good].finish_reason == "length" and len(outputs[good].token_ids) == 5
+    failed = outputs[bad].outputs[0]
+    assert failed.finish_reason == "abort" and "turning its tokens into text failed" in failed.error
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
