@@ -171,6 +171,12 @@ def test_compiled_linear_matches_torch_and_leaves_the_rest_to_it():
             # sums of up to 577 products of numbers near 1, in another order: rounding differs by ~1e-5
             torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert PER_ROW_ROWS < 9                                  # both loops were exercised above
+    # Up to PER_ROW_ROWS rows, a row's result does not depend on the rows beside it, to the bit: a verification's
+    # rows get the numbers a decode of each gets (cpu_matvec.c).
+    x, weight = torch.randn(PER_ROW_ROWS, 577, generator=gen), torch.randn(50, 577, generator=gen)
+    for rows in range(1, PER_ROW_ROWS + 1):
+        together = linear(x[:rows], weight)
+        assert all(torch.equal(together[b], linear(x[b:b + 1], weight)[0]) for b in range(rows)), rows
     x, weight = torch.randn(PER_ROW_ROWS + 3, 64, generator=gen), torch.randn(40, 64, generator=gen)
     strided = torch.randn(64, 40, generator=gen).t()
     for args in ((x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x, strided), (x[:0], weight)):
