@@ -40,7 +40,7 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
         # views, no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
         tokens = sampler.sample(logits, requests)
         return ({req.request_id: None if t is None else [t] for req, t in zip(requests, tokens)}, {},
-                time.perf_counter() - forward_start)
+                _took(forward_start, plan, speculator))
     sampled: dict[str, Optional[list[int]]] = {}
     verified: dict[str, Verified] = {}
     plain: list[tuple[Request, torch.Tensor]] = []
@@ -55,7 +55,15 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
     if plain:
         tokens = sampler.sample(torch.stack([row for _req, row in plain]), [req for req, _row in plain])
         sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-    return sampled, verified, time.perf_counter() - forward_start
+    return sampled, verified, _took(forward_start, plan, speculator)
+
+
+def _took(forward_start: float, plan: SchedulerOutput, speculator: Optional[Speculator]) -> float:
+    """The seconds since ``forward_start``, also told to the speculator (its automatic k learns from them)."""
+    seconds = time.perf_counter() - forward_start
+    if speculator is not None:
+        speculator.observe_step(plan.chunks, seconds)
+    return seconds
 
 
 def run_logits_stage(model_input: ModelInput, logits: torch.Tensor, drafts: dict[str, Sequence[int]],

@@ -154,10 +154,19 @@ FEATURES = {
 }
 DRAFTERS = {
     "ngram": NGRAM,
+    "ngram-auto-k": {**NGRAM, "auto_k": True},
     "self-draft": SELF_DRAFT,
     "other-model": None,              # filled in with the untied tiny model: another architecture, same vocab
     "target-itself": None,            # the target as its own draft: every guess is right
 }
+
+
+def pin_step_costs(engine: Engine, seconds: dict[int, float]) -> None:
+    """The automatic k's step costs pinned (seconds by rows): learnt from the tiny model's timings, its choices
+    would change from run to run."""
+    from minipaged.spec_decode.auto_k import StepCost
+    engine.speculator.auto.cost = StepCost(dict(seconds))
+    engine.speculator.auto.cost.observe = lambda rows, seconds: None
 
 
 def drafter(name: str, tiny_model: str, tiny_model_untied: str) -> dict:
@@ -174,12 +183,15 @@ def test_greedy_outputs_are_unchanged_by_speculation(name, feature, reference, t
                                                      tiny_model_untied):
     engine = tiny_engine_factory(speculative_config=drafter(name, tiny_model, tiny_model_untied),
                                  **FEATURES[feature])
+    if engine.speculator.auto is not None:
+        pin_step_costs(engine, {1: 0.014, 64: 0.016})           # rows nearly free: drafts pay even at batch 8
     events: list[StepEvent] = []
     engine.subscribe(events.append)
     assert greedy_tokens(engine, repetitive_prompts()) == reference
     stats = engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
-    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert 0 < stats["spec_decode_num_accepted_tokens"]
+    assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
     if name == "target-itself":
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     if feature.startswith("preempt"):
@@ -370,6 +382,89 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     assert distance(plain, spec_engine_draws) < 0.08
     monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
     assert distance(plain, first_two(speculative_config=SELF_DRAFT)) > 0.08
+
+
+# ----------------------------------------------------------------------------------- the automatic k
+
+def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
+    """The choice maximises expected tokens per second: cheap rows and a good acceptance take every draft allowed;
+    falling acceptance lowers k, then turns speculation off for the request (whose estimate drifts back, so
+    that it is tried again later); a batch where each row costs its share of the compute (a big batch) runs plain
+    decodes; a costly draft model pass is paid for only by a high acceptance."""
+    from minipaged.spec_decode.auto_k import AutoK, StepCost
+    auto = AutoK(StepCost({1: 0.014, 4: 0.0196}))           # a verification of 3 drafts: 1.4x a decode
+    for _ in range(4):
+        auto.observe_verification("good", 3, 3)
+    assert auto.choose({"good": 3}) == {"good": 3}
+    ks = []
+    for _ in range(12):
+        auto.observe_verification("good", 0, 3)
+        ks.append(auto.choose({"good": 3})["good"])
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 1 and ks[-1] == 0
+    back = [auto.choose({"good": 3})["good"] for _ in range(40)]
+    assert max(back) >= 1                                   # off, then, drifting back to even odds, tried again
+    batch = AutoK(StepCost({16: 0.050, 64: 0.1176}))        # 1.4 ms a row, 28 ms for the weights
+    many = {f"r{i}": 3 for i in range(64)}
+    assert set(batch.choose(many).values()) == {0}
+    few = {f"r{i}": 3 for i in range(16)}
+    for rid in few:
+        for _ in range(8):
+            batch.observe_verification(rid, 3, 3)
+    assert set(batch.choose(few).values()) != {0}           # near-certain drafts still pay at 16
+    drafting = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass_s=0.007)
+    for _ in range(8):
+        drafting.observe_verification("r", 1, 3)            # half of the drafts kept
+    assert drafting.choose({"r": 3}) == {"r": 0}
+    drafting.draft_pass_s = 0.001
+    assert drafting.choose({"r": 3})["r"] >= 1
+
+
+class _WrongGuesses:
+    """A proposer whose guesses are never the target's greedy token (one past it, from the step's logits)."""
+
+    def __init__(self) -> None:
+        self.proposed = 0
+
+    def propose(self, requests, max_drafts):
+        self.proposed += sum(max_drafts.values())
+        return {r.request_id: Draft([(r.all_token_ids[-1] * 7 + 1) % 250 + 3] * max_drafts[r.request_id])
+                for r in requests if max_drafts[r.request_id]}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_auto_k_turns_losing_speculation_off_and_says_so_in_the_events(tiny_engine_factory):
+    """With guesses the target rejects, a fixed k drafts every step; the automatic k soon drafts in few steps,
+    keeps greedy outputs, and each decode's record says the k it chose and its acceptance estimate (older
+    traces, without the fields, still load). (Step costs pinned: the tiny model's rows cost next to nothing,
+    which would make even rare acceptances pay.)"""
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = greedy_tokens(tiny_engine_factory(), [prompt], params)
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
+    assert engine.info.speculative.startswith("ngram k<=3 auto")
+    engine.speculator.proposer = _WrongGuesses()
+    pin_step_costs(engine, {1: 0.014, 4: 0.0196})      # a CPU's at batch one: 3 drafts cost 0.4 of a decode
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, [prompt], params) == plain
+    decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
+    assert all(s.spec_k is not None and 0 <= s.spec_k <= 3 for s in decodes)
+    drafted_steps = sum(1 for s in decodes if s.draft_token_ids)
+    assert drafted_steps <= len(decodes) // 3, [s.spec_k for s in decodes]
+    assert decodes[-1].spec_acceptance is not None and decodes[-1].spec_acceptance < 0.5
+    fixed = tiny_engine_factory(speculative_config=NGRAM)
+    fixed.speculator.proposer = _WrongGuesses()
+    fixed_events: list[StepEvent] = []
+    fixed.subscribe(fixed_events.append)
+    greedy_tokens(fixed, [prompt], params)
+    fixed_decodes = [s for e in fixed_events for s in e.scheduled if s.kind == "decode"]
+    assert all(s.spec_k is None for s in fixed_decodes)
+    assert all(s.draft_token_ids for s in fixed_decodes[1:-1])      # (the last may draft nothing: max_tokens)
+    old = __import__("json").loads(events[-1].to_json())
+    for s in old["scheduled"]:
+        s.pop("spec_k"), s.pop("spec_acceptance")
+    assert StepEvent.from_dict(old).scheduled[0].spec_k is None
 
 
 def test_prometheus_counters_under_vllms_names_match_the_engine(tiny_engine_factory):

@@ -29,6 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None   # ngram: longest one, tried first
     model: Optional[str] = None               # draft_model: a Llama checkpoint with the same vocabulary, or "self"
     num_draft_layers: Optional[int] = None    # draft_model "self": how many of the target's layers draft (all)
+    # minipaged's own: num_speculative_tokens becomes the most a request drafts, and each step each request gets
+    # the k that its acceptance and the step's measured cost say pays (0: none); see auto_k.py
+    auto_k: bool = False
 
     @staticmethod
     def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -64,6 +67,8 @@ class SpeculativeConfig:
                               "or 'self' with num_draft_layers).")
         if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}.")
+        if not isinstance(self.auto_k, bool):
+            raise ConfigError(f"auto_k must be true or false, got {self.auto_k!r}.")
         if self.method == "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)
@@ -100,7 +105,7 @@ class SpeculativeConfig:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, lo, hi)
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, lo, hi, auto_k=self.auto_k)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -108,13 +113,13 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for headers and logs: 'ngram k=3 (n-grams 2-4)', 'self-draft 8 layers k=3'."""
-        k = self.num_speculative_tokens
+        k = f"<={self.num_speculative_tokens} auto" if self.auto_k else f"={self.num_speculative_tokens}"
         if self.method == "ngram":
-            return f"ngram k={k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
+            return f"ngram k{k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
         if self.model == SELF_DRAFT:
             layers = "all layers" if self.num_draft_layers is None else f"{self.num_draft_layers} layers"
-            return f"self-draft {layers} k={k}"
-        return f"draft model {self.model} k={k}"
+            return f"self-draft {layers} k{k}"
+        return f"draft model {self.model} k{k}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "auto_k" and not v)}

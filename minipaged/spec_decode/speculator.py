@@ -16,6 +16,7 @@ import torch
 from ..kernels import Backend
 from ..request import Request, RequestStatus
 from ..sampling import Sampler
+from .auto_k import AutoK
 from .config import SpeculativeConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
@@ -33,6 +34,7 @@ class Speculator:
         self.sampler = sampler                         # the requests' own seeded generators
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.verify_drafts = verify                    # the rejection sampler (lab 4 runs a student's in its place)
+        self.auto = AutoK() if config.auto_k else None   # the automatic k (auto_k.py); None: always k
 
     def propose(self, requests: Sequence[Request]) -> float:
         """Guess the next tokens of every request here that decodes next; returns the seconds it took.
@@ -44,18 +46,35 @@ class Speculator:
         ready = {r.request_id: r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill}
         limits = {rid: max(0, min(k, self.max_model_len - r.num_tokens,
                                   r.params.max_tokens - len(r.output_token_ids) - 1)) for rid, r in ready.items()}
+        if self.auto is not None:
+            limits = self.auto.choose(limits)
+            for rid, req in ready.items():
+                req.spec_k, req.spec_acceptance = limits[rid], self.auto.acceptance.get(rid)
+        drafting = time.perf_counter()
         for rid, draft in self.proposer.propose(list(ready.values()), limits).items():
             ready[rid].spec_token_ids = draft.token_ids
             if draft.probs is not None:
                 self._draft_probs[rid] = draft.probs
-        return time.perf_counter() - begin
+        end = time.perf_counter()
+        if self.auto is not None and self.config.uses_draft_model:
+            self.auto.observe_drafting(end - drafting, max(limits.values(), default=0))
+        return end - begin
+
+    def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
+        """A step's forward pass and verification took ``seconds``: the automatic k learns what rows cost from
+        the steps of decodes (with or without drafts) alone."""
+        if self.auto is not None and chunks and all(c.kind == "decode" for c in chunks):
+            self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds)
 
     def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int]) -> Optional[Verified]:
         """The rejection sampler on one request's rows (last token + each draft); None if it failed."""
         probs = self._draft_probs.pop(req.request_id, None)
         draft = Draft(list(draft_token_ids), None if probs is None else probs[:len(draft_token_ids)])
         try:
-            return self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
+            verdict = self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
+            if self.auto is not None:
+                self.auto.observe_verification(req.request_id, verdict.num_accepted, verdict.num_draft_tokens)
+            return verdict
         except (RuntimeError, ValueError) as exc:
             logger.error("verifying drafts failed for request %s (%s); it is aborted.", req.request_id, exc)
             return None
@@ -64,6 +83,8 @@ class Speculator:
         """The request finished or lost its KV (preempted): its drafts and the draft model's state go."""
         self._draft_probs.pop(request_id, None)
         self.proposer.forget(request_id)
+        if self.auto is not None:
+            self.auto.forget(request_id)
 
 
 def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
