@@ -36,6 +36,7 @@ from .policies import load_policy
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
+from .spec_decode.config import INT8_SELF_DRAFT
 from .spec_decode.draft_model import load_draft_model
 from .spec_decode.speculator import Speculator, build_speculator
 
@@ -107,6 +108,9 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         return_freed_memory_to_the_os()
     model.store_weights_for(backend)                    # (int8 matrices stay as they are: [out, in])
     spec = config.speculative
+    if spec and spec.method == INT8_SELF_DRAFT and (
+            problem := quantization_problem("int8", backend, DTYPES[dtype_name], layout.world_size)):
+        raise ConfigError(f"the int8 self-draft cannot run here: {problem}.")
     draft_model = load_draft_model(spec, model, tokenizer, DTYPES[dtype_name], str(device),
                                    load_progress) if spec and spec.uses_draft_model else None
 

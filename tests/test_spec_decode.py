@@ -27,6 +27,7 @@ from minipaged.spec_decode.rejection_sampler import verify
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SELF_DRAFT = {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 3}
+INT8 = {"method": "int8_self_draft", "num_speculative_tokens": 3}
 
 
 def repetitive_prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
@@ -57,6 +58,8 @@ def greedy_tokens(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
     ({"method": "draft_model", "model": "self", "num_draft_layers": 0, "num_speculative_tokens": 2},
      "num_draft_layers must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown speculative_config key\(s\) \['k'\]"),
+    ({"method": "int8_self_draft", "num_speculative_tokens": 2, "num_draft_layers": 3}, "num_draft_layers does not"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "auto_k": "yes"}, "auto_k must be true or false"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
 def test_bad_speculative_configs_fail_before_anything_loads(config, message):
@@ -103,6 +106,25 @@ def parse_flags(words: list[str]) -> dict:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     return engine_options(parser.parse_args(words))
+
+
+def test_the_int8_self_draft_is_the_target_in_int8_and_agrees_with_it(tiny_engine_factory):
+    """Method int8_self_draft: the draft model's matrices and LM head are int8 (the target's stay fp32, and it
+    decides every token), it shares the target's embedding, and it nearly always guesses the target's greedy
+    token; a target quantized already is refused (its draft would be itself)."""
+    from minipaged.kernels.int8 import Int8Weight
+    engine = tiny_engine_factory(speculative_config=INT8)
+    assert engine.info.speculative == "int8 self-draft k=3"
+    draft, target = engine.speculator.proposer.model, engine.model
+    assert all(isinstance(getattr(w, name), Int8Weight) for w in draft.layers for name in ("qkv", "o", "gate_up",
+                                                                                          "down"))
+    assert isinstance(draft.lm_head, Int8Weight) and not isinstance(target.lm_head, Int8Weight)
+    assert not isinstance(target.layers[0].qkv, Int8Weight) and draft.embed is target.embed
+    greedy_tokens(engine, repetitive_prompts(seed=4, n=4))
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.8 * stats["spec_decode_num_draft_tokens"] > 0
+    with pytest.raises(ConfigError, match="already int8"):
+        tiny_engine_factory(quantization="int8", speculative_config=INT8)
 
 
 def test_the_guides_flags_and_vllms_json_both_configure_speculation():
@@ -155,6 +177,7 @@ FEATURES = {
 DRAFTERS = {
     "ngram": NGRAM,
     "ngram-auto-k": {**NGRAM, "auto_k": True},
+    "int8-self-draft": INT8,
     "self-draft": SELF_DRAFT,
     "other-model": None,              # filled in with the untied tiny model: another architecture, same vocab
     "target-itself": None,            # the target as its own draft: every guess is right
@@ -369,8 +392,11 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     num = 1500
 
+    engines = []
+
     def first_two(**options) -> Counter:
         engine = tiny_engine_factory(num_blocks=2048, **options)
+        engines.append(engine)
         params = [SamplingParams(temperature=1.3, top_k=3, max_tokens=3, seed=s, ignore_eos=True) for s in range(num)]
         return Counter(tuple(o.token_ids[:2]) for o in engine.generate([prompt] * num, params))
 
@@ -380,6 +406,9 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     plain = first_two()
     spec_engine_draws = first_two(speculative_config=SELF_DRAFT)
     assert distance(plain, spec_engine_draws) < 0.08
+    # the int8 self-draft samples its guesses from its own q (near p, but not p)
+    assert distance(plain, first_two(speculative_config=INT8)) < 0.08
+    assert engines[-1].stats()["spec_decode_num_draft_tokens"] >= num     # every request had its second token drafted
     monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
     assert distance(plain, first_two(speculative_config=SELF_DRAFT)) > 0.08
 

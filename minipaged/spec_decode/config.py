@@ -4,6 +4,8 @@
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     Engine("smollm2", speculative_config={"method": "draft_model", "model": "self", "num_draft_layers": 8,
                                           "num_speculative_tokens": 3})
+    Engine("smollm2", speculative_config={"method": "int8_self_draft", "num_speculative_tokens": 3,
+                                          "auto_k": True})
 
 This module stays free of torch: the command line and thin clients validate with it.
 """
@@ -15,7 +17,8 @@ from typing import Any, Optional, Union
 
 from ..validation import ConfigError, is_int
 
-METHODS = ("ngram", "draft_model")
+INT8_SELF_DRAFT = "int8_self_draft"   # the target's own weights in int8 (kernels/int8.py) draft for it
+METHODS = ("ngram", "draft_model", INT8_SELF_DRAFT)
 SELF_DRAFT = "self"          # the draft is the target's own first layers + its final norm and LM head
 # vLLM's defaults when neither lookup bound is given (vllm/config/speculative.py).
 DEFAULT_PROMPT_LOOKUP = 5
@@ -64,7 +67,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; use one of {list(METHODS)} "
                               "(draft_model needs a model: another Llama checkpoint with the same vocabulary, "
-                              "or 'self' with num_draft_layers).")
+                              f"or 'self' with num_draft_layers; {INT8_SELF_DRAFT} needs nothing more).")
         if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}.")
         if not isinstance(self.auto_k, bool):
@@ -80,6 +83,11 @@ class SpeculativeConfig:
             if self.model is not None or self.num_draft_layers is not None:
                 raise ConfigError("method 'ngram' drafts from the text itself; model and num_draft_layers belong "
                                   "to method 'draft_model'.")
+        elif self.method == INT8_SELF_DRAFT:
+            for name in ("model", "num_draft_layers", "prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"method '{INT8_SELF_DRAFT}' drafts with the target's own weights in int8: "
+                                      f"{name} does not apply (leave it out).")
         else:
             if not self.model or not isinstance(self.model, str):
                 raise ConfigError("method 'draft_model' needs model: a Llama checkpoint with the target's "
@@ -109,13 +117,15 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        return self.method in ("draft_model", INT8_SELF_DRAFT)
 
     def describe(self) -> str:
         """One line for headers and logs: 'ngram k=3 (n-grams 2-4)', 'self-draft 8 layers k=3'."""
         k = f"<={self.num_speculative_tokens} auto" if self.auto_k else f"={self.num_speculative_tokens}"
         if self.method == "ngram":
             return f"ngram k{k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
+        if self.method == INT8_SELF_DRAFT:
+            return f"int8 self-draft k{k}"
         if self.model == SELF_DRAFT:
             layers = "all layers" if self.num_draft_layers is None else f"{self.num_draft_layers} layers"
             return f"self-draft {layers} k{k}"

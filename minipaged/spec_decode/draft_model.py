@@ -12,6 +12,10 @@ k - 1 single-token passes for d_1 .. d_{k-1}. All requests go through each pass 
 
 The *self-draft* is the target's own first N layers with its final norm and LM head (the idea of
 LayerSkip / "draft & verify" self-speculation): no second checkpoint, same vocabulary by construction.
+The *int8 self-draft* (method ``int8_self_draft``) is the whole target with its matrices in int8
+(kernels/int8.py): a quarter of the bytes to read per token, so a draft step costs about half a target step on
+a CPU, and it nearly always agrees with the target (rounding moves the logits a little): what a separate
+smaller model offers, without one.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from ..request import Request
 from ..runner import ModelRunner
 from ..sampling import Sampler, probabilities
 from ..scheduler import ScheduledChunk
-from .config import SELF_DRAFT, SpeculativeConfig
+from .config import INT8_SELF_DRAFT, SELF_DRAFT, SpeculativeConfig
 from .proposer import Draft
 
 logger = logging.getLogger("minipaged.spec_decode")
@@ -95,10 +99,33 @@ def self_draft(target: CompactLlama, num_layers: int) -> CompactLlama:
     return draft
 
 
+def int8_self_draft(target: CompactLlama) -> CompactLlama:
+    """The target with every layer matrix and the LM head quantized to int8 (per-row scales), sharing its
+    embedding and norms. The target keeps its fp32 weights: it still decides every token."""
+    import copy
+    import dataclasses
+
+    from ..kernels.int8 import quantize_int8
+    from ..model.llama import MATRICES
+    if target.quantization is not None:
+        raise ConfigError(f"the target is already {target.quantization}: its int8 self-draft would be itself. Use "
+                          f"an fp32 target (leave quantization off) with method '{INT8_SELF_DRAFT}'.")
+    draft = copy.copy(target)
+    draft.layers = [dataclasses.replace(w, **{name: quantize_int8(getattr(w, name)) for name in MATRICES})
+                    for w in target.layers]
+    draft.lm_head = quantize_int8(target.lm_head)
+    draft._hf_model = None                    # transformers' module belongs to the target
+    draft._cos = draft._sin = None            # its own RoPE table cache
+    draft.quantization = "int8"
+    return draft
+
+
 def load_draft_model(config: SpeculativeConfig, target: CompactLlama, target_tokenizer: Any, dtype: Any,
                      device: str, progress: Optional[Callable[[str], None]] = None) -> CompactLlama:
     """The draft model: the target's own first layers, or another checkpoint with the same vocabulary
     (checked from its config and tokenizer, before its weights load)."""
+    if config.method == INT8_SELF_DRAFT:
+        return int8_self_draft(target)
     if config.model == SELF_DRAFT:
         layers = target.num_layers if config.num_draft_layers is None else config.num_draft_layers
         if layers > target.num_layers:
