@@ -127,6 +127,26 @@ def test_the_int8_self_draft_is_the_target_in_int8_and_agrees_with_it(tiny_engin
         tiny_engine_factory(quantization="int8", speculative_config=INT8)
 
 
+def test_a_draft_model_does_not_feed_again_the_guesses_it_fed_itself(tiny_engine_factory, tiny_model):
+    """The draft's own guesses d_0 .. d_{k-2} left their KV in its cache: once accepted, the next catch-up
+    starts after them, so after the prompt every drafting pass is one or two rows (the target as its own draft:
+    every guess accepted, which a wrong reused KV would break)."""
+    engine = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_model,
+                                                     "num_speculative_tokens": 3})
+    proposer = engine.speculator.proposer
+    rows, prepare = [], proposer.runner.prepare
+
+    def noting(chunks, *args, **kwargs):
+        rows.append(max(c.num_new_tokens for c in chunks))
+        return prepare(chunks, *args, **kwargs)
+    proposer.runner.prepare = noting
+    prompt = repetitive_prompts(seed=6, n=1)[0]
+    assert greedy_tokens(engine, [prompt]) == greedy_tokens(tiny_engine_factory(), [prompt])
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    assert rows[0] == len(prompt) + 1 and max(rows[1:]) == 2        # (the prompt and the first token)
+
+
 def test_the_guides_flags_and_vllms_json_both_configure_speculation():
     assert parse_flags(["--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}

@@ -69,11 +69,11 @@ class AutoK:
             a += WEIGHT * ((1.0 if j < num_accepted else 0.0) - a)
         self.acceptance[request_id] = a
 
-    def observe_drafting(self, seconds: float, passes: int) -> None:
-        if passes > 0:
-            per_pass = seconds / passes
-            self.draft_pass_s = per_pass if not self.draft_pass_s else (
-                self.draft_pass_s + WEIGHT * (per_pass - self.draft_pass_s))
+    def observe_drafting(self, pass_seconds: list[float]) -> None:
+        """A draft model's passes of the last proposal, each."""
+        for seconds in pass_seconds:
+            self.draft_pass_s = seconds if not self.draft_pass_s else (
+                self.draft_pass_s + WEIGHT * (seconds - self.draft_pass_s))
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)

@@ -7,8 +7,12 @@ and freeing need no second set of books. The scheduler gives each request k "loo
 scheduled tokens so the draft can write the KV of its own guesses (vLLM: ``num_lookahead_tokens``).
 
 Each proposal is one catch-up pass over the request's tokens that the draft has not seen yet (the whole
-prompt the first time; afterwards the tokens the last verification accepted), which also guesses d_0, then
-k - 1 single-token passes for d_1 .. d_{k-1}. All requests go through each pass together, as one batch.
+prompt the first time; afterwards the target's own token, and the last draft when every draft was accepted),
+which also guesses d_0, then k - 1 single-token passes for d_1 .. d_{k-1}. All requests go through each pass
+together, as one batch. The drafts it fed itself (d_0 .. d_{k-2}) left their KV in its cache: those the target
+accepted are the request's tokens at those positions, so the next catch-up starts after them (a token that
+differs, and everything after it, is fed again). That keeps each pass one or two rows: with the four rows of a
+full catch-up, a pass cost about twice a one-row pass (the int8 loops).
 
 The *self-draft* is the target's own first N layers with its final norm and LM head (the idea of
 LayerSkip / "draft & verify" self-speculation): no second checkpoint, same vocabulary by construction.
@@ -20,6 +24,7 @@ smaller model offers, without one.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -48,9 +53,25 @@ class DraftModelProposer:
         self.block_table_of = block_table_of
         self.sampler = sampler                 # the requests' own generators: a seed drives drafts too
         self.num_computed: dict[str, int] = {}   # tokens of each request whose KV is in the draft's cache
+        self.fed: dict[str, list[int]] = {}      # the guesses fed after them (their KV is in the cache too)
+        # the last proposal's passes, each, but a catch-up of more than two rows (a prompt): the automatic k's
+        # cost of a drafting pass
+        self.pass_seconds: list[float] = []
 
     def forget(self, request_id: str) -> None:
         self.num_computed.pop(request_id, None)
+        self.fed.pop(request_id, None)
+
+    def _seen(self, req: Request) -> int:
+        """How many of the request's tokens have their KV in the draft's cache: those it caught up on, then its
+        own fed guesses as far as they are the request's tokens (always leaving the last token to feed)."""
+        start = self.num_computed.get(req.request_id, 0)
+        tokens, fed = req.all_token_ids, self.fed.pop(req.request_id, [])
+        for guess in fed:
+            if start >= req.num_tokens - 1 or tokens[start] != guess:
+                break
+            start += 1
+        return start
 
     def propose(self, requests: Sequence[Request], max_drafts: dict[str, int]) -> dict[str, Draft]:
         active = [r for r in requests if max_drafts[r.request_id] > 0]
@@ -58,14 +79,20 @@ class DraftModelProposer:
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
         chunks = []
         for req in active:                     # pass 0: catch up, and guess d_0
-            start = self.num_computed.get(req.request_id, 0)
+            start = self._seen(req)
             chunks.append(self._chunk(req, start, req.num_tokens - start, ()))
             self.num_computed[req.request_id] = req.num_tokens
+        self.pass_seconds = []
         for j in range(max(max_drafts[r.request_id] for r in active) if active else 0):
+            begin, typical = time.perf_counter(), all(c.num_new_tokens <= 2 for c in chunks)
             self._guess(chunks, tokens, probs)
+            if typical:
+                self.pass_seconds.append(time.perf_counter() - begin)
             # pass j + 1: feed d_j at its position, guess d_{j+1}
             chunks = [self._chunk(r, r.num_tokens + j, 1, (tokens[r.request_id][-1],))
                       for r in active if max_drafts[r.request_id] > j + 1]
+        for req in active:                     # d_0 .. d_{k-2} were fed: their KV is in the cache
+            self.fed[req.request_id] = tokens[req.request_id][:max_drafts[req.request_id] - 1]
         return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None) for rid, ids in tokens.items()}
 
     def _chunk(self, req: Request, start: int, num_new: int, guesses: tuple[int, ...]) -> ScheduledChunk:

@@ -57,7 +57,7 @@ class Speculator:
                 self._draft_probs[rid] = draft.probs
         end = time.perf_counter()
         if self.auto is not None and self.config.uses_draft_model:
-            self.auto.observe_drafting(end - drafting, max(limits.values(), default=0))
+            self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
         return end - begin
 
     def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
