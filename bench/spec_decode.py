@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="only the configurations whose name holds one of these words")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per workload")
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts at batch 1 (run one by one)")
-    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only")
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only (saved as spec_decode_quick)")
     ap.add_argument("--lesson-from", metavar="JSON", help="only write lesson 6's numbers from a saved result "
                     "(bench/out/spec_decode.json), measuring the self-draft's agreement")
     args = ap.parse_args()
@@ -273,7 +273,8 @@ def main() -> None:
                          "tokens / target forward", "output tok/s", "wall speed-up", "CPU speed-up",
                          "verify step / decode step (CPU)", "drafting ms/step (CPU)", "host ms/step (CPU)",
                          "greedy identical"], rows))
-    save("spec_decode", {"args": vars(args), "results": results}, markdown)
+    # (a quick run is kept apart: the docs and lesson 6 render from the full one)
+    save("spec_decode_quick" if args.quick else "spec_decode", {"args": vars(args), "results": results}, markdown)
     if not args.quick:
         write_lesson_values(json.loads((OUT / "spec_decode.json").read_text()), args.model)
 

@@ -439,8 +439,9 @@ def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
     """The choice maximises expected tokens per second: cheap rows and a good acceptance take every draft allowed;
     falling acceptance lowers k, then turns speculation off for the request (whose estimate drifts back, so
     that it is tried again later); a batch where each row costs its share of the compute (a big batch) runs plain
-    decodes; a costly draft model pass is paid for only by a high acceptance."""
-    from minipaged.spec_decode.auto_k import AutoK, StepCost
+    decodes; a costly draft model pass is paid for only by a high acceptance; drafts come in runs: how often a
+    draft follows an accepted one is learnt by position, over all requests."""
+    from minipaged.spec_decode.auto_k import PRIOR_RUN, AutoK, StepCost
     auto = AutoK(StepCost({1: 0.014, 4: 0.0196}))           # a verification of 3 drafts: 1.4x a decode
     for _ in range(4):
         auto.observe_verification("good", 3, 3)
@@ -460,9 +461,16 @@ def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
         for _ in range(8):
             batch.observe_verification(rid, 3, 3)
     assert set(batch.choose(few).values()) != {0}           # near-certain drafts still pay at 16
+    runs = AutoK(StepCost({1: 0.014, 4: 0.0196}))
+    for _ in range(10):
+        runs.observe_verification(f"r{_}", 0, 3)             # first drafts rejected, by other requests
+    runs.acceptance["r"] = 0.9
+    assert runs.gains("r", 3) == pytest.approx([0.9, 0.9 * PRIOR_RUN, 0.9 * PRIOR_RUN ** 2])   # no run seen yet
+    for _ in range(10):
+        runs.observe_verification("q", 1, 3)                 # the first kept, never the second
+    assert runs.gains("r", 3)[1] < 0.1 * runs.gains("r", 3)[0] and runs.choose({"r": 3}) == {"r": 1}
     drafting = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass_s=0.007)
-    for _ in range(8):
-        drafting.observe_verification("r", 1, 3)            # half of the drafts kept
+    drafting.acceptance["r"] = 0.3                          # a first draft kept three times in ten
     assert drafting.choose({"r": 3}) == {"r": 0}
     drafting.draft_pass_s = 0.001
     assert drafting.choose({"r": 3})["r"] >= 1
@@ -514,6 +522,43 @@ def test_auto_k_turns_losing_speculation_off_and_says_so_in_the_events(tiny_engi
     for s in old["scheduled"]:
         s.pop("spec_k"), s.pop("spec_acceptance")
     assert StepEvent.from_dict(old).scheduled[0].spec_k is None
+
+
+class _RightAfter:
+    """A proposer that guesses wrong until the text reaches ``position``, then the target's own tokens."""
+
+    def __init__(self, prompt: list[int], tokens: list[int], position: int) -> None:
+        self.text, self.position = prompt + tokens, position
+
+    def propose(self, requests, max_drafts):
+        out = {}
+        for r in requests:
+            n, k = r.num_tokens, max_drafts[r.request_id]
+            right = self.text[n:n + k]
+            out[r.request_id] = Draft(right if n >= self.position else [(t + 1) % 250 + 3 for t in right])
+        return {rid: d for rid, d in out.items() if d.token_ids}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_auto_k_watches_an_idle_request_and_drafts_again_once_its_guesses_come_true(tiny_engine_factory):
+    """An n-gram guess costs nothing: a request whose drafts lost is still guessed for, and each guess checked
+    against the token that comes, so that when the text starts to follow the guesses, drafting resumes."""
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = greedy_tokens(tiny_engine_factory(), [prompt], params)[0]
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
+    pin_step_costs(engine, {1: 0.014, 4: 0.0196})
+    engine.speculator.proposer = _RightAfter(prompt, plain, len(prompt) + 16)
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, [prompt], params) == [plain]
+    decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
+    early = [s for s in decodes if s.start < len(prompt) + 16]
+    late = [s for s in decodes if s.start >= len(prompt) + 24]
+    assert any(s.spec_k == 0 for s in early)                            # it stopped drafting
+    assert sum(len(s.draft_token_ids) for s in late) >= 6 and all(s.num_accepted == len(s.draft_token_ids)
+                                                                  for s in late)
 
 
 def test_prometheus_counters_under_vllms_names_match_the_engine(tiny_engine_factory):

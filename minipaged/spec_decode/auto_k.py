@@ -1,33 +1,42 @@
 """The automatic k: how many drafts each request verifies next step, chosen so that speculation pays.
 
 A draft costs a row of the next forward pass (and, for a draft model, its share of a drafting pass); it pays
-only if the target accepts it. Two running estimates decide:
+only if the target accepts it. Running estimates decide:
 
-* **acceptance**, per request: the chance ``a`` that its next draft is accepted, an average that leans on recent
-  verifications. Under that estimate the j-th draft of a request is used with probability ``a ** j`` (every
-  draft before it accepted too): its expected gain in tokens.
-* **cost**, per step: the seconds a decode step of R rows took (a running average per row count, from the
-  engine's own timings; between the counts it has seen, the line through the nearest two). On a CPU at batch
-  one a few more rows cost little (a step reads the weights once, tests/test_decode_layers.py's verifications),
-  in a batch of 64 every row costs its share of the compute: the same rule then says no.
+* **acceptance**: per request, the chance ``a`` that its next first draft is accepted (an average that leans
+  on recent verifications; a new request starts from the average over all requests); and over all requests,
+  for each later position j, the chance ``c_j`` that draft j is accepted once draft j - 1 was (drafts come in
+  runs: text that quotes its input is quoted for a while). The j-th draft is used with probability
+  ``a * c_2 * ... * c_j``: its expected gain in tokens.
+* **cost**: the seconds a decode step of R rows took (a running average per row count, from the engine's own
+  timings; between the counts it has seen, the line through the nearest two). On a CPU at batch one a few more
+  rows cost little (a step reads the weights once), in a batch of 64 every row costs its share of the compute:
+  the same rule then says no.
 
 The choice is the one that maximises expected tokens per second for the whole step (vLLM's dynamic speculation
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
 the order of their gain, and stop at the first that would lower tokens per second. A request whose drafts lose
 gets k = 0 (speculation off for it); a batch where every draft loses runs as plain decodes. A request that
-speculates no more has its estimate drift back to an even chance over the steps that follow, so that a text
-that starts to repeat its input gets another try once the cost allows it.
+speculates no more keeps being watched: the n-gram lookup's guess costs nothing, so it is still made and
+checked against the token that comes (``observe_verification`` of one draft); a draft model's is not free, so
+instead the request's estimate drifts back to an even chance over the steps that follow, and it gets another
+try once the cost allows it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPTANCE = 0.5      # a request's chance before it was seen, and where an idle one drifts back to
+PRIOR_ACCEPTANCE = 0.5      # the chance of a first draft before anything was seen (and where idle ones drift)
+PRIOR_RUN = 0.7             # the chance of draft j once draft j - 1 was accepted, before anything was seen
 WEIGHT = 0.25               # how much one observation moves a running average
-DRIFT = 0.99                # per idle step, the part of (estimate - prior) that stays
+DRIFT = 0.99                # per idle step, the part of (estimate - prior) that stays (draft models)
 # Before two row counts were timed: a row beyond the first costs this share of a one-row step (optimistic, so
 # that speculation is tried and the timings decide).
 PRIOR_ROW_COST = 0.15
+
+
+def moved(average: float, outcome: float) -> float:
+    return average + WEIGHT * (outcome - average)
 
 
 @dataclass
@@ -56,27 +65,44 @@ class StepCost:
 
 @dataclass
 class AutoK:
-    """Per-request acceptance, the step cost, a drafting pass's cost; ``choose`` gives each request its k."""
+    """The acceptance estimates, the step cost and a drafting pass's cost; ``choose`` gives each request its k.
+    ``drift``: whether idle requests' estimates drift back (draft models; the n-gram lookup is watched instead)."""
 
     cost: StepCost = field(default_factory=StepCost)
-    acceptance: dict[str, float] = field(default_factory=dict)
+    acceptance: dict[str, float] = field(default_factory=dict)    # per request: its next first draft's chance
+    first: float = PRIOR_ACCEPTANCE                               # the same over every request: where new ones start
+    runs: list[float] = field(default_factory=list)               # c_j for j = 2, 3, ...
     draft_pass_s: float = 0.0              # a draft model's pass (0: the n-gram lookup, which costs no pass)
+    drift: bool = True
 
     def observe_verification(self, request_id: str, num_accepted: int, num_drafts: int) -> None:
-        """The verdict on a request's drafts: each draft up to the first rejection is one observation."""
-        a = self.acceptance.get(request_id, PRIOR_ACCEPTANCE)
-        for j in range(min(num_accepted + 1, num_drafts)):
-            a += WEIGHT * ((1.0 if j < num_accepted else 0.0) - a)
-        self.acceptance[request_id] = a
+        """The verdict on a request's drafts: the first draft's, then each later one's after an accepted one."""
+        if num_drafts < 1:
+            return
+        outcome = 1.0 if num_accepted >= 1 else 0.0
+        self.acceptance[request_id] = moved(self.acceptance.get(request_id, self.first), outcome)
+        self.first = moved(self.first, outcome)
+        for j in range(2, min(num_accepted + 1, num_drafts) + 1):       # draft j, seen once j - 1 was accepted
+            while len(self.runs) < j - 1:
+                self.runs.append(PRIOR_RUN)
+            self.runs[j - 2] = moved(self.runs[j - 2], 1.0 if num_accepted >= j else 0.0)
 
     def observe_drafting(self, pass_seconds: list[float]) -> None:
         """A draft model's passes of the last proposal, each."""
         for seconds in pass_seconds:
-            self.draft_pass_s = seconds if not self.draft_pass_s else (
-                self.draft_pass_s + WEIGHT * (seconds - self.draft_pass_s))
+            self.draft_pass_s = seconds if not self.draft_pass_s else moved(self.draft_pass_s, seconds)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+
+    def gains(self, request_id: str, k: int) -> list[float]:
+        """The expected tokens each of a request's first k drafts adds."""
+        gain, out = self.acceptance.get(request_id, self.first), []
+        for j in range(1, k + 1):
+            if j > 1:
+                gain *= self.runs[j - 2] if j - 2 < len(self.runs) else PRIOR_RUN
+            out.append(gain)
+        return out
 
     def choose(self, limits: dict[str, int]) -> dict[str, int]:
         """k per request (at most its limit), maximising the step's expected tokens per second."""
@@ -84,9 +110,9 @@ class AutoK:
         rows = tokens = float(len(limits))
         passes = 0
         seconds = self.cost(int(rows))
-        # (gain, request, j): the j-th draft of a request is used with probability a ** j
-        candidates = sorted(((self.acceptance.get(rid, PRIOR_ACCEPTANCE) ** j, rid, j)
-                             for rid, k in limits.items() for j in range(1, k + 1)), key=lambda c: (-c[0], c[2]))
+        # (gain, request, j): the expected tokens of the j-th draft of a request
+        candidates = sorted(((gain, rid, j) for rid, k in limits.items()
+                             for j, gain in enumerate(self.gains(rid, k), start=1)), key=lambda c: (-c[0], c[2]))
         for gain, rid, j in candidates:
             if j != chosen[rid] + 1:
                 continue
@@ -96,7 +122,8 @@ class AutoK:
                 break
             chosen[rid], passes, seconds = j, new_passes, new_seconds
             rows, tokens = rows + 1, tokens + gain
-        for rid, k in chosen.items():                  # an idle estimate drifts back towards the prior
-            if k == 0 and rid in self.acceptance:
-                self.acceptance[rid] = PRIOR_ACCEPTANCE + DRIFT * (self.acceptance[rid] - PRIOR_ACCEPTANCE)
+        if self.drift:
+            for rid, k in chosen.items():              # an idle estimate drifts back towards an even chance
+                if k == 0 and rid in self.acceptance:
+                    self.acceptance[rid] = PRIOR_ACCEPTANCE + DRIFT * (self.acceptance[rid] - PRIOR_ACCEPTANCE)
         return chosen

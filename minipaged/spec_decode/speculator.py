@@ -34,7 +34,9 @@ class Speculator:
         self.sampler = sampler                         # the requests' own seeded generators
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.verify_drafts = verify                    # the rejection sampler (lab 4 runs a student's in its place)
-        self.auto = AutoK() if config.auto_k else None   # the automatic k (auto_k.py); None: always k
+        # the automatic k (auto_k.py; None: always k); a free proposer's idle requests are watched, not drifted
+        self.auto = AutoK(drift=config.uses_draft_model) if config.auto_k else None
+        self._watched: dict[str, tuple[int, int]] = {}   # request -> (position, the guess made for it, unverified)
 
     def propose(self, requests: Sequence[Request]) -> float:
         """Guess the next tokens of every request here that decodes next; returns the seconds it took.
@@ -47,18 +49,31 @@ class Speculator:
         limits = {rid: max(0, min(k, self.max_model_len - r.num_tokens,
                                   r.params.max_tokens - len(r.output_token_ids) - 1)) for rid, r in ready.items()}
         if self.auto is not None:
+            self._check_watched(ready)
+            wanted = limits
             limits = self.auto.choose(limits)
             for rid, req in ready.items():
                 req.spec_k, req.spec_acceptance = limits[rid], self.auto.acceptance.get(rid)
-        drafting = time.perf_counter()
         for rid, draft in self.proposer.propose(list(ready.values()), limits).items():
             ready[rid].spec_token_ids = draft.token_ids
             if draft.probs is not None:
                 self._draft_probs[rid] = draft.probs
-        end = time.perf_counter()
         if self.auto is not None and self.config.uses_draft_model:
             self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
-        return end - begin
+        elif self.auto is not None:                # the lookup is free: guess for the idle ones too, and watch
+            idle = [r for rid, r in ready.items() if limits[rid] == 0 and wanted[rid] > 0]
+            for rid, draft in self.proposer.propose(idle, {r.request_id: 1 for r in idle}).items():
+                self._watched[rid] = (ready[rid].num_tokens, draft.token_ids[0])
+        return time.perf_counter() - begin
+
+    def _check_watched(self, ready: dict[str, Request]) -> None:
+        """The guesses made for idle requests, against the tokens that came: what their verification would
+        have said."""
+        for rid, (position, guess) in list(self._watched.items()):
+            req = ready.get(rid)
+            if req is not None and req.num_tokens > position:
+                del self._watched[rid]
+                self.auto.observe_verification(rid, int(req.all_token_ids[position] == guess), 1)
 
     def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
         """A step's forward pass and verification took ``seconds``: the automatic k learns what rows cost from
@@ -85,6 +100,7 @@ class Speculator:
         self.proposer.forget(request_id)
         if self.auto is not None:
             self.auto.forget(request_id)
+            self._watched.pop(request_id, None)
 
 
 def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
