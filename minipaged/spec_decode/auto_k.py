@@ -19,17 +19,17 @@ the order of their gain, and stop at the first that would lower tokens per secon
 gets k = 0 (speculation off for it); a batch where every draft loses runs as plain decodes. A request that
 speculates no more keeps being watched: the n-gram lookup's guess costs nothing, so it is still made and
 checked against the token that comes (``observe_verification`` of one draft); a draft model's is not free, so
-instead the request's estimate drifts back to an even chance over the steps that follow, and it gets another
-try once the cost allows it.
+instead the request's estimate drifts up towards certainty over the steps that follow (optimism: a draft that
+lost gets another try every few dozen steps, a draft that was never tried gets its first).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPTANCE = 0.5      # the chance of a first draft before anything was seen (and where idle ones drift)
+PRIOR_ACCEPTANCE = 0.5      # the chance of a first draft before anything was seen
 PRIOR_RUN = 0.7             # the chance of draft j once draft j - 1 was accepted, before anything was seen
 WEIGHT = 0.25               # how much one observation moves a running average
-DRIFT = 0.99                # per idle step, the part of (estimate - prior) that stays (draft models)
+DRIFT = 0.99                # per idle step, the part of (1 - estimate) that stays (draft models)
 # Before two row counts were timed: a row beyond the first costs this share of a one-row step (optimistic, so
 # that speculation is tried and the timings decide).
 PRIOR_ROW_COST = 0.15
@@ -107,6 +107,8 @@ class AutoK:
     def choose(self, limits: dict[str, int]) -> dict[str, int]:
         """k per request (at most its limit), maximising the step's expected tokens per second."""
         chosen = {rid: 0 for rid in limits}
+        for rid in limits:
+            self.acceptance.setdefault(rid, self.first)
         rows = tokens = float(len(limits))
         passes = 0
         seconds = self.cost(int(rows))
@@ -123,7 +125,7 @@ class AutoK:
             chosen[rid], passes, seconds = j, new_passes, new_seconds
             rows, tokens = rows + 1, tokens + gain
         if self.drift:
-            for rid, k in chosen.items():              # an idle estimate drifts back towards an even chance
-                if k == 0 and rid in self.acceptance:
-                    self.acceptance[rid] = PRIOR_ACCEPTANCE + DRIFT * (self.acceptance[rid] - PRIOR_ACCEPTANCE)
+            for rid, k in chosen.items():              # an idle estimate drifts up: it will be tried again
+                if k == 0 and limits[rid] > 0:
+                    self.acceptance[rid] = 1.0 - DRIFT * (1.0 - self.acceptance[rid])
         return chosen

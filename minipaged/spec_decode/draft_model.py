@@ -19,7 +19,11 @@ LayerSkip / "draft & verify" self-speculation): no second checkpoint, same vocab
 The *int8 self-draft* (method ``int8_self_draft``) is the whole target with its matrices in int8
 (kernels/int8.py): a quarter of the bytes to read per token, so a draft step costs about half a target step on
 a CPU, and it nearly always agrees with the target (rounding moves the logits a little): what a separate
-smaller model offers, without one.
+smaller model offers, without one. Having the target's shapes, it **shares the target's KV cache**: the context
+it attends to is the target's own (exact) keys and values, so it never catches up on a prompt, and each pass
+is one row. Its guesses' KV goes where the next verification writes the target's over it (every position it
+writes is one the target has not computed yet: the last token and the guesses after it), so the target never
+reads a value of the draft's.
 """
 from __future__ import annotations
 
@@ -44,11 +48,15 @@ logger = logging.getLogger("minipaged.spec_decode")
 
 class DraftModelProposer:
     def __init__(self, model: CompactLlama, num_blocks: int, block_size: int, backend: Backend,
-                 block_table_of: Callable[[str], list[int]], sampler: Sampler) -> None:
+                 block_table_of: Callable[[str], list[int]], sampler: Sampler,
+                 shared_kv_cache: Optional[torch.Tensor] = None) -> None:
         self.model = model
         backend = backend.for_shapes(model.shapes())
         model.store_weights_for(backend)
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, backend=backend)
+        # the target's own cache (the int8 self-draft: same layers and heads), or one of its own
+        self.shares_kv = shared_kv_cache is not None
+        self.kv_cache = shared_kv_cache if self.shares_kv else model.allocate_kv_cache(num_blocks, block_size,
+                                                                                       backend=backend)
         self.runner = ModelRunner(model, self.kv_cache, block_size, backend)
         self.block_table_of = block_table_of
         self.sampler = sampler                 # the requests' own generators: a seed drives drafts too
@@ -64,7 +72,10 @@ class DraftModelProposer:
 
     def _seen(self, req: Request) -> int:
         """How many of the request's tokens have their KV in the draft's cache: those it caught up on, then its
-        own fed guesses as far as they are the request's tokens (always leaving the last token to feed)."""
+        own fed guesses as far as they are the request's tokens (always leaving the last token to feed). In the
+        target's cache: every token the target computed, all but the last."""
+        if self.shares_kv:
+            return req.num_computed_tokens
         start = self.num_computed.get(req.request_id, 0)
         tokens, fed = req.all_token_ids, self.fed.pop(req.request_id, [])
         for guess in fed:
@@ -91,7 +102,7 @@ class DraftModelProposer:
             # pass j + 1: feed d_j at its position, guess d_{j+1}
             chunks = [self._chunk(r, r.num_tokens + j, 1, (tokens[r.request_id][-1],))
                       for r in active if max_drafts[r.request_id] > j + 1]
-        for req in active:                     # d_0 .. d_{k-2} were fed: their KV is in the cache
+        for req in active if not self.shares_kv else ():   # d_0 .. d_{k-2} were fed: their KV is in the cache
             self.fed[req.request_id] = tokens[req.request_id][:max_drafts[req.request_id] - 1]
         return {rid: Draft(ids, torch.stack(probs[rid]) if probs[rid] else None) for rid, ids in tokens.items()}
 

@@ -17,7 +17,7 @@ from ..kernels import Backend
 from ..request import Request, RequestStatus
 from ..sampling import Sampler
 from .auto_k import AutoK
-from .config import SpeculativeConfig
+from .config import INT8_SELF_DRAFT, SpeculativeConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 from .proposer import Draft, Proposer
@@ -105,10 +105,11 @@ class Speculator:
 
 def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
                      backend: Backend, block_table_of: Callable[[str], list[int]], max_model_len: int,
-                     sampler: Sampler) -> Speculator:
+                     sampler: Sampler, target_kv_cache: Optional[torch.Tensor] = None) -> Speculator:
     """The proposer the configuration names, wrapped for the engine."""
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        proposer = DraftModelProposer(draft_model, num_blocks, block_size, backend, block_table_of, sampler)
+        shared = target_kv_cache if config.method == INT8_SELF_DRAFT else None
+        proposer = DraftModelProposer(draft_model, num_blocks, block_size, backend, block_table_of, sampler, shared)
     return Speculator(config, proposer, max_model_len, sampler)
