@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE = 0.5      # the chance of a first draft before anything was seen
-PRIOR_RUN = 0.7             # the chance of draft j once draft j - 1 was accepted, before anything was seen
+PRIOR_RUN = 0.9             # the chance of draft j once draft j - 1 was accepted, before anything was seen
 WEIGHT = 0.25               # how much one observation moves a running average
 DRIFT = 0.99                # per idle step, the part of (1 - estimate) that stays (draft models)
 # Before two row counts were timed: a row beyond the first costs this share of a one-row step (optimistic, so
