@@ -44,11 +44,16 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
     sampled: dict[str, Optional[list[int]]] = {}
     verified: dict[str, Verified] = {}
     plain: list[tuple[Request, torch.Tensor]] = []
+    # Greedy verifications need only each row's argmax: one call for the step (the backend's), not one a request.
+    argmax = sampler.argmax(logits).tolist() if any(r.params.greedy for r in requests) else None
+    first = 0
     for req, rows in zip(requests, logits.split(model_input.num_logits_rows)):
+        first += len(rows)
         if req.request_id not in drafts:
             plain.append((req, rows[-1]))
             continue
-        verdict = speculator.verify(req, rows, drafts[req.request_id])
+        verdict = speculator.verify(req, rows, drafts[req.request_id],
+                                    None if argmax is None else argmax[first - len(rows):first])
         sampled[req.request_id] = None if verdict is None else verdict.token_ids
         if verdict is not None:
             verified[req.request_id] = verdict

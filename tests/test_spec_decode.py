@@ -22,7 +22,8 @@ from minipaged.spec_decode import rejection_sampler
 from minipaged.spec_decode.config import SpeculativeConfig
 from minipaged.spec_decode.ngram import find_ngram_continuation
 from minipaged.spec_decode.proposer import Draft
-from minipaged.spec_decode.rejection_sampler import verify
+from minipaged.spec_decode import speculator as speculator_module
+from minipaged.spec_decode.rejection_sampler import greedy_verdict, verify
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -411,6 +412,26 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():
     assert verify(logits, Draft([3, 1, 4]), greedy, gen).token_ids == [3, 1, 4, 6]      # all + bonus
     assert verify(logits, Draft([3, 2, 4]), greedy, gen).token_ids == [3, 1]            # recovered at 1
     assert verify(logits, Draft([0, 1, 4]), greedy, gen).num_accepted == 0
+
+
+def test_a_steps_greedy_verifications_take_one_argmax_for_all_rows(tiny_engine_factory, monkeypatch):
+    """The engine verifies greedy drafts from one argmax over the step's rows (the backend's), not one torch
+    argmax a request; a verifier put in the rejection sampler's place (lab 4) still gets every request."""
+    engine = tiny_engine_factory(speculative_config=NGRAM)
+    calls = []
+    monkeypatch.setattr(rejection_sampler, "greedy_verdict", lambda *a: calls.append(a) or greedy_verdict(*a))
+    monkeypatch.setattr(speculator_module, "greedy_verdict", rejection_sampler.greedy_verdict)
+    argmaxes, argmax = [], engine.sampler.argmax
+    engine.sampler.argmax = lambda logits: argmaxes.append(len(logits)) or argmax(logits)
+    prompts = repetitive_prompts(seed=8, n=4)
+    assert greedy_tokens(engine, prompts) == greedy_tokens(tiny_engine_factory(), prompts)
+    verified = engine.stats()["spec_decode_num_drafts"]
+    assert verified > 0 and len(calls) == verified and max(argmaxes) > len(prompts)
+    engine.speculator.verify_drafts = lambda logits, draft, params, gen: own.append(draft) or greedy_verdict(
+        logits.argmax(-1).tolist(), draft.token_ids)                    # (the module's own function: not counted)
+    own, calls[:] = [], []
+    assert greedy_tokens(engine, prompts) == greedy_tokens(tiny_engine_factory(), prompts)
+    assert own and not calls
 
 
 def test_first_verified_token_has_the_same_distribution_with_and_without_speculation(tiny_engine_factory,

@@ -21,7 +21,7 @@ from .config import INT8_SELF_DRAFT, SpeculativeConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 from .proposer import Draft, Proposer
-from .rejection_sampler import Verified, verify
+from .rejection_sampler import Verified, greedy_verdict, verify
 
 logger = logging.getLogger("minipaged.spec_decode")
 
@@ -81,12 +81,17 @@ class Speculator:
         if self.auto is not None and chunks and all(c.kind == "decode" for c in chunks):
             self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds)
 
-    def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int]) -> Optional[Verified]:
-        """The rejection sampler on one request's rows (last token + each draft); None if it failed."""
+    def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int],
+               argmax: Optional[list[int]] = None) -> Optional[Verified]:
+        """The rejection sampler on one request's rows (last token + each draft); None if it failed. ``argmax``:
+        the rows' argmax, worked out for the whole step at once (a greedy request then needs nothing more)."""
         probs = self._draft_probs.pop(req.request_id, None)
         draft = Draft(list(draft_token_ids), None if probs is None else probs[:len(draft_token_ids)])
         try:
-            verdict = self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
+            if argmax is not None and req.params.greedy and self.verify_drafts is verify:
+                verdict = greedy_verdict(argmax, draft.token_ids)
+            else:
+                verdict = self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
             if self.auto is not None:
                 self.auto.observe_verification(req.request_id, verdict.num_accepted, verdict.num_draft_tokens)
             return verdict
