@@ -166,6 +166,9 @@ def test_the_guides_flags_and_vllms_json_both_configure_speculation():
     assert parse_flags(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                         "--prompt-lookup-max", "3"]) == {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}}
+    assert parse_flags(["--speculative-method", "int8_self_draft", "--num-speculative-tokens", "3",
+                        "--speculative-auto-k"]) == {
+        "speculative_config": {"method": "int8_self_draft", "num_speculative_tokens": 3, "auto_k": True}}
 
 
 def test_a_bad_flag_value_is_a_clear_error_on_the_command_line(capsys):
