@@ -502,11 +502,17 @@ def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
     for _ in range(10):
         runs.observe_verification("q", 1, 3)                 # the first kept, never the second
     assert runs.gains("r", 3)[1] < 0.1 * runs.gains("r", 3)[0] and runs.choose({"r": 3}) == {"r": 1}
-    drafting = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass_s=0.007)
+    drafting = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass=StepCost({1: 0.007}))
     drafting.acceptance["r"] = 0.3                          # a first draft kept three times in ten
     assert drafting.choose({"r": 3}) == {"r": 0}
-    drafting.draft_pass_s = 0.001
+    drafting.draft_pass = StepCost({1: 0.001})
     assert drafting.choose({"r": 3})["r"] >= 1
+    # a drafting pass timed at batch 16 says little of one at batch 1: kept apart by the requests in it
+    drafting.observe_drafting([(16, 0.040)] * 8)
+    assert drafting.choose({"r": 3})["r"] >= 1
+    fresh = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass=StepCost({16: 0.040}))
+    fresh.acceptance["r"] = 0.9
+    assert fresh.choose({"r": 3})["r"] >= 1                  # batch 1 not timed yet: tried
 
 
 class _WrongGuesses:

@@ -11,7 +11,7 @@ only if the target accepts it. Running estimates decide:
 * **cost**: the seconds a decode step of R rows took (a running average per row count, from the engine's own
   timings; between the counts it has seen, the line through the nearest two). On a CPU at batch one a few more
   rows cost little (a step reads the weights once), in a batch of 64 every row costs its share of the compute:
-  the same rule then says no.
+  the same rule then says no. A draft model's pass is timed the same way, by the number of requests in it.
 
 The choice is the one that maximises expected tokens per second for the whole step (vLLM's dynamic speculation
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
@@ -72,7 +72,8 @@ class AutoK:
     acceptance: dict[str, float] = field(default_factory=dict)    # per request: its next first draft's chance
     first: float = PRIOR_ACCEPTANCE                               # the same over every request: where new ones start
     runs: list[float] = field(default_factory=list)               # c_j for j = 2, 3, ...
-    draft_pass_s: float = 0.0              # a draft model's pass (0: the n-gram lookup, which costs no pass)
+    # a draft model's pass by the requests in it (none timed: free, as the n-gram lookup is)
+    draft_pass: StepCost = field(default_factory=StepCost)
     drift: bool = True
 
     def observe_verification(self, request_id: str, num_accepted: int, num_drafts: int) -> None:
@@ -87,10 +88,19 @@ class AutoK:
                 self.runs.append(PRIOR_RUN)
             self.runs[j - 2] = moved(self.runs[j - 2], 1.0 if num_accepted >= j else 0.0)
 
-    def observe_drafting(self, pass_seconds: list[float]) -> None:
-        """A draft model's passes of the last proposal, each."""
-        for seconds in pass_seconds:
-            self.draft_pass_s = seconds if not self.draft_pass_s else moved(self.draft_pass_s, seconds)
+    def observe_drafting(self, passes: list[tuple[int, float]]) -> None:
+        """A draft model's passes of the last proposal: (requests in it, seconds) each."""
+        for requests, seconds in passes:
+            self.draft_pass.observe(requests, seconds)
+
+    def drafting_s(self, passes: int, requests: int) -> float:
+        """Seconds of ``passes`` drafting passes of ``requests`` requests (0 before any pass was timed; fewer
+        requests than any timed pass: in proportion, an optimistic guess that gets them tried, and timed)."""
+        seen = self.draft_pass.seconds
+        if not passes or not seen:
+            return 0.0
+        fewest = min(seen)
+        return passes * (self.draft_pass(requests) if requests >= fewest else seen[fewest] * requests / fewest)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
@@ -110,7 +120,7 @@ class AutoK:
         for rid in limits:
             self.acceptance.setdefault(rid, self.first)
         rows = tokens = float(len(limits))
-        passes = 0
+        passes = drafting = 0                          # drafting passes, requests that draft
         seconds = self.cost(int(rows))
         # (gain, request, j): the expected tokens of the j-th draft of a request
         candidates = sorted(((gain, rid, j) for rid, k in limits.items()
@@ -118,11 +128,11 @@ class AutoK:
         for gain, rid, j in candidates:
             if j != chosen[rid] + 1:
                 continue
-            new_passes = max(passes, j)
-            new_seconds = self.cost(int(rows) + 1) + new_passes * self.draft_pass_s
+            new_passes, new_drafting = max(passes, j), drafting + (j == 1)
+            new_seconds = self.cost(int(rows) + 1) + self.drafting_s(new_passes, new_drafting)
             if (tokens + gain) / new_seconds <= tokens / seconds:
                 break
-            chosen[rid], passes, seconds = j, new_passes, new_seconds
+            chosen[rid], passes, drafting, seconds = j, new_passes, new_drafting, new_seconds
             rows, tokens = rows + 1, tokens + gain
         if self.drift:
             for rid, k in chosen.items():              # an idle estimate drifts up: it will be tried again

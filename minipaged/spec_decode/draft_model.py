@@ -62,9 +62,9 @@ class DraftModelProposer:
         self.sampler = sampler                 # the requests' own generators: a seed drives drafts too
         self.num_computed: dict[str, int] = {}   # tokens of each request whose KV is in the draft's cache
         self.fed: dict[str, list[int]] = {}      # the guesses fed after them (their KV is in the cache too)
-        # the last proposal's passes, each, but a catch-up of more than two rows (a prompt): the automatic k's
-        # cost of a drafting pass
-        self.pass_seconds: list[float] = []
+        # the last proposal's passes, (requests, seconds) each, but a catch-up of more than two rows a request
+        # (a prompt): what the automatic k knows a drafting pass to cost
+        self.pass_seconds: list[tuple[int, float]] = []
 
     def forget(self, request_id: str) -> None:
         self.num_computed.pop(request_id, None)
@@ -98,7 +98,7 @@ class DraftModelProposer:
             begin, typical = time.perf_counter(), all(c.num_new_tokens <= 2 for c in chunks)
             self._guess(chunks, tokens, probs)
             if typical:
-                self.pass_seconds.append(time.perf_counter() - begin)
+                self.pass_seconds.append((len(chunks), time.perf_counter() - begin))
             # pass j + 1: feed d_j at its position, guess d_{j+1}
             chunks = [self._chunk(r, r.num_tokens + j, 1, (tokens[r.request_id][-1],))
                       for r in active if max_drafts[r.request_id] > j + 1]
