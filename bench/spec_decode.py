@@ -211,10 +211,10 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=8, help="the first-layers self-draft (0: leave it out)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU-time columns count all work)")
     ap.add_argument("--only", nargs="+", help="only the configurations whose name holds one of these words "
-                    "(saved as spec_decode_partial)")
+                    "(saved in bench/out/partial)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per workload")
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts at batch 1 (run one by one)")
-    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only (saved as spec_decode_quick)")
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only (saved in bench/out/partial)")
     ap.add_argument("--lesson-from", metavar="JSON", help="only write lesson 6's numbers from a saved result "
                     "(bench/out/spec_decode.json), measuring the self-draft's agreement")
     args = ap.parse_args()
@@ -274,10 +274,11 @@ def main() -> None:
                          "tokens / target forward", "output tok/s", "wall speed-up", "CPU speed-up",
                          "verify step / decode step (CPU)", "drafting ms/step (CPU)", "host ms/step (CPU)",
                          "greedy identical"], rows))
-    # (a quick or partial run is kept apart: the docs and lesson 6 render from the full one)
-    name = "spec_decode_quick" if args.quick else "spec_decode_partial" if args.only else "spec_decode"
-    save(name, {"args": vars(args), "results": results}, markdown)
-    if name == "spec_decode":
+    # (a quick or partial run is kept apart, in bench/out/partial/: the docs and lesson 6 render from the full one)
+    partial = args.quick or args.only
+    save("spec_decode_quick" if args.quick else "spec_decode_partial" if args.only else "spec_decode",
+         {"args": vars(args), "results": results}, markdown, out=OUT / "partial" if partial else OUT)
+    if not partial:
         write_lesson_values(json.loads((OUT / "spec_decode.json").read_text()), args.model)
 
 

@@ -47,7 +47,7 @@ class StepCost:
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + WEIGHT * (seconds - old)
+        self.seconds[rows] = seconds if old is None else moved(old, seconds)
 
     def __call__(self, rows: int) -> float:
         """The expected seconds of a step of ``rows`` rows (in any unit before anything was timed)."""
@@ -66,7 +66,7 @@ class StepCost:
 @dataclass
 class AutoK:
     """The acceptance estimates, the step cost and a drafting pass's cost; ``choose`` gives each request its k.
-    ``drift``: whether idle requests' estimates drift back (draft models; the n-gram lookup is watched instead)."""
+    ``drift``: whether idle requests' estimates drift up (draft models; the n-gram lookup is watched instead)."""
 
     cost: StepCost = field(default_factory=StepCost)
     acceptance: dict[str, float] = field(default_factory=dict)    # per request: its next first draft's chance
