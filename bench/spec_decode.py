@@ -1,4 +1,5 @@
-"""Speculative decoding on the embedded SmolLM2: off vs n-gram vs self-draft, at batch 1, 4, 16 and 64.
+"""Speculative decoding on the embedded SmolLM2: off vs n-gram vs draft models (the first layers, the int8
+self-draft) vs the automatic k, at batch 1, 4, 16 and 64.
 
 Two workloads, as the seed guide's "When to use" suggests comparing:
   * input-grounded: the answer quotes its input (repeat / correct / edit a passage), where prompt lookup
@@ -10,7 +11,16 @@ length (tokens per verification: accepted + the target's own), tokens per target
 generated tokens / request-forwards that produced tokens), wall time and the speed-up over speculation
 off, and whether greedy outputs were identical (they must be).
 
-    python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5] [--quick]
+Beside the wall clock (which other jobs on a shared machine disturb) it counts the engine thread's CPU time
+(``time.thread_time``; one torch thread by default, so that every kernel runs on that thread and the count is
+the whole of the work): the CPU speed-up over speculation off; a verification step's forward pass relative to
+a plain decode step's (the median of each: a step that verifies drafts, beside a step of the same batch with
+none, in the "off" run); and per step the drafting time (the proposer: a draft model's forward passes) and the
+host time (everything in a step but the target's forward pass and the drafting: scheduling, the rejection
+sampler, bookkeeping, detokenizing).
+
+    python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5]
+                                [--threads 1] [--quick]
 """
 from __future__ import annotations
 
@@ -18,10 +28,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 from minipaged.bench.report import BENCH_OUT as OUT
 from minipaged.bench.report import machine_line, save
 from minipaged.bench.report import markdown_table as table
+import torch
+
 from minipaged import Engine, SamplingParams
 from minipaged.workloads import INSTRUCTIONS, OPEN_ENDED, PASSAGES
 
@@ -32,17 +45,64 @@ def workloads(engine: Engine) -> dict[str, list[str]]:
             "open-ended": [chat([{"role": "user", "content": p}]) for p in OPEN_ENDED]}
 
 
+class CpuClock:
+    """The engine thread's CPU time in each step, in its target forward pass and in its drafting, by kind of step:
+    'verify' (some request checks drafts), 'decode' (decodes, no drafts) or 'prefill' (a prompt chunk in it)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.steps: list[tuple[str, float, float, float]] = []     # (kind, step, forward, drafting) seconds
+        self._forward = self._drafting = 0.0
+        self.engine, self._step, self._execute = engine, engine.step, engine.runner.execute
+        engine.step, engine.runner.execute = self.step, self.execute
+        if engine.speculator is not None:
+            self._propose = engine.speculator.propose
+            engine.speculator.propose = self.propose
+
+    def _timed(self, call, *args, **kwargs):
+        begin = time.thread_time()
+        return call(*args, **kwargs), time.thread_time() - begin
+
+    def execute(self, *args, **kwargs):
+        out, seconds = self._timed(self._execute, *args, **kwargs)
+        self._forward += seconds
+        return out
+
+    def propose(self, *args, **kwargs):
+        out, seconds = self._timed(self._propose, *args, **kwargs)
+        self._drafting += seconds
+        return out
+
+    def step(self):
+        self._forward = self._drafting = 0.0
+        result, seconds = self._timed(self._step)
+        scheduled = result.event.scheduled
+        kind = ("prefill" if any(s.kind == "prefill" for s in scheduled)
+                else "verify" if any(s.draft_token_ids for s in scheduled) else "decode")
+        self.steps.append((kind, seconds, self._forward, self._drafting))
+        return result
+
+    def median_forward(self, kind: str) -> Optional[float]:
+        times = sorted(forward for k, _step, forward, _draft in self.steps if k == kind)
+        return times[len(times) // 2] if times else None
+
+
 def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
     """Generate every prompt, ``batch`` at a time; the engine's counters say what speculation did."""
     events = []
     unsubscribe = engine.subscribe(events.append)
     before = dict(engine.counters)
+    clock = CpuClock(engine)
     start = time.perf_counter()
     outs = []
-    for i in range(0, len(prompts), batch):
-        outs += engine.generate(prompts[i:i + batch], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    unsubscribe()
+    try:
+        for i in range(0, len(prompts), batch):
+            outs += engine.generate(prompts[i:i + batch], params, use_tqdm=False)
+    finally:
+        wall = time.perf_counter() - start
+        unsubscribe()
+        del engine.step, engine.runner.execute           # the instance's own methods again
+        if engine.speculator is not None:
+            del engine.speculator.propose
     after = engine.counters
     drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
@@ -58,11 +118,23 @@ def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) 
                 kept.append(0)
             offered[i] += 1
             kept[i] += i < s.num_accepted
+    steps = clock.steps
+    cpu = sum(step for _k, step, _f, _d in steps)
+    drafting = sum(d for _k, _s, _f, d in steps)
+    host = cpu - sum(f for _k, _s, f, _d in steps) - drafting
     return {"wall_s": wall, "tokens": [o.token_ids for o in outs], "output_tokens": produced,
             "acceptance_by_position": [round(k / o, 4) for k, o in zip(kept, offered)],
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / verifications if verifications else None,
-            "tokens_per_forward": produced / forwards if forwards else 0.0, "steps": len(events)}
+            "tokens_per_forward": produced / forwards if forwards else 0.0, "steps": len(events),
+            "cpu_s": cpu, "host_ms_per_step": 1000 * host / len(steps), "draft_ms_per_step": 1000 * drafting / len(steps),
+            "verify_forward_ms": ms(clock.median_forward("verify")),
+            "decode_forward_ms": ms(clock.median_forward("decode")),
+            "verify_steps": sum(1 for k, *_ in steps if k == "verify")}
+
+
+def ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(1000 * seconds, 3)
 
 
 def early_exit_agreement(engine: Engine, prompts: list[str], layers: int, max_tokens: int) -> float:
@@ -83,6 +155,15 @@ def early_exit_agreement(engine: Engine, prompts: list[str], layers: int, max_to
     return agree / total
 
 
+def config_key(name: str) -> str:
+    """A configuration's name as a key: 'ngram k=3' -> ngram_k3, 'ngram auto k<=5' -> ngram_auto,
+    'self-draft 8L k=3' -> selfdraft, 'int8 self-draft k=3' -> int8draft_k3, '... auto k<=3' -> int8draft_auto."""
+    if name.startswith("self-draft"):
+        return "selfdraft"
+    head = "int8draft" if name.startswith("int8") else "ngram"
+    return f"{head}_auto" if " auto " in name else f"{head}_k{name.rsplit('=', 1)[1]}"
+
+
 def lesson_values(results: list[dict], draft_layers: int, agreement: float) -> dict:
     """The numbers lesson 6 quotes, keyed like ``grounded_b1_ngram_k3_speedup``."""
     values: dict[str, object] = {f"batch_{r['batch']}": r["batch"] for r in results}   # the text's labels
@@ -94,9 +175,11 @@ def lesson_values(results: list[dict], draft_layers: int, agreement: float) -> d
         if r["config"] == "off":
             continue
         workload = "grounded" if r["workload"] == "input-grounded" else "open"
-        config = "selfdraft" if r["config"].startswith("self-draft") else r["config"].replace(" ", "_").replace("=", "")
-        key = f"{workload}_b{r['batch']}_{config}"
+        key = f"{workload}_b{r['batch']}_{config_key(r['config'])}"
         values[f"{key}_speedup"] = round(r["speedup"], 2)
+        values[f"{key}_cpu_speedup"] = round(r["cpu_speedup"], 2)
+        if r.get("verify_vs_decode"):
+            values[f"{key}_verify_vs_decode"] = round(r["verify_vs_decode"], 2)
         values[f"{key}_acceptance"] = round(r["acceptance_rate"] or 0.0, 4)
         values[f"{key}_tokens_per_forward"] = round(r["tokens_per_forward"], 2)
         for i, share in enumerate(r.get("acceptance_by_position", [])):
@@ -125,10 +208,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--ngram-k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens for ngram")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens for the self-draft")
-    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--draft-layers", type=int, default=8, help="the first-layers self-draft (0: leave it out)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU-time columns count all work)")
+    ap.add_argument("--only", nargs="+", help="only the configurations whose name holds one of these words "
+                    "(saved in bench/out/partial)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per workload")
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts at batch 1 (run one by one)")
-    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only")
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only (saved in bench/out/partial)")
     ap.add_argument("--lesson-from", metavar="JSON", help="only write lesson 6's numbers from a saved result "
                     "(bench/out/spec_decode.json), measuring the self-draft's agreement")
     args = ap.parse_args()
@@ -137,13 +223,22 @@ def main() -> None:
         return
     if args.quick:
         args.prompts, args.batch1_prompts, args.max_tokens, args.batches = 4, 4, 64, [1]
+    torch.set_num_threads(args.threads)
     configs: dict[str, object] = {"off": None}
     for k in args.ngram_k:
         configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                                    "prompt_lookup_max": 4}
-    configs[f"self-draft {args.draft_layers}L k={args.k}"] = {
-        "method": "draft_model", "model": "self", "num_draft_layers": args.draft_layers,
-        "num_speculative_tokens": args.k}
+    configs[f"ngram auto k<={max(args.ngram_k)}"] = {"method": "ngram", "num_speculative_tokens": max(args.ngram_k),
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4, "auto_k": True}
+    if args.draft_layers:
+        configs[f"self-draft {args.draft_layers}L k={args.k}"] = {
+            "method": "draft_model", "model": "self", "num_draft_layers": args.draft_layers,
+            "num_speculative_tokens": args.k}
+    configs[f"int8 self-draft k={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k}
+    configs[f"int8 self-draft auto k<={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k,
+                                                    "auto_k": True}
+    configs = {name: spec for name, spec in configs.items()
+               if args.only is None or name == "off" or any(word in name for word in args.only)}
     engines = {name: Engine(args.model, speculative_config=spec) for name, spec in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for engine in engines.values():                       # warm-up, not measured
@@ -157,21 +252,33 @@ def main() -> None:
             base = runs["off"]
             for name, r in runs.items():
                 identical = r["tokens"] == base["tokens"]
+                verify_ratio = (r["verify_forward_ms"] / base["decode_forward_ms"]
+                                if r["verify_forward_ms"] and base["decode_forward_ms"] else None)
                 record = {"workload": workload, "batch": batch, "config": name, "identical": identical,
-                          "speedup": base["wall_s"] / r["wall_s"], **{k: v for k, v in r.items() if k != "tokens"}}
+                          "speedup": base["wall_s"] / r["wall_s"], "cpu_speedup": base["cpu_s"] / r["cpu_s"],
+                          "verify_vs_decode": verify_ratio, **{k: v for k, v in r.items() if k != "tokens"}}
                 results.append(record)
                 rows.append([workload, batch, name, "-" if r["acceptance_rate"] is None else
                              f"{r['acceptance_rate']:.0%}",
                              "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
                              f"{r['tokens_per_forward']:.2f}", f"{r['output_tokens'] / r['wall_s']:.1f}",
-                             f"{record['speedup']:.2f}x", "yes" if identical else "NO"])
+                             f"{record['speedup']:.2f}x", f"{record['cpu_speedup']:.2f}x",
+                             "-" if verify_ratio is None else f"{verify_ratio:.2f}x",
+                             f"{r['draft_ms_per_step']:.2f}", f"{r['host_ms_per_step']:.2f}",
+                             "yes" if identical else "NO"])
                 print(rows[-1], flush=True)
     markdown = (f"Speculative decoding, {args.model}, greedy, max_tokens={args.max_tokens}, n-grams 2-4, "
-                f"{args.prompts} prompts per workload ({args.batch1_prompts} at batch 1) ({machine_line()})\n\n"
+                f"{args.prompts} prompts per workload ({args.batch1_prompts} at batch 1), {args.threads} torch "
+                f"thread(s); CPU columns: the engine thread's CPU time ({machine_line()})\n\n"
                 + table(["workload", "batch", "speculation", "acceptance", "mean accept. length",
-                         "tokens / target forward", "output tok/s", "wall speed-up", "greedy identical"], rows))
-    save("spec_decode", {"args": vars(args), "results": results}, markdown)
-    if not args.quick:
+                         "tokens / target forward", "output tok/s", "wall speed-up", "CPU speed-up",
+                         "verify step / decode step (CPU)", "drafting ms/step (CPU)", "host ms/step (CPU)",
+                         "greedy identical"], rows))
+    # (a quick or partial run is kept apart, in bench/out/partial/: the docs and lesson 6 render from the full one)
+    partial = args.quick or args.only
+    save("spec_decode_quick" if args.quick else "spec_decode_partial" if args.only else "spec_decode",
+         {"args": vars(args), "results": results}, markdown, out=OUT / "partial" if partial else OUT)
+    if not partial:
         write_lesson_values(json.loads((OUT / "spec_decode.json").read_text()), args.model)
 
 

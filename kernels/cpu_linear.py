@@ -1,7 +1,7 @@
 """Linear layers on a CPU through the compiled loops, which multiply by reading each weight once, in place:
 
 - one to ``PER_ROW_ROWS`` token rows (one request decoding, a small verification): cpu_matvec.c, one weight
-  row at a time against every token row; bound by reading the weights, about twice torch's speed;
+  row at a time against every token row (four at once); bound by reading the weights, about twice torch's speed;
 - more rows (a decode batch, a prefill chunk): cpu_tiled_linear.c, a register-tiled multiply that never
   repacks the weight (torch's matmul packs it on every call); 1.3x to 1.7x torch's speed on the CI machine.
 
@@ -22,9 +22,10 @@ from .build import load_kernel, profiler_name
 # The row count up to which a decode step counts as "a few rows" (the calibration's few_row_linear verdict):
 # one to seven rows covers one request and the verification of up to 6 drafted tokens.
 SMALL_BATCH_ROWS = 7
-# Up to this many rows the one-row loop beats the tiled one (measured, SmolLM2's layers: 4 rows 28.1 vs 32.4 ms,
-# 5 rows 30.6 vs 28.2 ms; cpu_tiled_linear.c has the figures).
-PER_ROW_ROWS = 4
+# Up to this many rows the few-row loop runs (a weight vector meets up to four token rows while in a register);
+# it was as fast as the tiled one at five to seven rows (cpu_matvec.c has the figures), and a row's result
+# there does not depend on the rows beside it: a verification's rows give a decode's logits, bit for bit.
+PER_ROW_ROWS = SMALL_BATCH_ROWS
 PROFILER_NAME = "minipaged::small_batch_linear"
 TILED_PROFILER_NAME = "minipaged::tiled_linear"
 

@@ -17,7 +17,7 @@
  * Measured on the CI machine (2-core AMD EPYC with AVX-512, quiet, one thread; SmolLM2's 30 layers of q|k|v,
  * o, gate|up and down plus the LM head, every matrix read cold from memory), torch's best layout -> this:
  * fp32 8 rows 53.9 -> 39.8 ms, 16 rows 75.3 -> 50.2, 64 rows 199.5 -> 117.6, 256 rows 706.7 -> 412.4 ms;
- * int8 16 rows 44.3 ms, 64 rows 127.5 (torch on the widened weights: 74 and 199). Up to 4 fp32 rows (3
+ * int8 16 rows 44.3 ms, 64 rows 127.5 (torch on the widened weights: 74 and 199). Up to 7 fp32 rows (3
  * int8 rows) the one-row loops are faster: the backend's calibration races this against torch on the machine
  * that runs it, since another CPU (AVX2 only, another BLAS) may decide otherwise.
  *

@@ -106,7 +106,7 @@ class TorchAttentionPlan:
     is 30 times fewer small tensors built from Python lists on every decode step.
     """
 
-    num_decodes: int
+    num_decodes: int                        # decode rows (a verification's few rows count one each)
     decode_rows: Optional[torch.Tensor]     # q rows of the decodes; None: every row is a decode, in order
     decode_tables: Optional[torch.Tensor]   # [num_decodes, blocks of the longest]
     decode_len: int                         # the longest decode context: keys are padded to it
@@ -117,22 +117,32 @@ class TorchAttentionPlan:
 
 
 def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
-                         host_query_start_loc: list[int]) -> TorchAttentionPlan:
+                         host_query_start_loc: list[int], few_row_chunks: int = 1) -> TorchAttentionPlan:
     """Split the step into decodes (one query each, batched into one padded attention call) and prefill
     chunks (attended one by one: padding a 2000-token prefill together with decodes would waste most of the
-    work), and build the index tensors and masks each part needs."""
+    work), and build the index tensors and masks each part needs.
+
+    ``few_row_chunks``: a request with up to this many query rows (a speculative verification's k + 1: the last
+    token and its drafts) is attended as that many decodes, row j seeing its context up to its own position
+    (``seq_len - q_len + j + 1`` keys: the causal mask, row by row). The keys of the rows before it are already
+    in the cache (every layer writes the step's K/V before it attends), so a kernel made for one query a row
+    verifies at a decode's cost, and a step of nothing but such rows is a decode step (the cpu backend's
+    compiled layer loop). 1: only true decodes (the torch backend's plan)."""
     device = block_tables.device
     seq_list, starts = host_seq_lens, host_query_start_loc
-    decodes = [i for i in range(len(seq_list)) if starts[i + 1] - starts[i] == 1]
+    # Each decode row, in row order: (its request, its row in the step, its own context length).
+    decodes = [(i, starts[i] + j, seq_list[i] - (starts[i + 1] - starts[i]) + j + 1)
+               for i in range(len(seq_list)) if 1 <= starts[i + 1] - starts[i] <= few_row_chunks
+               for j in range(starts[i + 1] - starts[i])]
     rows = tables = mask = decode_seq_lens = None
-    decode_len = max((seq_list[i] for i in decodes), default=0)
+    decode_len = max((n for _i, _row, n in decodes), default=0)
     if decodes:
-        every_row = len(decodes) == len(seq_list)      # nothing but decodes: row i is request i's query
-        if not every_row:
-            rows = torch.tensor([starts[i] for i in decodes], device=device)
+        owners, lens = [i for i, _row, _n in decodes], [n for _i, _row, n in decodes]
+        if len(decodes) != starts[-1]:                 # not every row is a decode: say which ones are
+            rows = torch.tensor([row for _i, row, _n in decodes], device=device)
         max_blocks = (decode_len + block_size - 1) // block_size
-        picked = block_tables if every_row else block_tables[torch.tensor(decodes, device=device)]
-        lens = [seq_list[i] for i in decodes]
+        one_each = owners == list(range(len(seq_list)))     # row r is request r's query (the usual decode step)
+        picked = block_tables if one_each else block_tables[torch.tensor(owners, device=device)]
         blocks_owned = [(n + block_size - 1) // block_size for n in lens]
         tables = picked[:, :max_blocks].long()                             # int64: index_select's own type
         if min(blocks_owned) < max_blocks:
@@ -148,7 +158,7 @@ def plan_torch_attention(block_tables: torch.Tensor, block_size: int, host_seq_l
     for i, seq_len in enumerate(seq_list):
         qs, qe = starts[i], starts[i + 1]
         q_len = qe - qs
-        if q_len <= 1:
+        if q_len <= max(1, few_row_chunks):
             continue
         chunk_mask = None                               # a whole prompt: plain causal attention
         if q_len != seq_len:                            # a later chunk also sees the cached tokens before it

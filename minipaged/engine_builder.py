@@ -36,6 +36,7 @@ from .policies import load_policy
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
+from .spec_decode.config import INT8_SELF_DRAFT
 from .spec_decode.draft_model import load_draft_model
 from .spec_decode.speculator import Speculator, build_speculator
 
@@ -107,12 +108,16 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         return_freed_memory_to_the_os()
     model.store_weights_for(backend)                    # (int8 matrices stay as they are: [out, in])
     spec = config.speculative
+    if spec and spec.method == INT8_SELF_DRAFT and (
+            problem := quantization_problem("int8", backend, DTYPES[dtype_name], layout.world_size)):
+        raise ConfigError(f"the int8 self-draft cannot run here: {problem}.")
     draft_model = load_draft_model(spec, model, tokenizer, DTYPES[dtype_name], str(device),
                                    load_progress) if spec and spec.uses_draft_model else None
 
     # The paged KV cache: one pool of blocks on the device, and a host pool for swapped-out requests.
     # A draft model keeps its own KV in the same blocks, so a block costs both models' bytes.
-    kv_bytes_per_token = model.kv_bytes_per_token() + (draft_model.kv_bytes_per_token() if draft_model else 0)
+    own_draft_kv = draft_model is not None and spec.method != INT8_SELF_DRAFT   # (the int8 one shares the target's)
+    kv_bytes_per_token = model.kv_bytes_per_token() + (draft_model.kv_bytes_per_token() if own_draft_kv else 0)
     bytes_per_block = kv_bytes_per_token * config.block_size
     num_blocks = num_kv_blocks(config, device, bytes_per_block)
     cpu_blocks = num_cpu_blocks(config, bytes_per_block)
@@ -139,7 +144,8 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids)
     speculator: Optional[Speculator] = None if spec is None else build_speculator(
         spec, draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=backend,
-        block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler)
+        block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler,
+        target_kv_cache=kv_cache)
 
     info = EngineInfo(
         model=model_name, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
@@ -161,7 +167,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     capacity = (f"KV cache{per_rank}: {num_blocks} blocks x {config.block_size} tokens = "
                 f"{num_blocks * config.block_size} tokens ({num_blocks * bytes_per_block / 2**20:.1f} MiB, "
                 f"{kv_bytes_per_token / 1024:.1f} KiB per token"
-                f"{', draft model included' if draft_model else ''}){layout_text}")
+                f"{', draft model included' if own_draft_kv else ''}){layout_text}")
     logger.info(capacity)
     if load_progress is not None:
         load_progress(capacity)

@@ -148,6 +148,10 @@ class ScheduledRequest:
     draft_pieces: tuple[str, ...] = ()   # each draft token as text, for drawing (thin clients have no tokenizer)
     target_piece: str = ""               # the target's own token after the accepted drafts, as text
     prefix_lookup: Optional[PrefixLookup] = None   # the step it was admitted: its prefix-cache hits and first miss
+    # speculative_config auto_k: the drafts the automatic choice allows this request's next step (0: speculation
+    # off for it) and its estimated chance that a draft is accepted; None: a fixed k (and in older traces)
+    spec_k: Optional[int] = None
+    spec_acceptance: Optional[float] = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -47,25 +47,38 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
         # views, no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
         tokens = sampler.sample(logits, requests)
         return ({req.request_id: None if t is None else [t] for req, t in zip(requests, tokens)}, {},
-                time.perf_counter() - forward_start)
+                _took(forward_start, plan, speculator))
     sampled: dict[str, Optional[list[int]]] = {}
     verified: dict[str, Verified] = {}
     plain: list[tuple[Request, torch.Tensor]] = []
+    # Greedy verifications need only each row's argmax: one call for the step (the backend's), not one a request.
+    argmax = sampler.argmax(logits).tolist() if any(r.params.greedy for r in requests) else None
+    first = 0
     for req, rows in zip(requests, logits.split(model_input.num_logits_rows)):
+        first += len(rows)
         if req.error is not None and req.request_id in drafts:    # the logits stage failed it: it is aborted
             sampled[req.request_id] = None
             continue
         if req.request_id not in drafts:
             plain.append((req, rows[-1]))
             continue
-        verdict = speculator.verify(req, rows, drafts[req.request_id])
+        verdict = speculator.verify(req, rows, drafts[req.request_id],
+                                    None if argmax is None else argmax[first - len(rows):first])
         sampled[req.request_id] = None if verdict is None else verdict.token_ids
         if verdict is not None:
             verified[req.request_id] = verdict
     if plain:
         tokens = sampler.sample(torch.stack([row for _req, row in plain]), [req for req, _row in plain])
         sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-    return sampled, verified, time.perf_counter() - forward_start
+    return sampled, verified, _took(forward_start, plan, speculator)
+
+
+def _took(forward_start: float, plan: SchedulerOutput, speculator: Optional[Speculator]) -> float:
+    """The seconds since ``forward_start``, also told to the speculator (its automatic k learns from them)."""
+    seconds = time.perf_counter() - forward_start
+    if speculator is not None:
+        speculator.observe_step(plan.chunks, seconds)
+    return seconds
 
 
 def run_logits_stage(model_input: ModelInput, logits: torch.Tensor, drafts: dict[str, Sequence[int]],

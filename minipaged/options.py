@@ -130,20 +130,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
 # The seed guide's spelling of speculative decoding (vLLM's older flags): each fills one key of
 # speculative_config, on top of whatever --speculative-config JSON gave.
 SPECULATIVE_FLAGS = (
-    ("--speculative-method", "method", str, "ngram or draft_model"),
+    ("--speculative-method", "method", str, "ngram, draft_model, or int8_self_draft (the target's own weights "
+                                            "in int8 draft for it)"),
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step (k)"),
     ("--speculative-model", "model", str, "the draft model (a checkpoint with the same vocabulary, or "
                                          "'self' for the target's first --num-draft-layers layers)"),
     ("--num-draft-layers", "num_draft_layers", int, "layers of a self-draft"),
     ("--prompt-lookup-min", "prompt_lookup_min", int, "ngram: shortest n-gram to match (default: 5)"),
     ("--prompt-lookup-max", "prompt_lookup_max", int, "ngram: longest n-gram to match (default: 5)"),
+    ("--speculative-auto-k", "auto_k", None, "choose each request's k every step (at most "
+                                            "--num-speculative-tokens; 0 where drafts lose)"),
 )
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (or --speculative-config JSON)")
     for flag, key, value_type, help_text in SPECULATIVE_FLAGS:
-        group.add_argument(flag, dest="spec_" + key, type=value_type, default=None, help=help_text)
+        if value_type is None:                             # a switch: present means true
+            group.add_argument(flag, dest="spec_" + key, action="store_const", const=True, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest="spec_" + key, type=value_type, default=None, help=help_text)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -284,6 +284,9 @@ class Request:
     # Speculative decoding: guesses of the next tokens, made after the last step, for the next one to
     # check. They are not the request's tokens (num_tokens leaves them out) until the target accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The automatic k (speculative_config auto_k): drafts allowed in its next step, and its acceptance estimate.
+    spec_k: Optional[int] = None
+    spec_acceptance: Optional[float] = None
 
     @property
     def all_token_ids(self) -> list[int]:

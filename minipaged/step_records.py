@@ -15,7 +15,8 @@ def scheduled_record(chunk: ScheduledChunk, verdict: Optional[Verified],
     """The event's record of one chunk; a verified decode also says what was guessed and kept, as text."""
     req = chunk.request
     record = ScheduledRequest(req.request_id, chunk.kind, chunk.start, chunk.end, req.num_prompt_tokens,
-                              chunk.num_cached_tokens, len(req.output_token_ids), prefix_lookup=chunk.prefix_lookup)
+                              chunk.num_cached_tokens, len(req.output_token_ids), prefix_lookup=chunk.prefix_lookup,
+                              spec_k=req.spec_k, spec_acceptance=req.spec_acceptance)
     if verdict is None:
         return record
     return dataclasses.replace(record, draft_token_ids=chunk.spec_token_ids, num_accepted=verdict.num_accepted,

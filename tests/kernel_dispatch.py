@@ -16,6 +16,7 @@ from minipaged.config import AttentionBackend
 from minipaged.kernels import (CpuBackend, CpuChoice, can_use_cpu_kernel, cpu_kernel_available, cpu_kernel_problem,
                                paged_attention_reference, paged_attention_torch, plan_torch_attention,
                                triton_available, write_kv_cache)
+from minipaged.kernels.backends.cpu_backend import FEW_ROW_CHUNK
 
 BACKENDS = (*get_args(AttentionBackend), "reference")
 
@@ -68,10 +69,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend in ("cpu", "torch"):
         hints = {k: v for k, v in kw.items() if k in _TORCH_HINTS}
         if backend == "cpu" and can_use_cpu_kernel(q, k_cache, v_cache):
-            plan = hints.get("plan") or plan_torch_attention(
+            cpu = _compiled_cpu_backend(q.shape[-1])
+            plan = hints.get("plan") or cpu.plan(
                 block_tables, k_cache.shape[1], hints.get("host_seq_lens") or seq_lens.tolist(),
                 hints.get("host_query_start_loc") or query_start_loc.tolist())
-            return _compiled_cpu_backend(q.shape[-1]).attention(q, k_cache, v_cache, block_tables, seq_lens,
+            return cpu.attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                                 query_start_loc, scale, plan)
         return paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, **hints)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
@@ -92,8 +94,10 @@ def plan_attention(block_tables: torch.Tensor, block_size: int, host_seq_lens: l
         return {"max_seq_len": max(host_seq_lens, default=0),
                 "max_query_len": max((b - a for a, b in zip(host_query_start_loc, host_query_start_loc[1:])),
                                      default=0)}
-    if backend in ("cpu", "torch"):
-        return {"plan": plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc)}
+    if backend in ("cpu", "torch"):      # (the cpu backend's plan attends chunks of a few rows as decodes)
+        few_rows = FEW_ROW_CHUNK if backend == "cpu" else 1
+        return {"plan": plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc,
+                                             few_rows)}
     return {}
 
 

@@ -47,6 +47,24 @@ def test_matches_reference_on_mixed_batches(seed):
         torch.testing.assert_close(paged_attention(*batch, 0.3, backend="cpu", **kw), ref, **TOL)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_verification_rows_attend_as_decodes_each_seeing_its_context_up_to_itself(seed):
+    """A speculative verification (k + 1 query rows on top of a context) planned as k + 1 decodes: row j sees
+    ``seq_len - q_len + j + 1`` keys. By the compiled kernel, and by torch's padded attention with the plan's
+    mask, the reference's causal attention; a longer chunk stays a prefill chunk."""
+    from minipaged.kernels import paged_attention_torch, plan_torch_attention
+    rng = random.Random(4000 + seed)
+    specs = [(rng.randint(9, 70), rng.randint(2, 8)) for _ in range(3)] + [(rng.randint(1, 40), 1), (60, 20)]
+    rng.shuffle(specs)
+    batch = make_batch(specs, block_size=rng.choice([4, 16]), group=rng.choice([1, 3]), seed=seed)
+    q, k_cache, v_cache, tables, seq_lens, starts = batch
+    ref = paged_attention_reference(*batch, 0.3)
+    plan = plan_torch_attention(tables, k_cache.shape[1], seq_lens.tolist(), starts.tolist(), 8)
+    assert plan.num_decodes == sum(q_len for _, q_len in specs if q_len <= 8) and len(plan.prefills) == 1
+    torch.testing.assert_close(paged_attention(*batch, 0.3, backend="cpu", plan=plan), ref, **TOL)
+    torch.testing.assert_close(paged_attention_torch(*batch, 0.3, plan=plan), ref, **TOL)
+
+
 def test_long_contexts_large_scores_and_threads():
     """2,000-token contexts with scores in the hundreds (softmax must subtract its maximum), on one thread
     and on two: the same numbers as the reference (scores that large magnify expf's last-bit differences
@@ -153,6 +171,12 @@ def test_compiled_linear_matches_torch_and_leaves_the_rest_to_it():
             # sums of up to 577 products of numbers near 1, in another order: rounding differs by ~1e-5
             torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert PER_ROW_ROWS < 9                                  # both loops were exercised above
+    # Up to PER_ROW_ROWS rows, a row's result does not depend on the rows beside it, to the bit: a verification's
+    # rows get the numbers a decode of each gets (cpu_matvec.c).
+    x, weight = torch.randn(PER_ROW_ROWS, 577, generator=gen), torch.randn(50, 577, generator=gen)
+    for rows in range(1, PER_ROW_ROWS + 1):
+        together = linear(x[:rows], weight)
+        assert all(torch.equal(together[b], linear(x[b:b + 1], weight)[0]) for b in range(rows)), rows
     x, weight = torch.randn(PER_ROW_ROWS + 3, 64, generator=gen), torch.randn(40, 64, generator=gen)
     strided = torch.randn(64, 40, generator=gen).t()
     for args in ((x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x, strided), (x[:0], weight)):

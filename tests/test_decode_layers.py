@@ -43,7 +43,8 @@ def test_decode_steps_run_as_one_call_and_give_the_loops_logits_bit_for_bit(tiny
     """One, three and seven requests decoding together (the one-row loops, and the tiled multiply for more rows),
     fp32 and int8: every decode step runs as one compiled call, every prefill runs the loop, and the logits equal
     those of the same engine with the compiled call switched off, to the bit."""
-    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(3 + i)] for i in range(num_prompts)]
+    # (prompts of nine tokens or more: a chunk of up to eight rows attends as decodes, and may run as one call)
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(9 + i)] for i in range(num_prompts)]
     options = dict(block_size=4, num_blocks=128, max_num_seqs=8, enable_prefix_caching=False)
     engine = Engine(tiny_model_untied, quantization=quantization, **options)
     assert engine.backend._decode_layers is not None
@@ -59,6 +60,44 @@ def test_decode_steps_run_as_one_call_and_give_the_loops_logits_bit_for_bit(tiny
     assert not any(ran for _rows, ran in loop_answers)
     assert tokens == loop_tokens
     assert len(logits) == len(loop_logits) and all(torch.equal(a, b) for a, b in zip(logits, loop_logits))
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("num_prompts, k", [(1, 3), (1, 6), (2, 2)])
+def test_verification_steps_run_as_one_call_and_give_the_loops_logits_bit_for_bit(tiny_model_untied, quantization,
+                                                                                  num_prompts, k):
+    """A speculative verification's k + 1 rows (one request, or two verifying together, up to seven rows) are a
+    decode step: each row attends as a decode that sees its context up to itself, so the step runs as one compiled
+    call, with the logits of the Python loop over the same kernels to the bit, and the tokens of no speculation."""
+    prompts = [[(5 * i + j) % 7 + 1 for j in range(12 + i)] for i in range(num_prompts)]    # they repeat: drafts
+    options = dict(block_size=4, num_blocks=128, max_num_seqs=8, enable_prefix_caching=False,
+                   quantization=quantization)
+    engine = Engine(tiny_model_untied, speculative_config={**NGRAM, "num_speculative_tokens": k}, **options)
+    verifications, produced = [], []
+    engine.subscribe(lambda event: verifications.extend(s for s in event.scheduled if s.draft_token_ids))
+    engine.subscribe(lambda event: produced.append(sum(map(len, event.new_token_ids.values()))))
+    tokens, logits, answers = generate_capturing(engine, prompts)
+    assert verifications, "no step verified drafts: the test proves nothing"
+    assert any(ran and rows > num_prompts for rows, ran in answers), answers        # a verification, compiled
+    assert all(ran for rows, ran in answers if rows <= 7 and rows < 12)              # every step but the prompts
+
+    engine.backend._decode_layers = None                                 # the Python loop, same kernels
+    loop_tokens, loop_logits, _answers = generate_capturing(engine, prompts)
+    assert tokens == loop_tokens
+    assert len(logits) == len(loop_logits) and all(torch.equal(a, b) for a, b in zip(logits, loop_logits))
+    plain = Engine(tiny_model_untied, **options)
+    plain_tokens, plain_logits, _answers = generate_capturing(plain, prompts)
+    assert plain_tokens == tokens
+    if num_prompts == 1 and quantization is None:
+        # fp32: each kept row of a verification is, to the bit, the row a plain decode of that token computes
+        # (the few-row matmul's rows do not depend on each other, and every row attends as a decode)
+        plain_rows = [row for step in plain_logits for row in step]
+        kept_rows = [row for step, n in zip(logits, produced) for row in step[:n]]
+        assert len(kept_rows) == len(plain_rows) == PARAMS.max_tokens
+        assert all(torch.equal(a, b) for a, b in zip(kept_rows, plain_rows))
 
 
 def test_families_with_biases_or_qk_norms_run_the_loop(family_model):
@@ -126,7 +165,7 @@ def test_the_backend_hands_off_once_a_step_just_before_the_compiled_call(tiny_mo
     compiled = engine.backend._decode_layers
     compiled.library = _Recording(compiled.library, order)
     engine.subscribe(lambda event: order.append("step " + "+".join(s.kind for s in event.scheduled)))
-    engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     steps, current = [], []
     for entry in order:
         if entry.startswith("step "):

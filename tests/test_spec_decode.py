@@ -22,11 +22,13 @@ from minipaged.spec_decode import rejection_sampler
 from minipaged.spec_decode.config import SpeculativeConfig
 from minipaged.spec_decode.ngram import find_ngram_continuation
 from minipaged.spec_decode.proposer import Draft
-from minipaged.spec_decode.rejection_sampler import verify
+from minipaged.spec_decode import speculator as speculator_module
+from minipaged.spec_decode.rejection_sampler import greedy_verdict, verify
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SELF_DRAFT = {"method": "draft_model", "model": "self", "num_draft_layers": 1, "num_speculative_tokens": 3}
+INT8 = {"method": "int8_self_draft", "num_speculative_tokens": 3}
 
 
 def repetitive_prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
@@ -57,6 +59,8 @@ def greedy_tokens(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
     ({"method": "draft_model", "model": "self", "num_draft_layers": 0, "num_speculative_tokens": 2},
      "num_draft_layers must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown speculative_config key\(s\) \['k'\]"),
+    ({"method": "int8_self_draft", "num_speculative_tokens": 2, "num_draft_layers": 3}, "num_draft_layers does not"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "auto_k": "yes"}, "auto_k must be true or false"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
 def test_bad_speculative_configs_fail_before_anything_loads(config, message):
@@ -105,6 +109,54 @@ def parse_flags(words: list[str]) -> dict:
     return engine_options(parser.parse_args(words))
 
 
+def test_the_int8_self_draft_is_the_target_in_int8_and_agrees_with_it(tiny_engine_factory):
+    """Method int8_self_draft: the draft model's matrices and LM head are int8 (the target's stay fp32, and it
+    decides every token), it shares the target's embedding and its KV cache (no KV of its own, no prompt to
+    catch up on: every drafting pass is one row a request), and it nearly always guesses the target's greedy
+    token; a target quantized already is refused (its draft would be itself)."""
+    from minipaged.kernels.int8 import Int8Weight
+    engine = tiny_engine_factory(speculative_config=INT8)
+    assert engine.info.speculative == "int8 self-draft k=3"
+    draft, target = engine.speculator.proposer.model, engine.model
+    assert all(isinstance(getattr(w, name), Int8Weight) for w in draft.layers for name in ("qkv", "o", "gate_up",
+                                                                                          "down"))
+    assert isinstance(draft.lm_head, Int8Weight) and not isinstance(target.lm_head, Int8Weight)
+    assert not isinstance(target.layers[0].qkv, Int8Weight) and draft.embed is target.embed
+    proposer = engine.speculator.proposer
+    assert proposer.kv_cache is engine.runner.kv_cache
+    assert engine.info.kv_bytes_per_token == target.kv_bytes_per_token()
+    rows, prepare = [], proposer.runner.prepare
+    proposer.runner.prepare = lambda chunks, *a, **k: rows.append(max(c.num_new_tokens for c in chunks)) or prepare(
+        chunks, *a, **k)
+    prompts = repetitive_prompts(seed=4, n=4)
+    assert greedy_tokens(engine, prompts) == greedy_tokens(tiny_engine_factory(), prompts)
+    assert rows and set(rows) == {1}
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.8 * stats["spec_decode_num_draft_tokens"] > 0
+    with pytest.raises(ConfigError, match="already int8"):
+        tiny_engine_factory(quantization="int8", speculative_config=INT8)
+
+
+def test_a_draft_model_does_not_feed_again_the_guesses_it_fed_itself(tiny_engine_factory, tiny_model):
+    """The draft's own guesses d_0 .. d_{k-2} left their KV in its cache: once accepted, the next catch-up
+    starts after them, so after the prompt every drafting pass is one or two rows (the target as its own draft:
+    every guess accepted, which a wrong reused KV would break)."""
+    engine = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_model,
+                                                     "num_speculative_tokens": 3})
+    proposer = engine.speculator.proposer
+    rows, prepare = [], proposer.runner.prepare
+
+    def noting(chunks, *args, **kwargs):
+        rows.append(max(c.num_new_tokens for c in chunks))
+        return prepare(chunks, *args, **kwargs)
+    proposer.runner.prepare = noting
+    prompt = repetitive_prompts(seed=6, n=1)[0]
+    assert greedy_tokens(engine, [prompt]) == greedy_tokens(tiny_engine_factory(), [prompt])
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    assert rows[0] == len(prompt) + 1 and max(rows[1:]) == 2        # (the prompt and the first token)
+
+
 def test_the_guides_flags_and_vllms_json_both_configure_speculation():
     assert parse_flags(["--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
@@ -114,6 +166,9 @@ def test_the_guides_flags_and_vllms_json_both_configure_speculation():
     assert parse_flags(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                         "--prompt-lookup-max", "3"]) == {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}}
+    assert parse_flags(["--speculative-method", "int8_self_draft", "--num-speculative-tokens", "3",
+                        "--speculative-auto-k"]) == {
+        "speculative_config": {"method": "int8_self_draft", "num_speculative_tokens": 3, "auto_k": True}}
 
 
 def test_a_bad_flag_value_is_a_clear_error_on_the_command_line(capsys):
@@ -154,10 +209,20 @@ FEATURES = {
 }
 DRAFTERS = {
     "ngram": NGRAM,
+    "ngram-auto-k": {**NGRAM, "auto_k": True},
+    "int8-self-draft": INT8,
     "self-draft": SELF_DRAFT,
     "other-model": None,              # filled in with the untied tiny model: another architecture, same vocab
     "target-itself": None,            # the target as its own draft: every guess is right
 }
+
+
+def pin_step_costs(engine: Engine, seconds: dict[int, float]) -> None:
+    """The automatic k's step costs pinned (seconds by rows): learnt from the tiny model's timings, its choices
+    would change from run to run."""
+    from minipaged.spec_decode.auto_k import StepCost
+    engine.speculator.auto.cost = StepCost(dict(seconds))
+    engine.speculator.auto.cost.observe = lambda rows, seconds: None
 
 
 def drafter(name: str, tiny_model: str, tiny_model_untied: str) -> dict:
@@ -174,12 +239,15 @@ def test_greedy_outputs_are_unchanged_by_speculation(name, feature, reference, t
                                                      tiny_model_untied):
     engine = tiny_engine_factory(speculative_config=drafter(name, tiny_model, tiny_model_untied),
                                  **FEATURES[feature])
+    if engine.speculator.auto is not None:
+        pin_step_costs(engine, {1: 0.014, 64: 0.016})           # rows nearly free: drafts pay even at batch 8
     events: list[StepEvent] = []
     engine.subscribe(events.append)
     assert greedy_tokens(engine, repetitive_prompts()) == reference
     stats = engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
-    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert 0 < stats["spec_decode_num_accepted_tokens"]
+    assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
     if name == "target-itself":
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     if feature.startswith("preempt"):
@@ -349,6 +417,26 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():
     assert verify(logits, Draft([0, 1, 4]), greedy, gen).num_accepted == 0
 
 
+def test_a_steps_greedy_verifications_take_one_argmax_for_all_rows(tiny_engine_factory, monkeypatch):
+    """The engine verifies greedy drafts from one argmax over the step's rows (the backend's), not one torch
+    argmax a request; a verifier put in the rejection sampler's place (lab 4) still gets every request."""
+    engine = tiny_engine_factory(speculative_config=NGRAM)
+    calls = []
+    monkeypatch.setattr(rejection_sampler, "greedy_verdict", lambda *a: calls.append(a) or greedy_verdict(*a))
+    monkeypatch.setattr(speculator_module, "greedy_verdict", rejection_sampler.greedy_verdict)
+    argmaxes, argmax = [], engine.sampler.argmax
+    engine.sampler.argmax = lambda logits: argmaxes.append(len(logits)) or argmax(logits)
+    prompts = repetitive_prompts(seed=8, n=4)
+    assert greedy_tokens(engine, prompts) == greedy_tokens(tiny_engine_factory(), prompts)
+    verified = engine.stats()["spec_decode_num_drafts"]
+    assert verified > 0 and len(calls) == verified and max(argmaxes) > len(prompts)
+    engine.speculator.verify_drafts = lambda logits, draft, params, gen: own.append(draft) or greedy_verdict(
+        logits.argmax(-1).tolist(), draft.token_ids)                    # (the module's own function: not counted)
+    own, calls[:] = [], []
+    assert greedy_tokens(engine, prompts) == greedy_tokens(tiny_engine_factory(), prompts)
+    assert own and not calls
+
+
 def test_first_verified_token_has_the_same_distribution_with_and_without_speculation(tiny_engine_factory,
                                                                                       monkeypatch):
     """End to end at temperature 1.3 with top-k 3, over 1500 seeds: the first two generated tokens (the
@@ -357,8 +445,11 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     num = 1500
 
+    engines = []
+
     def first_two(**options) -> Counter:
         engine = tiny_engine_factory(num_blocks=2048, **options)
+        engines.append(engine)
         params = [SamplingParams(temperature=1.3, top_k=3, max_tokens=3, seed=s, ignore_eos=True) for s in range(num)]
         return Counter(tuple(o.token_ids[:2]) for o in engine.generate([prompt] * num, params))
 
@@ -368,8 +459,145 @@ def test_first_verified_token_has_the_same_distribution_with_and_without_specula
     plain = first_two()
     spec_engine_draws = first_two(speculative_config=SELF_DRAFT)
     assert distance(plain, spec_engine_draws) < 0.08
+    # the int8 self-draft samples its guesses from its own q (near p, but not p)
+    assert distance(plain, first_two(speculative_config=INT8)) < 0.08
+    assert engines[-1].stats()["spec_decode_num_draft_tokens"] >= num     # every request had its second token drafted
     monkeypatch.setattr(rejection_sampler, "recovered_distribution", lambda p, q: p)
     assert distance(plain, first_two(speculative_config=SELF_DRAFT)) > 0.08
+
+
+# ----------------------------------------------------------------------------------- the automatic k
+
+def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
+    """The choice maximises expected tokens per second: cheap rows and a good acceptance take every draft allowed;
+    falling acceptance lowers k, then turns speculation off for the request (whose estimate drifts up, so
+    that it is tried again later); a batch where each row costs its share of the compute (a big batch) runs plain
+    decodes; a costly draft model pass is paid for only by a high acceptance; drafts come in runs: how often a
+    draft follows an accepted one is learnt by position, over all requests."""
+    from minipaged.spec_decode.auto_k import PRIOR_RUN, AutoK, StepCost
+    auto = AutoK(StepCost({1: 0.014, 4: 0.0196}))           # a verification of 3 drafts: 1.4x a decode
+    for _ in range(4):
+        auto.observe_verification("good", 3, 3)
+    assert auto.choose({"good": 3}) == {"good": 3}
+    ks = []
+    for _ in range(12):
+        auto.observe_verification("good", 0, 3)
+        ks.append(auto.choose({"good": 3})["good"])
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 1 and ks[-1] == 0
+    back = [auto.choose({"good": 3})["good"] for _ in range(40)]
+    assert max(back) >= 1                                   # off, then, its estimate drifting up, tried again
+    batch = AutoK(StepCost({16: 0.050, 64: 0.1176}))        # 1.4 ms a row, 28 ms for the weights
+    many = {f"r{i}": 3 for i in range(64)}
+    assert set(batch.choose(many).values()) == {0}
+    few = {f"r{i}": 3 for i in range(16)}
+    for rid in few:
+        for _ in range(8):
+            batch.observe_verification(rid, 3, 3)
+    assert set(batch.choose(few).values()) != {0}           # near-certain drafts still pay at 16
+    runs = AutoK(StepCost({1: 0.014, 4: 0.0196}))
+    for _ in range(10):
+        runs.observe_verification(f"r{_}", 0, 3)             # first drafts rejected, by other requests
+    runs.acceptance["r"] = 0.9
+    assert runs.gains("r", 3) == pytest.approx([0.9, 0.9 * PRIOR_RUN, 0.9 * PRIOR_RUN ** 2])   # no run seen yet
+    for _ in range(10):
+        runs.observe_verification("q", 1, 3)                 # the first kept, never the second
+    assert runs.gains("r", 3)[1] < 0.1 * runs.gains("r", 3)[0] and runs.choose({"r": 3}) == {"r": 1}
+    drafting = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass=StepCost({1: 0.007}))
+    drafting.acceptance["r"] = 0.3                          # a first draft kept three times in ten
+    assert drafting.choose({"r": 3}) == {"r": 0}
+    drafting.draft_pass = StepCost({1: 0.001})
+    assert drafting.choose({"r": 3})["r"] >= 1
+    # a drafting pass timed at batch 16 says little of one at batch 1: kept apart by the requests in it
+    drafting.observe_drafting([(16, 0.040)] * 8)
+    assert drafting.choose({"r": 3})["r"] >= 1
+    fresh = AutoK(StepCost({1: 0.014, 4: 0.0196}), draft_pass=StepCost({16: 0.040}))
+    fresh.acceptance["r"] = 0.9
+    assert fresh.choose({"r": 3})["r"] >= 1                  # batch 1 not timed yet: tried
+
+
+class _WrongGuesses:
+    """A proposer whose guesses are never the target's greedy token (one past it, from the step's logits)."""
+
+    def __init__(self) -> None:
+        self.proposed = 0
+
+    def propose(self, requests, max_drafts):
+        self.proposed += sum(max_drafts.values())
+        return {r.request_id: Draft([(r.all_token_ids[-1] * 7 + 1) % 250 + 3] * max_drafts[r.request_id])
+                for r in requests if max_drafts[r.request_id]}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_auto_k_turns_losing_speculation_off_and_says_so_in_the_events(tiny_engine_factory):
+    """With guesses the target rejects, a fixed k drafts every step; the automatic k soon drafts in few steps,
+    keeps greedy outputs, and each decode's record says the k it chose and its acceptance estimate (older
+    traces, without the fields, still load). (Step costs pinned: the tiny model's rows cost next to nothing,
+    which would make even rare acceptances pay.)"""
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = greedy_tokens(tiny_engine_factory(), [prompt], params)
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
+    assert engine.info.speculative.startswith("ngram k<=3 auto")
+    engine.speculator.proposer = _WrongGuesses()
+    pin_step_costs(engine, {1: 0.014, 4: 0.0196})      # a CPU's at batch one: 3 drafts cost 0.4 of a decode
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, [prompt], params) == plain
+    decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
+    assert all(s.spec_k is not None and 0 <= s.spec_k <= 3 for s in decodes)
+    drafted_steps = sum(1 for s in decodes if s.draft_token_ids)
+    assert drafted_steps <= len(decodes) // 3, [s.spec_k for s in decodes]
+    assert decodes[-1].spec_acceptance is not None and decodes[-1].spec_acceptance < 0.5
+    fixed = tiny_engine_factory(speculative_config=NGRAM)
+    fixed.speculator.proposer = _WrongGuesses()
+    fixed_events: list[StepEvent] = []
+    fixed.subscribe(fixed_events.append)
+    greedy_tokens(fixed, [prompt], params)
+    fixed_decodes = [s for e in fixed_events for s in e.scheduled if s.kind == "decode"]
+    assert all(s.spec_k is None for s in fixed_decodes)
+    assert all(s.draft_token_ids for s in fixed_decodes[1:-1])      # (the last may draft nothing: max_tokens)
+    old = __import__("json").loads(events[-1].to_json())
+    for s in old["scheduled"]:
+        s.pop("spec_k"), s.pop("spec_acceptance")
+    assert StepEvent.from_dict(old).scheduled[0].spec_k is None
+
+
+class _RightAfter:
+    """A proposer that guesses wrong until the text reaches ``position``, then the target's own tokens."""
+
+    def __init__(self, prompt: list[int], tokens: list[int], position: int) -> None:
+        self.text, self.position = prompt + tokens, position
+
+    def propose(self, requests, max_drafts):
+        out = {}
+        for r in requests:
+            n, k = r.num_tokens, max_drafts[r.request_id]
+            right = self.text[n:n + k]
+            out[r.request_id] = Draft(right if n >= self.position else [(t + 1) % 250 + 3 for t in right])
+        return {rid: d for rid, d in out.items() if d.token_ids}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_auto_k_watches_an_idle_request_and_drafts_again_once_its_guesses_come_true(tiny_engine_factory):
+    """An n-gram guess costs nothing: a request whose drafts lost is still guessed for, and each guess checked
+    against the token that comes, so that when the text starts to follow the guesses, drafting resumes."""
+    prompt, params = [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = greedy_tokens(tiny_engine_factory(), [prompt], params)[0]
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
+    pin_step_costs(engine, {1: 0.014, 4: 0.0196})
+    engine.speculator.proposer = _RightAfter(prompt, plain, len(prompt) + 16)
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, [prompt], params) == [plain]
+    decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
+    early = [s for s in decodes if s.start < len(prompt) + 16]
+    late = [s for s in decodes if s.start >= len(prompt) + 24]
+    assert any(s.spec_k == 0 for s in early)                            # it stopped drafting
+    assert sum(len(s.draft_token_ids) for s in late) >= 6 and all(s.num_accepted == len(s.draft_token_ids)
+                                                                  for s in late)
 
 
 def test_prometheus_counters_under_vllms_names_match_the_engine(tiny_engine_factory):

@@ -324,3 +324,13 @@ def test_a_recompute_says_how_many_prompt_and_generated_tokens_it_recomputes(tin
     rest = "the rest of " if s.start else ""
     assert (f"{s.request_id} prefill {s.start}→{s.end} (recomputes {rest}{s.prompt_len} prompt + {generated} "
             f"generated tokens)") in log
+
+
+def test_the_automatic_k_is_shown_beside_each_decode():
+    """A decode's record from an engine with auto_k says the k chosen for its next step and the acceptance
+    estimate (speculation off when 0); a fixed k's record (or an older trace's) adds nothing."""
+    from minipaged.tui.widgets.batch import auto_k_note
+    s = ScheduledRequest("r1", "decode", 10, 14, 6, 0, 5, draft_token_ids=(1, 2, 3), num_accepted=2)
+    assert auto_k_note(s) == ""
+    assert auto_k_note(replace(s, spec_k=2, spec_acceptance=0.613)) == "  next k=2, 61% kept"
+    assert auto_k_note(replace(s, spec_k=0, spec_acceptance=0.05)) == "  next k=0 (speculation off, 5% kept)"

@@ -13,7 +13,7 @@ from rich.text import Text
 from minipaged.events import EngineInfo, StepEvent
 
 from .state import WatchState, printable
-from .widgets.batch import budget_bar, draft_strip
+from .widgets.batch import auto_k_note, budget_bar, draft_strip
 from .widgets.event_log import ICONS
 
 
@@ -96,7 +96,7 @@ def print_step(console: Console, state: WatchState) -> None:
     for s in ev.scheduled:                       # the batch panel's draft strips
         if s.draft_token_ids:
             console.print(Text("  ⚡ ").append(s.request_id, state.colour(s.request_id)).append("  ")
-                          .append_text(draft_strip(s)), highlight=False)
+                          .append_text(draft_strip(s)).append(auto_k_note(s)), highlight=False)
     for line in state.log:
         if line.step == ev.step:
             icon, colour = ICONS.get(line.kind, ("·", "white"))

@@ -2,7 +2,9 @@
 slowly through torch, each used only where it measured faster than torch on this machine
 (``calibration.py``; the verdict is a ``CpuChoice``), torch's otherwise:
 
-  decode attention   cpu_paged_attention.c: one query per request, keys and values read in place;
+  decode attention   cpu_paged_attention.c: one query per row, keys and values read in place; a speculative
+                     verification's k + 1 rows too, each as a decode seeing its context up to itself
+                     (``plan``), so that a step of verifications is a decode step (and runs as one call, below);
   few-row linear     cpu_matvec.c: one to seven token rows (a decode, a speculative verification), bound by
                      reading the weights; or torch with the weights stored [in, out] where that is faster;
   batch linear       cpu_tiled_linear.c: eight rows or more (decode batches, prefill chunks), a register-tiled
@@ -11,7 +13,7 @@ slowly through torch, each used only where it measured faster than torch on this
                      vocabulary slices;
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
-  a decode step      cpu_decode_layers.c: for a step of one to seven decodes where every kernel above is the
+  a decode step      cpu_decode_layers.c: for a step of one to seven decode rows where every kernel above is the
                      compiled one, the model's whole layer loop as one call (the CPU's CUDA graph);
   int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
                      always (they read a quarter of fp32's bytes): for one to three rows, the one-row loop over
@@ -36,11 +38,15 @@ from ..cpu_layer_ops import cpu_layer_ops
 from ..cpu_linear import SMALL_BATCH_ROWS, compiled_linear
 from ..cpu_paged_attention import check_plan_once, kernel_can_read, paged_decode_attention_cpu
 from ..int8 import Int8Linear, Int8Weight
-from ..reference import TorchAttentionPlan, paged_attention_torch
+from ..reference import TorchAttentionPlan, paged_attention_torch, plan_torch_attention
 from ..torch_ops import TORCH_LAYER_OPS, vocab_sliced_linear
 from .base import ModelShapes
 from .calibration import COMPILED, FIXED_POINT, IN_OUT, LAYER_OPS, CpuChoice
 from .torch_backend import TorchBackend
+
+# Chunks of up to this many rows (a verification of up to seven drafts; a prompt that short) are attended row by
+# row by the decode kernel: it reads a row's keys in place, where torch's attention would gather them first.
+FEW_ROW_CHUNK = SMALL_BATCH_ROWS + 1
 
 _CHECKED_DECODE = functools.partial(paged_decode_attention_cpu, checked=True)
 
@@ -80,6 +86,11 @@ class CpuBackend(TorchBackend):
     def for_shapes(self, shapes: ModelShapes) -> "CpuBackend":
         """The same verdict, with the library built for ``shapes``' head size (a draft model's may differ)."""
         return self if shapes.head_dim == self.head_dim else CpuBackend(shapes.head_dim, self.choice, self.source)
+
+    def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
+             host_query_start_loc: list[int]) -> TorchAttentionPlan:
+        few_rows = FEW_ROW_CHUNK if self.choice.decode_attention == COMPILED else 1
+        return plan_torch_attention(block_tables, block_size, host_seq_lens, host_query_start_loc, few_rows)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,

@@ -130,13 +130,20 @@ def decode_profile_table(r: dict[str, Any]) -> str:
 
 def spec_decode_table(r: dict[str, Any]) -> str:
     rows = []
+
+    def cpu(x: dict[str, Any], key: str, form: str) -> str:       # (records before the CPU-time columns: -)
+        return "-" if x.get(key) is None else format(x[key], form)
     for x in r["results"]:
         accepted = "-" if x["acceptance_rate"] is None else f"{x['acceptance_rate']:.0%}"
         rows.append([x["workload"], x["batch"], x["config"], accepted, f"{x['tokens_per_forward']:.2f}",
                      f"{x['output_tokens'] / x['wall_s']:.1f}", f"{x['speedup']:.2f}x",
+                     cpu(x, "cpu_speedup", ".2f") + ("x" if x.get("cpu_speedup") else ""),
+                     cpu(x, "verify_vs_decode", ".2f") + ("x" if x.get("verify_vs_decode") else ""),
+                     cpu(x, "draft_ms_per_step", ".2f"), cpu(x, "host_ms_per_step", ".2f"),
                      "yes" if x["identical"] else "**no**"])
     return markdown_table(["workload", "batch", "speculation", "drafts accepted", "tokens / target forward",
-                           "output tok/s", "speed-up", "same greedy tokens"], rows)
+                           "output tok/s", "speed-up", "CPU speed-up", "verify step / decode step",
+                           "drafting ms / step", "host ms / step", "same greedy tokens"], rows)
 
 
 def chunked_prefill_table(r: dict[str, Any]) -> str:

@@ -4,6 +4,8 @@
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     Engine("smollm2", speculative_config={"method": "draft_model", "model": "self", "num_draft_layers": 8,
                                           "num_speculative_tokens": 3})
+    Engine("smollm2", speculative_config={"method": "int8_self_draft", "num_speculative_tokens": 3,
+                                          "auto_k": True})
 
 This module stays free of torch: the command line and thin clients validate with it.
 """
@@ -15,7 +17,8 @@ from typing import Any, Optional, Union
 
 from ..validation import ConfigError, is_int
 
-METHODS = ("ngram", "draft_model")
+INT8_SELF_DRAFT = "int8_self_draft"   # the target's own weights in int8 (kernels/int8.py) draft for it
+METHODS = ("ngram", "draft_model", INT8_SELF_DRAFT)
 SELF_DRAFT = "self"          # the draft is the target's own first layers + its final norm and LM head
 # vLLM's defaults when neither lookup bound is given (vllm/config/speculative.py).
 DEFAULT_PROMPT_LOOKUP = 5
@@ -29,6 +32,9 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None   # ngram: longest one, tried first
     model: Optional[str] = None               # draft_model: a Llama checkpoint with the same vocabulary, or "self"
     num_draft_layers: Optional[int] = None    # draft_model "self": how many of the target's layers draft (all)
+    # minipaged's own: num_speculative_tokens becomes the most a request drafts, and each step each request gets
+    # the k that its acceptance and the step's measured cost say pays (0: none); see auto_k.py
+    auto_k: bool = False
 
     @staticmethod
     def parse(value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
@@ -61,9 +67,11 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; use one of {list(METHODS)} "
                               "(draft_model needs a model: another Llama checkpoint with the same vocabulary, "
-                              "or 'self' with num_draft_layers).")
+                              f"or 'self' with num_draft_layers; {INT8_SELF_DRAFT} needs nothing more).")
         if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}.")
+        if not isinstance(self.auto_k, bool):
+            raise ConfigError(f"auto_k must be true or false, got {self.auto_k!r}.")
         if self.method == "ngram":
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)
@@ -75,6 +83,11 @@ class SpeculativeConfig:
             if self.model is not None or self.num_draft_layers is not None:
                 raise ConfigError("method 'ngram' drafts from the text itself; model and num_draft_layers belong "
                                   "to method 'draft_model'.")
+        elif self.method == INT8_SELF_DRAFT:
+            for name in ("model", "num_draft_layers", "prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"method '{INT8_SELF_DRAFT}' drafts with the target's own weights in int8: "
+                                      f"{name} does not apply (leave it out).")
         else:
             if not self.model or not isinstance(self.model, str):
                 raise ConfigError("method 'draft_model' needs model: a Llama checkpoint with the target's "
@@ -100,21 +113,23 @@ class SpeculativeConfig:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, lo, hi)
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, lo, hi, auto_k=self.auto_k)
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        return self.method in ("draft_model", INT8_SELF_DRAFT)
 
     def describe(self) -> str:
         """One line for headers and logs: 'ngram k=3 (n-grams 2-4)', 'self-draft 8 layers k=3'."""
-        k = self.num_speculative_tokens
+        k = f"<={self.num_speculative_tokens} auto" if self.auto_k else f"={self.num_speculative_tokens}"
         if self.method == "ngram":
-            return f"ngram k={k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
+            return f"ngram k{k} (n-grams {self.prompt_lookup_min}-{self.prompt_lookup_max})"
+        if self.method == INT8_SELF_DRAFT:
+            return f"int8 self-draft k{k}"
         if self.model == SELF_DRAFT:
             layers = "all layers" if self.num_draft_layers is None else f"{self.num_draft_layers} layers"
-            return f"self-draft {layers} k={k}"
-        return f"draft model {self.model} k={k}"
+            return f"self-draft {layers} k{k}"
+        return f"draft model {self.model} k{k}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "auto_k" and not v)}

@@ -50,16 +50,20 @@ def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else p      # p == q (up to rounding): a rejection was impossible
 
 
+def greedy_verdict(target: list[int], draft_token_ids: list[int]) -> Verified:
+    """Greedy verification from the target's argmax at each row: the agreeing drafts, then the target's token."""
+    k, accepted = len(draft_token_ids), 0
+    while accepted < k and draft_token_ids[accepted] == target[accepted]:
+        accepted += 1
+    return Verified(target[:accepted + 1], accepted, k)
+
+
 def verify(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
            generator: torch.Generator) -> Verified:
     """``target_logits``: [len(draft) + 1, vocab], the target's rows at the last token and each draft."""
     k = len(draft.token_ids)
     if params.greedy:
-        target = target_logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < k and draft.token_ids[accepted] == target[accepted]:
-            accepted += 1
-        return Verified(target[:accepted + 1], accepted, k)
+        return greedy_verdict(target_logits.argmax(dim=-1).tolist(), draft.token_ids)
     p = probabilities(target_logits, params)                      # [k + 1, vocab]
     tokens: list[int] = []
     for i, token in enumerate(draft.token_ids):

@@ -16,11 +16,12 @@ import torch
 from ..kernels import Backend
 from ..request import Request, RequestStatus
 from ..sampling import Sampler
-from .config import SpeculativeConfig
+from .auto_k import AutoK
+from .config import INT8_SELF_DRAFT, SpeculativeConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 from .proposer import Draft, Proposer
-from .rejection_sampler import Verified, verify
+from .rejection_sampler import Verified, greedy_verdict, verify
 
 logger = logging.getLogger("minipaged.spec_decode")
 
@@ -33,6 +34,9 @@ class Speculator:
         self.sampler = sampler                         # the requests' own seeded generators
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.verify_drafts = verify                    # the rejection sampler (lab 4 runs a student's in its place)
+        # the automatic k (auto_k.py; None: always k); a free proposer's idle requests are watched, not drifted
+        self.auto = AutoK(drift=config.uses_draft_model) if config.auto_k else None
+        self._watched: dict[str, tuple[int, int]] = {}   # request -> (position, the guess made for it, unverified)
 
     def propose(self, requests: Sequence[Request]) -> float:
         """Guess the next tokens of every request here that decodes next; returns the seconds it took.
@@ -44,18 +48,53 @@ class Speculator:
         ready = {r.request_id: r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill}
         limits = {rid: max(0, min(k, self.max_model_len - r.num_tokens,
                                   r.params.max_tokens - len(r.output_token_ids) - 1)) for rid, r in ready.items()}
+        if self.auto is not None:
+            self._check_watched(ready)
+            wanted = limits
+            limits = self.auto.choose(limits)
+            for rid, req in ready.items():
+                req.spec_k, req.spec_acceptance = limits[rid], self.auto.acceptance.get(rid)
         for rid, draft in self.proposer.propose(list(ready.values()), limits).items():
             ready[rid].spec_token_ids = draft.token_ids
             if draft.probs is not None:
                 self._draft_probs[rid] = draft.probs
+        if self.auto is not None and self.config.uses_draft_model:
+            self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
+        elif self.auto is not None:                # the lookup is free: guess for the idle ones too, and watch
+            idle = [r for rid, r in ready.items() if limits[rid] == 0 and wanted[rid] > 0]
+            for rid, draft in self.proposer.propose(idle, {r.request_id: 1 for r in idle}).items():
+                self._watched[rid] = (ready[rid].num_tokens, draft.token_ids[0])
         return time.perf_counter() - begin
 
-    def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int]) -> Optional[Verified]:
-        """The rejection sampler on one request's rows (last token + each draft); None if it failed."""
+    def _check_watched(self, ready: dict[str, Request]) -> None:
+        """The guesses made for idle requests, against the tokens that came: what their verification would
+        have said."""
+        for rid, (position, guess) in list(self._watched.items()):
+            req = ready.get(rid)
+            if req is not None and req.num_tokens > position:
+                del self._watched[rid]
+                self.auto.observe_verification(rid, int(req.all_token_ids[position] == guess), 1)
+
+    def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
+        """A step's forward pass and verification took ``seconds``: the automatic k learns what rows cost from
+        the steps of decodes (with or without drafts) alone."""
+        if self.auto is not None and chunks and all(c.kind == "decode" for c in chunks):
+            self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds)
+
+    def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int],
+               argmax: Optional[list[int]] = None) -> Optional[Verified]:
+        """The rejection sampler on one request's rows (last token + each draft); None if it failed. ``argmax``:
+        the rows' argmax, worked out for the whole step at once (a greedy request then needs nothing more)."""
         probs = self._draft_probs.pop(req.request_id, None)
         draft = Draft(list(draft_token_ids), None if probs is None else probs[:len(draft_token_ids)])
         try:
-            return self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
+            if argmax is not None and req.params.greedy and self.verify_drafts is verify:
+                verdict = greedy_verdict(argmax, draft.token_ids)
+            else:
+                verdict = self.verify_drafts(rows, draft, req.params, self.sampler.generator_for(req))
+            if self.auto is not None:
+                self.auto.observe_verification(req.request_id, verdict.num_accepted, verdict.num_draft_tokens)
+            return verdict
         except (RuntimeError, ValueError) as exc:
             logger.error("verifying drafts failed for request %s (%s); it is aborted.", req.request_id, exc)
             return None
@@ -64,14 +103,18 @@ class Speculator:
         """The request finished or lost its KV (preempted): its drafts and the draft model's state go."""
         self._draft_probs.pop(request_id, None)
         self.proposer.forget(request_id)
+        if self.auto is not None:
+            self.auto.forget(request_id)
+            self._watched.pop(request_id, None)
 
 
 def build_speculator(config: SpeculativeConfig, draft_model: Any, *, num_blocks: int, block_size: int,
                      backend: Backend, block_table_of: Callable[[str], list[int]], max_model_len: int,
-                     sampler: Sampler) -> Speculator:
+                     sampler: Sampler, target_kv_cache: Optional[torch.Tensor] = None) -> Speculator:
     """The proposer the configuration names, wrapped for the engine."""
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        proposer = DraftModelProposer(draft_model, num_blocks, block_size, backend, block_table_of, sampler)
+        shared = target_kv_cache if config.method == INT8_SELF_DRAFT else None
+        proposer = DraftModelProposer(draft_model, num_blocks, block_size, backend, block_table_of, sampler, shared)
     return Speculator(config, proposer, max_model_len, sampler)

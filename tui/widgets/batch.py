@@ -35,6 +35,14 @@ def draft_strip(s: ScheduledRequest) -> Text:
     return text
 
 
+def auto_k_note(s: ScheduledRequest) -> str:
+    """The automatic k's choice for the request's next step and its acceptance estimate ('' for a fixed k)."""
+    if s.spec_k is None:
+        return ""
+    estimate = "" if s.spec_acceptance is None else f", {s.spec_acceptance:.0%} kept"
+    return f"  next k={s.spec_k}{estimate}" if s.spec_k else f"  next k=0 (speculation off{estimate})"
+
+
 def token_cell(piece: str) -> str:
     """A token's text, drawable and visible: spaces as '␣', newlines as '⏎', nothing as '∅'."""
     shown = printable(piece).replace("\n", "⏎").replace(" ", "␣")
@@ -115,9 +123,11 @@ class BatchPanel(Widget):
                 text.append(f"decode 1+{len(s.draft_token_ids)}")
                 text.append(f"  +{s.num_accepted + 1} ", style="dim")
                 text.append_text(draft_strip(s))
+                text.append(auto_k_note(s), style="dim")
             else:
                 text.append(f"decode  {s.num_new_tokens:>4}")
                 text.append(f"  token {s.num_output_tokens}", style="dim")
+                text.append(auto_k_note(s), style="dim")
         return fit_lines(text, width)
 
 
