@@ -107,7 +107,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
     settings = server_settings(args)
-    engine.logits.compiler.timeout_s = settings.limits.grammar_timeout_s
     app = build_app(engine, settings)
     from .kv_publisher import KVEventsConfig, KVEventsConfigError, start_kv_events
     kv_events = KVEventsConfig.parse(args.kv_events_config)
