@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every compiled CPU op, whatever this machine measures faster: tests check them all (the choice by measurement
 # is tests/test_cpu_calibration.py's, with a fake clock).
 os.environ.setdefault("MINIPAGED_CPU_OPS", "compiled")
+# The triton backend's fused layer ops (off by default until a GPU run has shown them exact): tests check them.
+os.environ.setdefault("MINIPAGED_TRITON_FUSED", "1")
 
 from minipaged.model.testing import build_tiny_llama  # noqa: E402
 

@@ -69,3 +69,13 @@ def test_asking_for_triton_on_a_cpu_without_the_interpreter_says_what_to_do(tiny
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="runs on CUDA.*TRITON_INTERPRET=1.*attention_backend='torch'"):
         Engine(tiny_model, attention_backend="triton", num_blocks=16)
+
+
+def test_the_fused_layer_ops_are_off_unless_asked_for(monkeypatch):
+    """No GPU has run the fused kernels yet: a user gets torch's layer ops unless MINIPAGED_TRITON_FUSED=1."""
+    pytest.importorskip("triton")
+    from minipaged.kernels.backends.triton_backend import FUSED_ENV, TritonBackend
+    from minipaged.kernels.torch_ops import TORCH_LAYER_OPS
+    monkeypatch.delenv(FUSED_ENV, raising=False)
+    backend = TritonBackend()
+    assert backend.layer_ops is TORCH_LAYER_OPS and FUSED_ENV in backend.describe()

@@ -2,9 +2,14 @@
 layer's small operations fused, one kernel each (kernels/triton_layer_ops.py: the norm with its residual add, RoPE
 with the K/V write, SiLU-and-mul, greedy argmax) on CUDA; the matmuls are torch's (cuBLAS). In Triton's
 interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, slowly: that is how the whole engine
-is tested on this backend without a GPU (tests/test_triton_engine.py)."""
+is tested on this backend without a GPU (tests/test_triton_engine.py).
+
+The fused layer ops have run only in the interpreter so far: until ``make gpu-check`` shows them exact on a GPU
+they are off by default (torch's ops, as the measured GPU runs used), and ``MINIPAGED_TRITON_FUSED=1`` turns them
+on (the tests set it, so the interpreter checks them in CI)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -19,14 +24,20 @@ def _write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
     write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)   # it skips -1 slots itself
 
 
+FUSED_ENV = "MINIPAGED_TRITON_FUSED"     # "1": the fused layer ops (kernels/triton_layer_ops.py); else torch's
+
+
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, fused: Optional[bool] = None) -> None:
         super().__init__()
-        from ..triton_layer_ops import TritonLayerOps, triton_argmax     # Triton is imported only when used
-        self.layer_ops = TritonLayerOps()
-        self._argmax = triton_argmax
+        self.fused = os.environ.get(FUSED_ENV, "0") == "1" if fused is None else fused
+        self._argmax = super().argmax
+        if self.fused:
+            from ..triton_layer_ops import TritonLayerOps, triton_argmax     # Triton is imported only when used
+            self.layer_ops = TritonLayerOps()
+            self._argmax = triton_argmax
 
     def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
              host_query_start_loc: list[int]) -> dict[str, int]:
@@ -63,5 +74,6 @@ class TritonBackend(TorchBackend):
         return None
 
     def describe(self, why: bool = True) -> str:
-        return ("triton, Triton kernels for attention (kernels/triton_paged_attention.py) and fused layer ops "
-                "(kernels/triton_layer_ops.py), torch matmuls")
+        ops = ("fused layer ops (kernels/triton_layer_ops.py)" if self.fused else
+               f"torch's layer ops ({FUSED_ENV}=1: the fused ones, not yet checked on a GPU)")
+        return f"triton, Triton kernels for attention (kernels/triton_paged_attention.py), {ops}, torch matmuls"
