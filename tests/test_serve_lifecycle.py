@@ -177,8 +177,16 @@ def test_8_the_attach_tui_starts_over_after_a_reconnect(tiny_engine_factory, com
 
 # ---------------------------------------------------------------------------- 9. SIGTERM drains
 
-def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(tiny_model, tmp_path):
-    with server_process(tiny_model, "--block-size", "4", "--num-blocks", "1024", "--shutdown-timeout", "1",
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> str:
+    """The tiny model with a 16k context: a request long enough to outlast a 1 s grace period however fast the
+    steps (2,000 tokens of the 2k model took about that long once steps went under a millisecond)."""
+    from minipaged.model.testing import build_tiny_llama
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-16k"), max_position_embeddings=16384))
+
+
+def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(long_context_model, tmp_path):
+    with server_process(long_context_model, "--block-size", "4", "--num-blocks", "4096", "--shutdown-timeout", "1",
                         log_path=str(tmp_path / "server.log")) as (url, proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
         model = client.models.list().data[0].id
@@ -192,7 +200,7 @@ def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(tiny_mod
         def long_stream() -> None:
             chunks = []
             try:
-                for chunk in client.completions.create(model=model, prompt="long", max_tokens=2040, stream=True,
+                for chunk in client.completions.create(model=model, prompt="long", max_tokens=16000, stream=True,
                                                        extra_body={"ignore_eos": True}):
                     chunks.append(chunk)
             except openai.APIError as exc:
