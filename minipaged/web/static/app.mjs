@@ -391,9 +391,10 @@ function drawOutput(st) {
   // What the prefix cache said when it was admitted, in the TUI's words (tui/widgets/output.py).
   $("output-cache").textContent = r && r.prefix_lookup
     ? `prefix cache: ${describeLookup(r.prefix_lookup)}` : "";
-  // Events carry a preview of a long prompt (its start and end around " … "): the whole text on demand.
+  // Events carry a preview of a long prompt (its start and end around " … "): the whole text on demand, from the
+  // server while the request runs and for its last RECENT_PROMPTS finished ones (serve/async_engine.py).
   const button = $("whole-prompt");
-  button.hidden = replay || !r || r.state === "finished" || !r.prompt.includes(" … ");
+  button.hidden = replay || !r || !r.prompt.includes(" … ");
   button.dataset.request = rid || "";
   if ($("whole-prompt-text").dataset.request !== rid) $("whole-prompt-text").hidden = true;
 }
