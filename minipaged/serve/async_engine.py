@@ -159,7 +159,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prepare: Prepare,
                        num_samples: int = 1) -> AsyncIterator[Union[Accepted, RequestDelta]]:
         """Submit a request and yield ``Accepted``, then its ``RequestDelta`` of each step that gave it something
-        (``Engine.step().outputs``), the last one carrying the RequestOutput. Raises ServerError / InvalidRequestError if it is refused.
+        (``Engine.step().outputs``), the last one carrying the RequestOutput; a caller that fell behind gets the
+        steps it missed merged into one delta. Raises ServerError / InvalidRequestError if it is refused.
         Leaving early (the client went away, the task was cancelled) aborts the request.
 
         Admission counts samples: a request with n=600 puts 600 sequences in the queue, not one."""
@@ -171,12 +172,21 @@ class AsyncEngine:
         self._commands.put(("add", request_id, prepare, q, num_samples, ticket))
         self.num_in_flight += 1
         done = False
+        held: Any = None                              # an item taken while catching up, next in line
         try:
             while True:
-                item = await q.get()
+                item, held = (held, None) if held is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                if isinstance(item, RequestDelta):
+                    # Fell behind (the queue holds later steps' deltas too): send them as one.
+                    while not item.finished and not q.empty():
+                        later = q.get_nowait()
+                        if not isinstance(later, RequestDelta):
+                            held = later
+                            break
+                        item = item.followed_by(later)
                 yield item
                 if isinstance(item, RequestDelta) and item.finished:
                     done = True
