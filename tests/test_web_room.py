@@ -2,14 +2,13 @@
 
 No sideways scrolling and one header line; the student's own request (typed in the page's box) selected, named
 r0, r1 ... as the TUI names requests (its id on hover), marked with a white ring and a ★, and its output in view
-without scrolling; a KV map of serve-sized pool (1,456 blocks) drawn as a window that holds the requests' blocks,
+without scrolling; a KV map of a pool the size of serve's default (1,456 blocks) drawn as a window that holds the requests' blocks,
 with a legend for grouped and "+" cells; a computed column in words; a replay without live-only controls.
 Screenshots are written to each test's tmp dir (their paths are printed).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 import threading
@@ -26,7 +25,7 @@ needs_chromium = pytest.mark.skipif(find_chromium() is None,
                                     reason=f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
 ROOM = (1366, 768)
 POOL = 1456                                   # serve's default pool on the embedded model
-PALETTE_JS = "[...document.querySelectorAll('#map .cell')]"
+CELLS_JS = "[...document.querySelectorAll('#map .cell')]"
 NODE = shutil.which("node")
 HERE = Path(__file__).parent
 
@@ -237,7 +236,7 @@ def test_a_replay_shows_no_live_controls_and_its_legend_explains_grouped_cells(t
             await asyncio.sleep(0.3)
             seen = {"desk": await evaluate(page, MEASURE)}
             seen["desk"]["png"] = str(save(tmp_path, "replay-desk.png", await screenshot(page)))
-            seen["plus_cells"] = await evaluate(page, f"{PALETTE_JS}.filter((c) => c.textContent === '+').length")
+            seen["plus_cells"] = await evaluate(page, f"{CELLS_JS}.filter((c) => c.textContent === '+').length")
             seen["text"] = await evaluate(page, "document.body.innerText")
             seen["live_only_shown"] = await evaluate(page, """['live', 'freeze', 'prompt-panel', 'prompt', 'forget-key',
                 'whole-prompt'].filter((id) => document.getElementById(id).offsetParent !== null)""")
