@@ -158,15 +158,15 @@ function buildCells(container, n, maxCells = MAX_CELLS) {
   fillCells(container, { start: 0, group, count: Math.ceil(n / group) });
 }
 
-/** ``window.count`` empty cells for blocks ``window.start`` ... in cells of ``window.group`` blocks; each cell
- * knows its first block (data-first: clicks and tests read it). */
-function fillCells(container, window) {
-  container.dataset.start = String(window.start);
-  container.dataset.group = String(window.group);
+/** ``w.count`` empty cells for blocks ``w.start`` ... in cells of ``w.group`` blocks (a window of the pool:
+ * mapwindow.mjs); each cell knows its first block (data-first: clicks and tests read it). */
+function fillCells(container, w) {
+  container.dataset.start = String(w.start);
+  container.dataset.group = String(w.group);
   container.replaceChildren();
-  for (let i = 0; i < window.count; i++) {
+  for (let i = 0; i < w.count; i++) {
     const cell = el("div", { className: "cell free" });
-    cell.dataset.first = String(window.start + i * window.group);
+    cell.dataset.first = String(w.start + i * w.group);
     container.append(cell);
   }
 }
