@@ -35,7 +35,7 @@ def comparable(state: WatchState) -> dict[str, Any]:
         "block_owners": [sorted(o) for o in view.block_owners], "block_cached": list(view.block_cached),
         "cpu_block_owner": list(view.cpu_block_owner),
         "requests": {rid: asdict(r) for rid, r in view.requests.items()},
-        "colours": dict(state.colours), "arrival_order": list(state.arrival_order), "queues": state.queues(),
+        "colours": dict(state.colours), "short_names": dict(state.short_names), "arrival_order": list(state.arrival_order), "queues": state.queues(),
         "ordered_requests": state.ordered_requests(),
         "used_blocks": sum(1 for o in view.block_owners if o),
         "log": [[line.step, line.kind, line.text, line.request_id] for line in state.log],
@@ -108,9 +108,12 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     engine = tiny_engine_factory(max_num_seqs=64)
     events = []
     engine.subscribe(events.append)
-    for i in range(7):
-        engine.add_request([3 + i] * (5 + i), SamplingParams(n=32, temperature=1.0, seed=i, max_tokens=2,
-                                                             ignore_eos=True))
+    # Ids as a server names them (long: the page calls them r0, r1 ...), the engine's own numbers, a short id "r1"
+    # that a generated name must step over, and a short id "r0" that a generated name already holds.
+    names = [f"chatcmpl-{0:024x}", "r1", f"cmpl-{2:024x}", None, "r0", None, f"chatcmpl-{6:024x}", f"cmpl-{7:024x}"]
+    for i in range(8):
+        engine.add_request([3 + i] * (5 + i), SamplingParams(n=32 if i < 7 else 1, temperature=1.0, seed=i,
+                                                             max_tokens=2, ignore_eos=True), request_id=names[i])
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
@@ -162,3 +165,19 @@ def test_the_pages_fold_equals_watch_state_at_every_step(traces, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "# pass 5" in result.stdout and "# skipped 0" in result.stdout, result.stdout[-2000:]
+
+
+def test_requests_are_named_as_the_tui_names_them_with_samples_sharing_a_name(traces):
+    """A server's long ids read r0, r1 ... in arrival order; short ids keep their own name unless a generated
+    name holds it; a request's samples share its name (the page shows these, the full id on hover)."""
+    info, events = traces["samples-share-a-prompt-old-ones-forgotten"]
+    state, names = WatchState(info), {}
+    for ev in events:
+        state.apply(ev)
+        names.update(state.short_names)
+    by_request = {rid.rsplit(".", 1)[0] if "." in rid else rid: name.split(".")[0] for rid, name in names.items()}
+    numbers = [rid for rid in by_request if rid.isdigit()]
+    assert by_request == {f"chatcmpl-{0:024x}": "r0", "r1": "r1", f"cmpl-{2:024x}": "r2", "r0": "r3",
+                          f"chatcmpl-{6:024x}": "r4", f"cmpl-{7:024x}": "r5", **{n: n for n in numbers}}, by_request
+    assert len(numbers) == 2
+    assert names[f"chatcmpl-{0:024x}.7"] == "r0.7" and names[f"cmpl-{7:024x}"] == "r5"

@@ -23,6 +23,8 @@ HISTORY_LEN = 120          # points kept for each sparkline
 LOG_LEN = 400              # event log lines kept
 RATE_WINDOW = 10           # steps averaged for tokens per second
 FINISHED_KEPT = 200        # finished requests remembered (older ones are forgotten: a class runs for hours)
+SHORT_ID = 8               # ids this short name themselves (the TUI's r0, r1; the engine's 0, 1)
+_SAMPLE = re.compile(r"(.*)\.([0-9]+)")      # output_processor.sample_ids: a request's samples are id.0, id.1 ...
 
 # Chat-template markup (ChatML's "<|im_start|>user", Llama's "[INST]", "<s>" ...) and the role word after it.
 _CHAT_MARKUP = re.compile(r"<\|im_start\|>\w+|<\|(?:system|user|assistant)\|>|<\|[^|>]{1,20}\|>|</?s>|\[/?INST\]")
@@ -163,6 +165,8 @@ class WatchState:
         self.info = info
         self.view = EngineView(info)
         self.colours: dict[str, str] = {}
+        self.short_names: dict[str, str] = {}     # request id -> r0, r1 ... (what the web page shows)
+        self._num_named = 0
         self.arrival_order: list[str] = []
         self.num_arrived = 0             # colours go by it (arrival_order forgets finished requests)
         self._finished_order: deque[str] = deque()
@@ -197,10 +201,34 @@ class WatchState:
         """A request's colour: by arrival order, so live and replayed runs colour alike."""
         return self.colours.get(request_id, "#888888")
 
+    def _short_name(self, request_id: str) -> str:
+        """The name a room reads: r0, r1 ... in arrival order (the TUI's driver names its requests so) for ids
+        longer than SHORT_ID, such as a server's ``chatcmpl-95d...``; the samples of one request share it (r3.0,
+        r3.1). A short id is its own name unless another request holds that name already."""
+        sample = _SAMPLE.fullmatch(request_id)
+        base, suffix = (sample.group(1), f".{sample.group(2)}") if sample else (request_id, "")
+        named = {}                                     # a named request's id without its sample suffix -> name
+        for rid, name in self.short_names.items():
+            other = _SAMPLE.fullmatch(rid)
+            named[other.group(1) if other else rid] = name.split(".")[0]
+        if base in named:                              # another sample of the same request
+            return named[base] + suffix
+        taken = set(named.values())
+        if len(base) <= SHORT_ID and base not in taken:
+            return request_id
+        while f"r{self._num_named}" in taken:
+            self._num_named += 1
+        self._num_named += 1
+        return f"r{self._num_named - 1}{suffix}"
+
+    def short_name(self, request_id: str) -> str:
+        return self.short_names.get(request_id, request_id)
+
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
             if a.request_id not in self.colours:
                 self.colours[a.request_id] = PALETTE[self.num_arrived % len(PALETTE)]
+                self.short_names[a.request_id] = self._short_name(a.request_id)
                 self.arrival_order.append(a.request_id)
                 self.num_arrived += 1
         self.log.extend(describe_event(ev, self.view))
@@ -234,6 +262,7 @@ class WatchState:
             if req is not None and req.state == "finished":
                 del self.view.requests[rid]
                 self.colours.pop(rid, None)
+                self.short_names.pop(rid, None)
                 gone.add(rid)
         self.arrival_order = [rid for rid in self.arrival_order if rid not in gone]
 

@@ -4,9 +4,14 @@
 // act on the buffered events and never touch the engine.
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
-  FREE, CACHED, PALETTE, describeLookup } from "./fold.mjs";
+  FREE, CACHED, PALETTE, describeLookup, nameOf } from "./fold.mjs";
+import { mapWindow, blocksInUse } from "./mapwindow.mjs";
 
-const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
+const MAX_CELLS = 1024;           // the host pool: a bigger one draws 2, 4, 8 ... blocks per cell, as the TUI does
+// The KV map draws a window of the pool that holds the blocks in use (mapwindow.mjs): this many cells at most,
+// which fill a third of a 1366x768 screen (8 rows) and, bigger, of a projector's (projector layout).
+const WINDOW_CELLS = 256;
+const PROJECTOR_WINDOW_CELLS = 128;
 const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
 const KEY_STORE = "minipaged-api-key";
 const SILENCE_MS = 30000;         // nothing at all (not even the server's heartbeat comment): reconnect
@@ -44,7 +49,7 @@ function start(info) {
   view.cursor = -1;
   $("engine-name").textContent = `${info.model} · ${info.device} ${info.dtype} · ${info.num_blocks} blocks of `
     + `${info.block_size} tokens · budget ${info.max_num_batched_tokens}` + (info.speculative ? ` · ${info.speculative}` : "");
-  buildCells($("map"), info.num_blocks);
+  view.window = null;                     // drawMap chooses the KV map's window
   buildCells($("cpu-map"), info.num_cpu_blocks, MAX_CELLS / 4);
   $("cpu-title").hidden = $("cpu-map").hidden = info.num_cpu_blocks === 0;
 }
@@ -150,9 +155,20 @@ function askKey() {
 function buildCells(container, n, maxCells = MAX_CELLS) {
   let group = 1;
   while (Math.ceil(n / group) > maxCells) group *= 2;
-  container.dataset.group = String(group);
+  fillCells(container, { start: 0, group, count: Math.ceil(n / group) });
+}
+
+/** ``w.count`` empty cells for blocks ``w.start`` ... in cells of ``w.group`` blocks (a window of the pool:
+ * mapwindow.mjs); each cell knows its first block (data-first: clicks and tests read it). */
+function fillCells(container, w) {
+  container.dataset.start = String(w.start);
+  container.dataset.group = String(w.group);
   container.replaceChildren();
-  for (let b = 0; b < n; b += group) container.append(el("div", { className: "cell free" }));
+  for (let i = 0; i < w.count; i++) {
+    const cell = el("div", { className: "cell free" });
+    cell.dataset.first = String(w.start + i * w.group);
+    container.append(cell);
+  }
 }
 
 function schedule() {
@@ -213,9 +229,9 @@ function paint(cell, cls, background, text, title) {
  * the request holding most of them, partly filled when only some are in use (the TUI's grouped cells). */
 function drawCells(st, container, n, ownersOf, describe, dim) {
   const cells = container.children;
-  const group = Number(container.dataset.group || 1);
+  const group = Number(container.dataset.group || 1), start = Number(container.dataset.start || 0);
   for (let i = 0; i < cells.length; i++) {
-    const first = i * group, last = Math.min(n, first + group) - 1;
+    const first = start + i * group, last = Math.min(n, first + group) - 1;
     const counts = new Map();
     let used = 0, refs = 0, cached = false, anySelected = false, anyMine = false;
     for (let b = first; b <= last; b++) {
@@ -238,32 +254,50 @@ function drawCells(st, container, n, ownersOf, describe, dim) {
     if (dim && !anySelected) cls += " dimmed";
     const c = colour(st, owner);
     const background = used < size ? `linear-gradient(to top, ${c} ${Math.round((100 * used) / size)}%, #1a1a1a 0)` : c;
-    const text = refs > 1 ? (size === 1 ? `x${refs}` : "+") : "";
+    const text = refs > 1 ? (size === 1 ? `x${refs}` : "+") : anyMine ? "★" : "";
     paint(cells[i], cls, background, text, title);
   }
 }
 
+const count = (n) => n.toLocaleString("en-US");
+const names = (st, rids) => rids.map((rid) => nameOf(st, rid)).join(", ");
+
+/** The window of the pool the map draws now (mapwindow.mjs): it holds every block in use at the step shown. */
+function chooseWindow(st) {
+  const cells = document.body.classList.contains("projector") ? PROJECTOR_WINDOW_CELLS : WINDOW_CELLS;
+  const [lo, hi] = blocksInUse(st.blockOwners);
+  const chosen = mapWindow(st.info.num_blocks, lo, hi, cells, view.window);
+  if (chosen !== view.window) { view.window = chosen; fillCells($("map"), chosen); legend(); }
+  return chosen;
+}
+
 function drawMap(st, dim) {
   const owners = (b) => st.blockOwners[b];
+  const w = chooseWindow(st);
   drawCells(st, $("map"), st.info.num_blocks, owners, (first, last) => {
     if (first !== last) {
-      const used = st.blockOwners.slice(first, last + 1).filter((o) => o.length).length;
-      return `blocks #${first}-#${last}: ${used} in use`;
+      const held = st.blockOwners.slice(first, last + 1).filter((o) => o.length);
+      const who = [...new Set(held.flat())];
+      return `blocks #${first}-#${last}: ${held.length} in use` + (who.length ? ` (${names(st, who)})` : "");
     }
     const o = owners(first);
-    return `block #${first}: ${blockState(st, first)}` + (o.length ? `, owners ${o.join(", ")}, ref count ${o.length}` : "")
+    return `block #${first}: ${blockState(st, first)}` + (o.length ? `, owners ${names(st, o)}, ref count ${o.length}` : "")
       + (st.blockCached[first] ? ", cached (its hash lets a later prompt reuse it)" : "");
   }, dim);
-  const group = Number($("map").dataset.group || 1);
-  $("map-title").textContent = `${poolName(st.info.device)}: ${usedBlocks(st)}/${st.info.num_blocks} in use, `
-    + `${st.blockOwners.filter((o, b) => !o.length && st.blockCached[b]).length} free but cached`
-    + (group > 1 ? ` (1 cell = ${group} blocks)` : "");
+  const n = st.info.num_blocks, end = Math.min(n, w.start + w.group * w.count) - 1;
+  const whole = w.start === 0 && end === n - 1;
+  $("map-title").textContent = `${poolName(st.info.device)}: `
+    + (whole ? `${count(n)} blocks` : `blocks ${count(w.start)}-${count(end)} of ${count(n)}`)
+    + ` · ${count(usedBlocks(st))} in use, `
+    + `${count(st.blockOwners.filter((o, b) => !o.length && st.blockCached[b]).length)} free but cached`;
+  $("map-title").title = whole ? "" : "the map shows a window of the pool that holds every block in use; it "
+    + "follows them as the free queue hands out blocks further on";
 }
 
 function drawCpuMap(st, dim) {
   const owners = (b) => (st.cpuBlockOwner[b] === null ? [] : [st.cpuBlockOwner[b]]);
   drawCells(st, $("cpu-map"), st.info.num_cpu_blocks, owners, (first, last) => (first === last
-    ? `host block #${first}: ` + (st.cpuBlockOwner[first] === null ? "free" : `${st.cpuBlockOwner[first]}'s KV, swapped out`)
+    ? `host block #${first}: ` + (st.cpuBlockOwner[first] === null ? "free" : `${nameOf(st, st.cpuBlockOwner[first])}'s KV, swapped out`)
     : `host blocks #${first}-#${last}`), dim);
   const held = st.cpuBlockOwner.filter((o) => o !== null).length;
   const group = Number($("cpu-map").dataset.group || 1);
@@ -284,7 +318,7 @@ function drawBatch(st) {
     const span = s.end - s.start;
     if (!drafts) {
       const what = s.kind === "prefill" ? `prefill ${s.start}→${s.end}` : "decode";
-      bar.append(el("div", { className: `seg ${s.kind}`, title: `${s.request_id}: ${what}, ${span} tokens`,
+      bar.append(el("div", { className: `seg ${s.kind}`, title: `${nameOf(st, s.request_id)}: ${what}, ${span} tokens`,
         style: `width:${width(span)};background-color:${c}` }));
       continue;
     }
@@ -292,7 +326,7 @@ function drawBatch(st) {
     const parts = [["", span - drafts, "the last token"], ["accepted", s.num_accepted, "drafts accepted"],
       ["rejected", rejected, "drafts rejected"]];
     for (const [cls, n, what] of parts) {
-      if (n > 0) bar.append(el("div", { className: `seg decode ${cls}`, title: `${s.request_id}: ${n} ${what}`,
+      if (n > 0) bar.append(el("div", { className: `seg decode ${cls}`, title: `${nameOf(st, s.request_id)}: ${n} ${what}`,
         style: `width:${width(n)};background-color:${c}` }));
     }
   }
@@ -336,8 +370,10 @@ function drawGauges(st) {
   }
 }
 
+/** A request's name (r0, r1 ... as the TUI says; its full id on hover) in its colour; mine carry a ★ badge. */
 function chip(st, rid) {
-  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: rid });
+  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: nameOf(st, rid),
+    title: rid + (isMine(rid) ? " (mine)" : "") });
   node.style.background = colour(st, rid);
   node.onclick = () => select(rid);
   return node;
@@ -353,19 +389,44 @@ function preview(prompt) {
   return prompt.replace(/<\|im_start\|>\w+|<\|[^|>]{1,20}\|>|<\/?s>|\[\/?INST\]/g, " ").split(/\s+/).join(" ").trim();
 }
 
+// The request table's columns: [class, heading, what hovering the heading says]. The classes let style.css drop
+// the least needed ones on a narrow screen rather than scroll sideways.
+const COLUMNS = [["name", "request", "r0, r1 ... in arrival order; hover a name for the request's id"],
+  ["state", "state", "waiting, running, swapped (its KV on the host) or finished"],
+  ["prompt", "prompt", "the start of the prompt; hover for all the page has of it"],
+  ["computed", "KV computed", "tokens whose keys and values are in the cache, of the prompt plus the tokens "
+    + "generated so far (the newest token's KV is computed when it is fed back, next step)"],
+  ["output", "output", "tokens generated, of max_tokens"],
+  ["cached", "cached", "prompt tokens found in the prefix cache at admission"],
+  ["preempted", "preempted", "times this request was preempted"],
+  ["finish", "finish", "why it finished: stop, length or abort"]];
+
+/** "245 of 291", over a bar filled as far: tokens with their KV computed, of prompt + generated so far. */
+function computedCell(r) {
+  const known = r.prompt_len + r.num_output_tokens;
+  const share = known ? Math.min(100, Math.round((100 * r.num_computed) / known)) : 0;
+  const cell = el("td", { className: "computed", textContent: `${r.num_computed} of ${known}`,
+    title: `${r.num_computed} of ${known} tokens have their KV in the cache (prompt ${r.prompt_len} + generated `
+      + `${r.num_output_tokens})` });
+  cell.style.setProperty("--done", `${share}%`);
+  return cell;
+}
+
 function drawTable(st) {
   const table = $("requests");
-  const head = el("tr", {}, ...["request", "state", "prompt", "computed", "output", "cached", "preempted", "finish"]
-    .map((h) => el("th", { textContent: h })));
+  const head = el("tr", {}, ...COLUMNS.map(([cls, h, help]) => el("th", { className: cls, textContent: h, title: help })));
   const rows = orderedRequests(st).slice(0, 200).map((rid) => {
     const r = st.requests.get(rid);
-    const row = el("tr", { className: rid === view.selected ? "selected" : "" }, el("td", {}, chip(st, rid)),
-      el("td", { textContent: r.state }), el("td", { className: "prompt", textContent: preview(r.prompt), title: r.prompt }),
-      el("td", { textContent: `${r.num_computed}/${r.prompt_len}` }), el("td", { textContent: `${r.num_output_tokens}/${r.max_tokens}` }),
-      el("td", { textContent: String(r.num_cached_tokens),
+    const row = el("tr", { className: rid === view.selected ? "selected" : "" },
+      el("td", { className: "name" }, chip(st, rid), ...(isMine(rid) ? [el("span", { className: "mine-badge", textContent: "★ mine" })] : [])),
+      el("td", { className: "state", textContent: r.state }),
+      el("td", { className: "prompt", textContent: preview(r.prompt), title: r.prompt }),
+      computedCell(r),
+      el("td", { className: "output", textContent: `${r.num_output_tokens} of ${r.max_tokens}` }),
+      el("td", { className: "cached", textContent: String(r.num_cached_tokens),
         title: r.prefix_lookup ? describeLookup(r.prefix_lookup) : "" }),
-      el("td", { textContent: String(r.num_preemptions) }),
-      el("td", { textContent: r.finish_reason || "" }));
+      el("td", { className: "preempted", textContent: String(r.num_preemptions) }),
+      el("td", { className: "finish", textContent: r.finish_reason || "" }));
     row.dataset.request = rid;
     if (isMine(rid)) row.dataset.mine = "true";
     row.onclick = () => select(rid);
@@ -375,8 +436,11 @@ function drawTable(st) {
 }
 
 function drawLog(st) {
+  // The fold's lines name requests by id, as Python's do; a line about one request starts with it: its name here.
+  const named = (line) => (line.request_id && line.text.startsWith(line.request_id)
+    ? nameOf(st, line.request_id) + line.text.slice(line.request_id.length) : line.text);
   $("log").replaceChildren(...st.log.slice(-150).reverse().map((line) =>
-    el("li", { className: line.kind, textContent: `${String(line.step).padStart(5)}  ${line.text}` })));
+    el("li", { className: line.kind, textContent: `${String(line.step).padStart(5)}  ${named(line)}`, title: line.text })));
 }
 
 function drawOutput(st) {
@@ -386,7 +450,8 @@ function drawOutput(st) {
     rid = order.find(isMine) || order[0];
   }
   const r = rid && st.requests.get(rid);
-  $("output-title").textContent = r ? `output of ${rid}${isMine(rid) ? " (mine)" : ""}: ${r.state}` : "output";
+  $("output-title").textContent = r ? `output of ${nameOf(st, rid)}${isMine(rid) ? " ★ mine" : ""}: ${r.state}` : "output";
+  $("output-title").title = rid || "";
   $("output").replaceChildren(...(r ? colouredOutput(r) : []));
   // What the prefix cache said when it was admitted, in the TUI's words (tui/widgets/output.py).
   $("output-cache").textContent = r && r.prefix_lookup
@@ -438,8 +503,9 @@ function setStatus() {
   const status = $("status");
   let text = replay ? "replay" : view.connected ? "live" : view.goodbye ? "server stopped" : "disconnected";
   let cls = view.connected || replay ? "live" : "lost";
-  if (view.frozen && !replay) { text = "frozen (events keep buffering)"; cls = "frozen"; }
+  if (view.frozen && !replay) { text = "frozen"; cls = "frozen"; }
   status.textContent = text;
+  status.title = cls === "frozen" ? "the view is frozen; events keep buffering (L: back to live)" : text;
   status.className = `status ${cls}`;
   $("freeze").classList.toggle("on", view.frozen);
 }
@@ -469,6 +535,8 @@ function play() {
 function projector(on = !document.body.classList.contains("projector")) {
   document.body.classList.toggle("projector", on);
   $("projector").classList.toggle("on", on);
+  view.window = null;                     // the projector's map draws fewer, bigger cells
+  schedule();
 }
 
 $("freeze").onclick = () => freeze();
@@ -486,11 +554,11 @@ document.addEventListener("keydown", (e) => {
   else if (e.key === "p" || e.key === "P") projector();
 });
 $("map").addEventListener("click", (e) => {
-  const index = [...$("map").children].indexOf(e.target);
-  if (index < 0 || !view.shown) return;
+  if (!e.target.classList.contains("cell") || !view.shown) return;
   $("block-info").textContent = e.target.title;
-  const owners = view.shown.blockOwners[index * Number($("map").dataset.group || 1)];
-  if (owners && owners.length) select(owners[0]);
+  const group = Number($("map").dataset.group || 1), first = Number(e.target.dataset.first);
+  const owner = view.shown.blockOwners.slice(first, first + group).find((o) => o.length);
+  if (owner) select(owner[0]);
 });
 $("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains("cell")) $("block-info").textContent = e.target.title; });
 
@@ -551,16 +619,36 @@ $("key-form").onsubmit = (e) => {
   connect();
 };
 
+/** What the map's cells mean, at the map's grouping now: "1 cell = N blocks", what a partly filled cell and a "+"
+ * say; the ★ of mine in a grey no request is drawn in (live pages only: a replay has no "mine"). */
 function legend() {
   const swatch = (cls, background, text = "") => {
     const c = el("span", { className: `cell ${cls}`, textContent: text });
     c.style.background = background;
     return c;
   };
-  $("legend").replaceChildren(
-    el("span", {}, swatch("used", PALETTE[0]), "request's block"), el("span", {}, swatch("shared", PALETTE[0], "x2"), "shared by 2"),
-    el("span", {}, swatch("cached", ""), "free, cached prefix"), el("span", {}, swatch("free", ""), "free"),
-    el("span", {}, swatch("used mine", PALETTE[1]), "mine"));
+  const group = view.window ? view.window.group : 1;
+  const item = (help, ...parts) => el("span", { title: help }, ...parts);
+  const tokens = view.info ? ` of ${view.info.block_size} tokens` : "";
+  const items = [item(group > 1 ? `the pool is drawn ${group} blocks to a cell` : "", el("strong", {
+    textContent: group > 1 ? `1 cell = ${group} blocks` : `1 cell = 1 block${tokens}` }))];
+  if (group > 1) {
+    items.push(item(`a cell is filled as far as its ${group} blocks are in use, in the colour of the request `
+      + "holding most of them", swatch("used", `linear-gradient(to top, ${PALETTE[0]} 50%, #1a1a1a 0)`), "filled: part in use"),
+    item("one of the cell's blocks is shared by 2 or more requests (a prefix-cache hit)",
+      swatch("shared", PALETTE[0], "+"), "holds a shared block"));
+  } else {
+    items.push(item("a block some request holds, in its colour", swatch("used", PALETTE[0]), "a request's"),
+      item("a block 2 requests share (a prefix-cache hit): its ref count is 2", swatch("shared", PALETTE[0], "x2"),
+        "shared by 2"));
+  }
+  items.push(item("no request holds it, but its content is cached: a later prompt with the same prefix reuses it",
+    swatch("cached", ""), "free, cached"), item("free", swatch("free", ""), "free"));
+  if (!replay) {
+    items.push(item("the requests you sent from this page: a white ring and a ★, never a request's colour",
+      swatch("used mine", "#555", "★"), "mine"));
+  }
+  $("legend").replaceChildren(...items);
 }
 
 // ------------------------------------------------------------------------------------------ start
@@ -575,9 +663,13 @@ window.minipaged = {
 legend();
 projector(params.get("projector") === "1" || params.get("projector") === "true");
 if (replay) {
+  // A recording: nothing here is live, and nobody's requests are "mine".
   $("prompt-panel").hidden = true;
   $("play").hidden = false;
   $("freeze").hidden = true;
+  $("live").hidden = true;
+  $("forget-key").hidden = true;
+  document.body.classList.add("replay");
   const lines = embedded.textContent.split("\n").filter((line) => line.trim());
   const records = lines.map((line) => JSON.parse(line));
   const header = records.find((r) => r.type === "engine");

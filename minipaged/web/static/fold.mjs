@@ -13,6 +13,7 @@ export const HISTORY_LEN = 120;         // points kept for each sparkline
 export const LOG_LEN = 400;             // event log lines kept
 export const RATE_WINDOW = 10;          // steps averaged for tokens per second
 export const FINISHED_KEPT = 200;       // finished requests remembered (tui/state.py's FINISHED_KEPT)
+export const SHORT_ID = 8;              // ids this short name themselves (tui/state.py's SHORT_ID)
 export const METRICS = ["kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms",
   "acceptance_rate", "acceptance_length"];
 
@@ -29,6 +30,8 @@ export function newState(info) {
     lastEvent: null,
     step: 0,
     colours: new Map(),
+    shortNames: new Map(),           // request id -> r0, r1 ... (shortName)
+    numNamed: 0,
     arrivalOrder: [],
     numArrived: 0,                   // colours go by it (arrivalOrder forgets finished requests)
     finishedOrder: [],
@@ -264,9 +267,27 @@ function forgetOldFinished(st, ev) {
   const gone = new Set();
   for (const rid of st.finishedOrder.splice(0, st.finishedOrder.length - FINISHED_KEPT)) {
     const req = st.requests.get(rid);
-    if (req && req.state === "finished") { st.requests.delete(rid); st.colours.delete(rid); gone.add(rid); }
+    if (req && req.state === "finished") {
+      st.requests.delete(rid); st.colours.delete(rid); st.shortNames.delete(rid); gone.add(rid);
+    }
   }
   st.arrivalOrder = st.arrivalOrder.filter((rid) => !gone.has(rid));
+}
+
+/** WatchState._short_name: the name a room reads, r0, r1 ... in arrival order (the TUI's own requests are named
+ * so), for ids longer than SHORT_ID (a server's chatcmpl-95d...); samples of one request share it (r3.0, r3.1).
+ * A short id is its own name unless another request holds that name already. */
+function shortName(st, rid) {
+  const split = (id) => { const m = /^(.*)\.([0-9]+)$/.exec(id); return m ? [m[1], `.${m[2]}`] : [id, ""]; };
+  const [base, suffix] = split(rid);
+  const named = new Map();                      // a named request's id without its sample suffix -> name
+  for (const [other, name] of st.shortNames) named.set(split(other)[0], name.split(".")[0]);
+  if (named.has(base)) return named.get(base) + suffix;           // another sample of the same request
+  const taken = new Set(named.values());
+  if ([...base].length <= SHORT_ID && !taken.has(base)) return rid;
+  while (taken.has(`r${st.numNamed}`)) st.numNamed += 1;
+  st.numNamed += 1;
+  return `r${st.numNamed - 1}${suffix}`;
 }
 
 /** Fold one StepEvent (parsed JSON) into ``st``; returns ``st``. */
@@ -274,6 +295,7 @@ export function applyEvent(st, ev) {
   for (const a of ev.arrivals || []) {
     if (!st.colours.has(a.request_id)) {
       st.colours.set(a.request_id, PALETTE[st.numArrived % PALETTE.length]);
+      st.shortNames.set(a.request_id, shortName(st, a.request_id));
       st.arrivalOrder.push(a.request_id);
       st.numArrived += 1;
     }
@@ -327,6 +349,9 @@ export function foldAll(info, events) {
 
 export function colour(st, rid) { return st.colours.get(rid) || UNKNOWN; }
 
+/** The name the page shows for a request (its id when it has none: an id from before the buffer began). */
+export function nameOf(st, rid) { return st.shortNames.get(rid) ?? rid; }
+
 /** free, cached (free but reusable), used or shared (ref count > 1): EngineView.block_state. */
 export function blockState(st, b) {
   const owners = st.blockOwners[b];
@@ -361,7 +386,7 @@ export function comparable(st) {
     step: st.step, num_events: st.numEvents,
     block_owners: st.blockOwners.map((o) => [...o].sort()),
     block_cached: [...st.blockCached], cpu_block_owner: [...st.cpuBlockOwner], requests,
-    colours: Object.fromEntries(st.colours), arrival_order: [...st.arrivalOrder],
+    colours: Object.fromEntries(st.colours), short_names: Object.fromEntries(st.shortNames), arrival_order: [...st.arrivalOrder],
     queues: queues(st), ordered_requests: orderedRequests(st), used_blocks: usedBlocks(st),
     log: st.log.map((l) => [l.step, l.kind, l.text, l.request_id]),
     lookups: Object.fromEntries([...st.requests].map(([rid, r]) =>
