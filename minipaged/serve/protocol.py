@@ -326,6 +326,18 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": "".join(part.text or "" for part in self.content)}
 
 
+class PagePrompt(BaseModel):
+    """What the page's prompt box sends to ``POST /v1/page/prompt``: a text and at most two knobs, each capped by
+    the teacher (``teacher.PageControls``). Nothing else: the OpenAI routes are there for everything else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0)
+    stream: bool = True
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
