@@ -57,6 +57,8 @@ def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_ref
                         "--page-max-tokens", "6", log_path=str(tmp_path / "server.log")) as url, \
             student("127.0.0.2") as alice, student("127.0.0.3") as bob:
         ask = {"prompt": "tell me", "stream": False}
+        too_long = alice.post(url + "/v1/page/prompt", json={**ask, "prompt": "word " * 3000})
+        assert_openai_error(too_long, 400, "maximum context length")     # refused: not counted against the rate
         for _ in range(2):
             answer = alice.post(url + "/v1/page/prompt", json=ask)
             assert answer.status_code == 200, answer.text
@@ -162,7 +164,7 @@ def test_redacted_events_keep_counts_and_the_rate_window_slides():
 
     now = [0.0]
     rate = PromptRate(2, clock=lambda: now[0])
-    rate.take("a"), rate.take("a")
+    rate.take("a"), rate.give_back("a"), rate.take("b"), rate.take("a"), rate.take("a")
     now[0] = 59.0
     with pytest.raises(ServerError) as refused:
         rate.take("a")

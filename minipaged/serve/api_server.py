@@ -234,12 +234,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def page_prompt(body: p.PagePrompt, request: Request) -> Response:
         """A prompt typed in the page: one user message, within the teacher's limits, answered like a chat
         completion (greedy and ``--page-max-tokens`` long unless it asks for less)."""
-        controls.admit(CLIENT.get() or "local", TEACHER.get(), body.max_tokens, body.temperature)
+        client, teacher = CLIENT.get() or "local", TEACHER.get()
+        controls.admit(client, teacher, body.max_tokens, body.temperature)
         chat = p.ChatCompletionRequest(messages=[{"role": "user", "content": body.prompt}], stream=body.stream,
                                        max_tokens=settings.page.max_tokens if body.max_tokens is None
                                        else body.max_tokens,
                                        temperature=0.0 if body.temperature is None else body.temperature)
-        return await chat_completions(chat, request)
+        try:
+            return await chat_completions(chat, request)
+        except (p.ServerError, InvalidRequestError):     # refused before it ran (too long, the server busy)
+            controls.refused(client, teacher)
+            raise
 
     # ---------------------------------------------------------------- the live view (static files)
     @app.get("/", include_in_schema=False)

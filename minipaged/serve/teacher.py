@@ -57,7 +57,7 @@ class PromptRate:
 
     def take(self, client: str) -> None:
         now = self.clock()
-        for other in [c for c, times in self.sent.items() if now - times[-1] >= WINDOW_S]:
+        for other in [c for c, times in self.sent.items() if not times or now - times[-1] >= WINDOW_S]:
             del self.sent[other]                         # memory stays bounded by the clients of the last minute
         times = self.sent.setdefault(client, deque())
         while times and now - times[0] >= WINDOW_S:
@@ -68,6 +68,12 @@ class PromptRate:
                                    f"minute per student (minipaged serve --page-prompt-rate); try again in "
                                    f"{wait} s.", headers={"Retry-After": str(wait)})
         times.append(now)
+
+    def give_back(self, client: str) -> None:
+        """The prompt just taken was refused for another reason (too long, the server busy): it does not count."""
+        times = self.sent.get(client)
+        if times:
+            times.pop()
 
 
 class PageControls:
@@ -98,6 +104,11 @@ class PageControls:
                               "temperature")
         if self.rate is not None:
             self.rate.take(client)
+
+    def refused(self, client: str, teacher: bool) -> None:
+        """A page prompt that ``admit`` let through was refused further on: it takes none of the client's rate."""
+        if self.rate is not None and not teacher:
+            self.rate.give_back(client)
 
     def hides_text_from(self, teacher: bool) -> bool:
         return self.settings.hide_others_text and not teacher
