@@ -21,7 +21,8 @@ SERVER = ("--block-size", "4", "--num-blocks", "64", "--api-key", KEY, "--open-p
 async def wait_for(page, expression: str, what: str, timeout_s: float = 40.0):
     """The value of ``expression`` once it is truthy (while the page still loads, its elements may be missing)."""
     deadline = time.monotonic() + timeout_s
-    while not (value := await evaluate(page, f"(() => {{ try {{ return {expression}; }} catch {{ return null; }} }})()")):
+    guarded = f"(() => {{ try {{ return {expression}; }} catch {{ return null; }} }})()"
+    while not (value := await evaluate(page, guarded)):
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.2)
     return value

@@ -2,7 +2,8 @@
 
 Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
 thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
-``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM). FastAPI and uvicorn are imported only when the
+``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``teacher`` (the
+teacher's controls over the page). FastAPI and uvicorn are imported only when the
 server runs, so other commands do not pay for them.
 """
 from __future__ import annotations

@@ -77,8 +77,8 @@ class ServerError(Exception):
     """An error the client caused (or may retry): becomes ``{"error": {...}}`` with this status code."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-             405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+             405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  headers: Optional[dict[str, str]] = None) -> None:

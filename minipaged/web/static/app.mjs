@@ -573,7 +573,7 @@ async function loadSettings() {
     if (body.presenter_available) {
       askKey();
       banner("the presenter view follows the teacher's requests: give the API key (asked once, kept in this browser)");
-    } else banner("the presenter view follows the teacher's requests, and a teacher needs a server started with --api-key");
+    } else banner("the presenter view follows the teacher's requests: it needs a server started with --api-key");
   }
   schedule();
 }
