@@ -175,3 +175,25 @@ def test_redacted_events_keep_counts_and_the_rate_window_slides():
     now[0] = 200.0
     rate.take("c")
     assert set(rate.sent) == {"c"}                     # idle students are forgotten
+
+
+def test_serve_says_when_the_teachers_settings_will_not_do_what_they_seem_to():
+    from minipaged.serve.limits import PageSettings
+    from minipaged.serve.teacher import setting_notes
+
+    assert setting_notes(PageSettings(), has_key=False) == setting_notes(PageSettings(), has_key=True) == []
+    assert setting_notes(PageSettings(prompts=False, open_page=True), has_key=True) == []
+    forgot_open = setting_notes(PageSettings(hide_others_text=True), has_key=True)
+    assert len(forgot_open) == 1 and "--open-page" in forgot_open[0]
+    no_key = " ".join(setting_notes(PageSettings(hide_others_text=True, prompt_rate=3), has_key=False))
+    assert "every page (the teacher's too)" in no_key and "OpenAI API directly" in no_key
+
+
+@pytest.mark.parametrize("flags, problem", [(["--open-page"], "--open-page opens the page's routes"),
+                                            (["--page-prompt-rate", "0"], "--page-prompt-rate must be at least 1"),
+                                            (["--page-max-temperature", "-1"], "--page-max-temperature must be")])
+def test_teacher_flags_that_cannot_work_are_refused_before_the_model_loads(flags, problem, capsys):
+    from minipaged.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert problem in capsys.readouterr().err

@@ -161,6 +161,9 @@ def run_serve(args: argparse.Namespace) -> int:
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
           file=sys.stderr, flush=True)
+    from .teacher import setting_notes
+    for note in setting_notes(settings.page, settings.api_key is not None):
+        print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2)
     try:

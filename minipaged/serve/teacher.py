@@ -126,6 +126,22 @@ class PageControls:
         return f"event: teacher\ndata: {json.dumps({'request_id': request_id})}\n\n"
 
 
+def setting_notes(page: PageSettings, has_key: bool) -> list[str]:
+    """What ``serve`` tells the teacher at start when the page's settings will not do what they seem to."""
+    notes = []
+    changed = page != dataclasses.replace(PageSettings(), open_page=page.open_page)
+    if has_key and not page.open_page and changed:
+        notes.append("every page needs --api-key, so whoever opens it holds the key and is the teacher: the page's "
+                     "limits and hidden text apply to students only with --open-page.")
+    if page.hide_others_text and not has_key:
+        notes.append("--hide-others-text without --api-key: no page holds a key, so every page (the teacher's too) "
+                     "shows only its own text, and the presenter view is not available.")
+    if not has_key and (not page.prompts or page.prompt_rate):
+        notes.append("without --api-key anyone can send prompts to the OpenAI API directly; the page's limits bind "
+                     "only the page.")
+    return notes
+
+
 def redacted(event: StepEvent) -> StepEvent:
     """``event`` without any text a client wrote or the model generated: prompt previews empty, no output text,
     token ids as -1 (their number stays: the page counts tokens and decodes by them), no draft pieces."""
