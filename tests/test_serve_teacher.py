@@ -147,18 +147,21 @@ def test_hidden_text_never_reaches_a_students_stream_but_the_teacher_sees_all(ti
     assert not [1 for name, _ in streams["student"] if name == "teacher"]
 
 
-def test_redacted_events_keep_counts_and_the_rate_window_slides():
+def test_events_without_text_keep_counts_and_the_rate_window_slides():
     from minipaged.events import RequestArrival, ScheduledRequest, StepEvent
     from minipaged.serve.protocol import ServerError
-    from minipaged.serve.teacher import PromptRate, redacted
+    from minipaged.serve.teacher import PromptRate, step_payloads
 
     event = StepEvent(step=3, time_s=0.1, duration_s=0.01, schedule_s=0.0, model_s=0.01, budget_limit=16,
                       budget_used=3, max_num_seqs=4, arrivals=(RequestArrival("r0", 5, 8, "secret words"),),
                       scheduled=(ScheduledRequest("r0", "decode", 5, 8, 5, 0, 2, draft_token_ids=(7, 8),
                                                   num_accepted=1, draft_pieces=("a", "b"), target_piece="c"),),
                       new_token_ids={"r0": [7, 9]}, new_text={"r0": "secret out"})
-    hidden = redacted(event)
-    assert "secret" not in hidden.to_json() and '"a"' not in hidden.to_json()
+    assert step_payloads(event, hide_text=False) == (event.to_json(), None)
+    full, without_text = step_payloads(event, hide_text=True)
+    assert full == event.to_json() and "secret" in full
+    assert "secret" not in without_text and '"a"' not in without_text
+    hidden = StepEvent.from_dict(json.loads(without_text))             # still an event a page can fold
     assert hidden.new_token_ids == {"r0": [-1, -1]} and hidden.scheduled[0].draft_token_ids == (-1, -1)
     assert hidden.scheduled[0].num_accepted == 1 and hidden.arrivals[0].prompt_len == 5 and hidden.budget_used == 3
 

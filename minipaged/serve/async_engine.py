@@ -44,7 +44,7 @@ from ..request import InvalidRequestError, SamplingParams
 from .event_hub import EventHub, Watcher
 from .fair_share import CLIENT, ClientQuotas, Ticket
 from .protocol import ServerError
-from .teacher import redacted
+from .teacher import step_payloads
 
 logger = logging.getLogger("minipaged.serve")
 
@@ -320,9 +320,9 @@ class AsyncEngine:
         self._fail_all(error)
 
     def _do_watch(self, watcher: Watcher) -> None:
-        snapshot = snapshot_event(self._view)
+        full, without_text = step_payloads(snapshot_event(self._view), not watcher.sees_text)
         first = [json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")),
-                 (snapshot if watcher.sees_text else redacted(snapshot)).to_json()]
+                 full if without_text is None else without_text]
         self._num_watchers += 1
         self._call_soon(self.hub.add, watcher, first)    # before any later event: the loop keeps the order
 
@@ -337,7 +337,7 @@ class AsyncEngine:
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
         if self._num_watchers:                        # once, whatever the number of watchers
-            self._call_soon(self.hub.publish, event.to_json(), redacted(event).to_json() if self.hide_text else None)
+            self._call_soon(self.hub.publish, *step_payloads(event, self.hide_text))
         self.stats = dict(event.counters)
 
     def _deliver(self, outputs: tuple[RequestDelta, ...]) -> None:
