@@ -200,12 +200,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def events(request: Request) -> WatcherResponse:
         teacher = TEACHER.get()
         watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
-                          limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher),
-                          teacher=teacher)
-        for request_id in controls.teacher_requests if teacher else ():   # a presenter page that comes late
-            watcher.say(controls.teacher_event(request_id))
+                          limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher))
+        controls.watch(watcher, teacher)
         async_engine.watch(watcher)
-        return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher),
+
+        def unwatch() -> None:
+            controls.unwatch(watcher)
+            async_engine.unwatch(watcher)
+        return WatcherResponse(watcher, SSE_HEADERS, on_end=unwatch,
                                heartbeat_s=settings.event_heartbeat_s, goodbye=goodbye,
                                reason=lambda: async_engine.draining or "the server is shutting down")
 
@@ -339,10 +341,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 await updates.aclose()
             raise
         if TEACHER.get():                                 # the presenter view follows the teacher's requests
-            controls.teacher_requests.append(request_id)
-            for watcher in async_engine.hub.watchers:
-                if watcher.teacher:
-                    watcher.say(controls.teacher_event(request_id))
+            controls.sent_by_teacher(request_id)
         if body.stream:
             return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

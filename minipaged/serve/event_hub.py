@@ -66,11 +66,9 @@ class Chunk:
 class Watcher:
     """One ``/v1/events`` client: a bounded queue of bytes ready to send, on the event loop."""
 
-    def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES, sees_text: bool = True,
-                 teacher: bool = False) -> None:
+    def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES, sees_text: bool = True) -> None:
         self.gzip = gzip
         self.sees_text = sees_text               # False: it gets the copy without others' text (teacher.py)
-        self.teacher = teacher                   # it came with the API key: told which requests are the teacher's
         self.limit_bytes = limit_bytes
         self.queue: deque[tuple[bytes, int]] = deque()   # (bytes to send, their uncompressed size)
         self.queued_bytes = 0

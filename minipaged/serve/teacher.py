@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
 from ..events import StepEvent
+from .event_hub import Watcher
 from .limits import PageSettings
 from .protocol import ServerError
 
@@ -84,6 +85,7 @@ class PageControls:
         self.settings = settings
         self.rate = PromptRate(settings.prompt_rate) if settings.prompt_rate else None
         self.teacher_requests: deque[str] = deque(maxlen=RECENT_TEACHER_REQUESTS)
+        self.teacher_watchers: set[Watcher] = set()     # event streams opened with the key (on the event loop)
 
     def admit(self, client: str, teacher: bool, max_tokens: Optional[int], temperature: Optional[float]) -> None:
         """Refuse a page prompt the teacher's settings do not allow (403 off, 429 over the rate, 400 over a cap).
@@ -122,9 +124,27 @@ class PageControls:
                 "others_text": "hidden" if s.hide_others_text else "shown", "teacher": teacher,
                 "presenter_available": has_key}
 
-    def teacher_event(self, request_id: str) -> str:
-        """An SSE message for the teacher's watchers (never a student's): a request the teacher sent."""
-        return f"event: teacher\ndata: {json.dumps({'request_id': request_id})}\n\n"
+    def watch(self, watcher: Watcher, teacher: bool) -> None:
+        """A new event stream: the teacher's is told the teacher's recent requests (a presenter page that comes
+        late), and each new one as it is accepted (``sent_by_teacher``)."""
+        if teacher:
+            self.teacher_watchers.add(watcher)
+            for request_id in self.teacher_requests:
+                watcher.say(teacher_event(request_id))
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.teacher_watchers.discard(watcher)
+
+    def sent_by_teacher(self, request_id: str) -> None:
+        """The teacher's request was accepted: the presenter view follows it."""
+        self.teacher_requests.append(request_id)
+        for watcher in self.teacher_watchers:
+            watcher.say(teacher_event(request_id))
+
+
+def teacher_event(request_id: str) -> str:
+    """An SSE message for the teacher's watchers (never a student's): a request the teacher sent."""
+    return f"event: teacher\ndata: {json.dumps({'request_id': request_id})}\n\n"
 
 
 def setting_notes(page: PageSettings, has_key: bool) -> list[str]:
