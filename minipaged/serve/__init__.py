@@ -2,7 +2,8 @@
 
 Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
 thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
-``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM). FastAPI and uvicorn are imported only when the
+``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``teacher`` (the
+teacher's controls over the page). FastAPI and uvicorn are imported only when the
 server runs, so other commands do not pay for them.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
 
-from .limits import DEFAULTS, ServerLimits, ServerSettings, limit_names
+from .limits import DEFAULTS, PageSettings, ServerLimits, ServerSettings, limit_names
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
@@ -53,7 +54,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
                         "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
+    add_page_arguments(parser)
     add_engine_arguments(parser)
+
+
+def add_page_arguments(parser: argparse.ArgumentParser) -> None:
+    """The teacher's controls over the page (teacher.py); the page shows them to the students."""
+    page = DEFAULTS.page
+    g = parser.add_argument_group("teacher's controls (the page's prompt box, POST /v1/page/prompt)")
+    g.add_argument("--page-prompts", choices=("on", "off"), default="on" if page.prompts else "off",
+                   help="whether students may send prompts from the page (off: its box is disabled, saying why; "
+                        "the API key's holder still may)")
+    g.add_argument("--page-prompt-rate", type=int, default=page.prompt_rate, metavar="N",
+                   help="the most page prompts one client (address) may send a minute; more get 429 with "
+                        "Retry-After (default: no bound)%(default).0s")
+    g.add_argument("--page-max-tokens", type=int, default=page.max_tokens, metavar="N",
+                   help="the most new tokens a page prompt may ask for, and what it gets when it does not say")
+    g.add_argument("--page-max-temperature", type=float, default=page.max_temperature, metavar="T",
+                   help="the highest temperature a page prompt may ask for (the page asks for none: greedy)")
+    text = g.add_mutually_exclusive_group()
+    text.add_argument("--hide-others-text", dest="hide_others_text", action="store_true",
+                      default=page.hide_others_text,
+                      help="send a student's page no other client's prompt or output text (the event stream and "
+                           "whole prompts); the API key's holder still sees everything%(default).0s")
+    text.add_argument("--show-others-text", dest="hide_others_text", action="store_false",
+                      help="send every page everyone's text (the default)%(default).0s")
+    g.add_argument("--open-page", action="store_true", default=page.open_page,
+                   help="with --api-key: the page's own routes (its event stream, page prompts, its settings) "
+                        "answer students without the key; the OpenAI API still wants it%(default).0s")
+
+
+def page_settings(args: argparse.Namespace) -> PageSettings:
+    return PageSettings(prompts=args.page_prompts == "on", prompt_rate=args.page_prompt_rate,
+                        max_tokens=args.page_max_tokens, max_temperature=args.page_max_temperature,
+                        hide_others_text=args.hide_others_text, open_page=args.open_page)
 
 
 def flag_problem(args: argparse.Namespace) -> Optional[str]:
@@ -63,6 +97,14 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
         if value is not None and not value > 0:
             flag = ServerLimits.FLAGS.get(name, f"--{name.replace('_', '-')}")
             return f"{flag} must be {'positive' if isinstance(value, float) else 'at least 1'}, not {value}."
+    for name in ("page_prompt_rate", "page_max_tokens"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, not {value}."
+    if getattr(args, "page_max_temperature", 0.0) < 0:
+        return f"--page-max-temperature must be 0 or more, not {args.page_max_temperature}."
+    if getattr(args, "open_page", False) and not args.api_key:
+        return "--open-page opens the page's routes to students without the API key: it needs --api-key."
     for name in ("event_heartbeat_s", "shutdown_timeout", "event_buffer_mb"):
         if getattr(args, name) <= 0 and not (name == "shutdown_timeout" and args.shutdown_timeout == 0):
             return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}."
@@ -84,7 +126,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
                           allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
                           max_client_samples=client_samples(args),
-                          max_client_prompt_tokens=args.max_client_prompt_tokens)
+                          max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args))
 
 
 def client_samples(args: argparse.Namespace) -> int:
@@ -119,6 +161,9 @@ def run_serve(args: argparse.Namespace) -> int:
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
           file=sys.stderr, flush=True)
+    from .teacher import setting_notes
+    for note in setting_notes(settings.page, settings.api_key is not None):
+        print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2)
     try:

@@ -44,10 +44,11 @@ from ..request import InvalidRequestError, check_token_ids
 from . import protocol as p
 from .async_engine import RECENT_PROMPTS, Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
-from .fair_share import ClientQuotas
+from .fair_share import CLIENT, ClientQuotas
 from .host_check import HostCheck, allowed_hosts
 from .http_guards import ApiKeyCheck, BodyLimit, ClientAddress, HeadAsGet, JsonBodies
 from .limits import ServerSettings
+from .teacher import TEACHER, PageControls
 from .worker_info import load, model_info, server_info
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -83,6 +84,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
     # a client that got its answer finds it counted.
     metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
+    controls = PageControls(settings.page)             # the teacher's controls over the page (teacher.py)
+    async_engine.hide_text = settings.page.hide_others_text
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +145,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
     app.add_middleware(ClientAddress)
     if settings.api_key:
-        app.add_middleware(ApiKeyCheck, api_key=settings.api_key)      # before any body is read
+        app.add_middleware(ApiKeyCheck, api_key=settings.api_key,      # before any body is read
+                           open_page=settings.page.open_page)
     if settings.host is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts(settings.host, settings.allowed_hosts))   # outermost
 
@@ -194,23 +198,55 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/events")
     async def events(request: Request) -> WatcherResponse:
+        teacher = TEACHER.get()
         watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
-                          limit_bytes=settings.event_buffer_bytes)
+                          limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher))
+        controls.watch(watcher, teacher)
         async_engine.watch(watcher)
-        return WatcherResponse(watcher, SSE_HEADERS, on_end=lambda: async_engine.unwatch(watcher),
+
+        def unwatch() -> None:
+            controls.unwatch(watcher)
+            async_engine.unwatch(watcher)
+        return WatcherResponse(watcher, SSE_HEADERS, on_end=unwatch,
                                heartbeat_s=settings.event_heartbeat_s, goodbye=goodbye,
                                reason=lambda: async_engine.draining or "the server is shutting down")
 
     @app.get("/v1/events/prompts/{request_id}")
     async def event_prompt(request_id: str) -> JSONResponse:
         """The whole prompt of a request in the engine, or among the last finished: events carry a bounded
-        preview (behind the key, as the event stream is)."""
+        preview (behind the key, as the event stream is). With --hide-others-text only the teacher gets them."""
+        if controls.hides_text_from(TEACHER.get()):
+            raise p.ServerError(403, "the teacher hides other clients' text on this server (minipaged serve "
+                                     "--hide-others-text): whole prompts are for the API key's holder; your page "
+                                     "shows your own prompts itself.", "request_id")
         text = await async_engine.prompt_text(request_id)
         if text is None:
             raise p.ServerError(404, f"no request {request_id!r} runs or waits in the engine, or finished lately: a "
                                      f"prompt can be fetched while its request is in the engine and for the last "
                                      f"{RECENT_PROMPTS} requests after.", "request_id")
         return JSONResponse({"request_id": request_id, "prompt": text})
+
+    # ---------------------------------------------------------------- the page's own routes (teacher.py)
+    @app.get("/v1/page/settings")
+    async def page_settings() -> dict[str, Any]:
+        """The teacher's settings, for the page to show (and to disable its box when prompts are off)."""
+        return controls.describe(TEACHER.get(), settings.api_key is not None)
+
+    @app.post("/v1/page/prompt")
+    async def page_prompt(body: p.PagePrompt, request: Request) -> Response:
+        """A prompt typed in the page: one user message, within the teacher's limits, answered like a chat
+        completion (greedy and ``--page-max-tokens`` long unless it asks for less)."""
+        client, teacher = CLIENT.get() or "local", TEACHER.get()
+        controls.admit(client, teacher, body.max_tokens, body.temperature)
+        chat = p.ChatCompletionRequest(messages=[{"role": "user", "content": body.prompt}], stream=body.stream,
+                                       max_tokens=settings.page.max_tokens if body.max_tokens is None
+                                       else body.max_tokens,
+                                       temperature=0.0 if body.temperature is None else body.temperature)
+        try:
+            return await chat_completions(chat, request)
+        except (p.ServerError, InvalidRequestError):     # refused before it ran (too long, the server busy)
+            controls.refused(client, teacher)
+            raise
 
     # ---------------------------------------------------------------- the live view (static files)
     @app.get("/", include_in_schema=False)
@@ -304,6 +340,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             for updates in all_updates:                   # the ones already queued are aborted
                 await updates.aclose()
             raise
+        if TEACHER.get():                                 # the presenter view follows the teacher's requests
+            controls.sent_by_teacher(request_id)
         if body.stream:
             return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

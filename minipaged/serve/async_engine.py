@@ -44,6 +44,7 @@ from ..request import InvalidRequestError, SamplingParams
 from .event_hub import EventHub, Watcher
 from .fair_share import CLIENT, ClientQuotas, Ticket
 from .protocol import ServerError
+from .teacher import step_payloads
 
 logger = logging.getLogger("minipaged.serve")
 
@@ -86,6 +87,7 @@ class AsyncEngine:
         self._sample_parent: dict[str, str] = {}        # engine thread only: sample id -> request id
         self._recent: OrderedDict[str, _Stream] = OrderedDict()   # engine thread only: finished, by sample id
         self._num_watchers = 0                          # engine thread only: serialise events while > 0
+        self.hide_text = False                          # --hide-others-text: a copy of each event without text
         self.hub = EventHub()                           # event loop only
         self._view = EngineView(engine.info)            # engine thread only: what a late watcher must be told
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -328,8 +330,9 @@ class AsyncEngine:
         self._fail_all(error)
 
     def _do_watch(self, watcher: Watcher) -> None:
+        full, without_text = step_payloads(snapshot_event(self._view), not watcher.sees_text)
         first = [json.dumps({"type": "engine", **asdict(self.engine.info)}, separators=(",", ":")),
-                 snapshot_event(self._view).to_json()]
+                 full if without_text is None else without_text]
         self._num_watchers += 1
         self._call_soon(self.hub.add, watcher, first)    # before any later event: the loop keeps the order
 
@@ -343,8 +346,8 @@ class AsyncEngine:
         self._view.apply(event)
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
-        if self._num_watchers:
-            self._call_soon(self.hub.publish, event.to_json())   # once, whatever the number of watchers
+        if self._num_watchers:                        # once, whatever the number of watchers
+            self._call_soon(self.hub.publish, *step_payloads(event, self.hide_text))
         self.stats = dict(event.counters)
 
     def _deliver(self, outputs: tuple[RequestDelta, ...]) -> None:

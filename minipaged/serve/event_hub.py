@@ -66,8 +66,9 @@ class Chunk:
 class Watcher:
     """One ``/v1/events`` client: a bounded queue of bytes ready to send, on the event loop."""
 
-    def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES) -> None:
+    def __init__(self, gzip: bool = False, limit_bytes: int = WATCHER_BUFFER_BYTES, sees_text: bool = True) -> None:
         self.gzip = gzip
+        self.sees_text = sees_text               # False: it gets the copy without others' text (teacher.py)
         self.limit_bytes = limit_bytes
         self.queue: deque[tuple[bytes, int]] = deque()   # (bytes to send, their uncompressed size)
         self.queued_bytes = 0
@@ -158,10 +159,13 @@ class EventHub:
             watcher.offer(Chunk.data(payload))
         self.watchers.append(watcher)
 
-    def publish(self, payload: str) -> None:
+    def publish(self, payload: str, without_text: Optional[str] = None) -> None:
+        """Queue one event for every watcher: ``payload``, or ``without_text`` (its copy without others' text,
+        made once too) for watchers that may not see text."""
         chunk = Chunk.data(payload)
+        hidden = chunk if without_text is None else Chunk.data(without_text)
         for watcher in self.watchers:
-            watcher.offer(chunk)
+            watcher.offer(chunk if watcher.sees_text else hidden)
         if any(w.closed for w in self.watchers):
             self.watchers = [w for w in self.watchers if not w.closed]
 

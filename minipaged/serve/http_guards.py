@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from .fair_share import CLIENT
 from .protocol import ServerLimits, error_body
+from .teacher import TEACHER, is_page_route
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -134,17 +135,25 @@ class HeadAsGet:
 
 class ApiKeyCheck:
     """With ``--api-key``, every ``/v1`` route (and ``/openapi.json``) wants ``Authorization: Bearer KEY``; health
-    and metrics stay open, as in vLLM. Without a key it is not installed at all."""
+    and metrics stay open, as in vLLM. Without a key it is not installed at all. A request with the key is the
+    teacher's (``teacher.TEACHER``); with ``open_page`` the page's own routes also answer students without it."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str, open_page: bool = False) -> None:
+        self.app, self.expected, self.open_page = app, f"Bearer {api_key}".encode(), open_page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/openapi.json"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                return await send_json(send, 401, error_body(401, "missing or wrong API key: send the header "
-                                                                  "'Authorization: Bearer <key>' with the server's "
-                                                                  "--api-key."))
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        teacher = secrets.compare_digest(given, self.expected)
+        if (path.startswith("/v1") or path == "/openapi.json") and not teacher and not (
+                self.open_page and is_page_route(path)):
+            return await send_json(send, 401, error_body(401, "missing or wrong API key: send the header "
+                                                              "'Authorization: Bearer <key>' with the server's "
+                                                              "--api-key."))
+        token = TEACHER.set(teacher)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            TEACHER.reset(token)

@@ -65,6 +65,22 @@ def limit_names() -> list[str]:
 
 
 @dataclass(frozen=True)
+class PageSettings:
+    """The teacher's controls over what students do through the page (``serve``'s ``--page-*`` flags, and
+    ``--hide-others-text``, ``--open-page``); ``teacher.py`` applies them. The OpenAI API keeps its own limits.
+
+    The defaults are for a projector: a short answer (64 tokens, as the page always asked for), greedy unless the
+    request asks for more randomness, and never more than 0.7 (a 135M model's sampled text at 1.0 wanders)."""
+
+    prompts: bool = True                     # students may send prompts from the page (--page-prompts on|off)
+    prompt_rate: Optional[int] = None        # page prompts per minute per client address (None: no bound)
+    max_tokens: int = 64                     # the most new tokens a page prompt may ask for (and its default)
+    max_temperature: float = 0.7             # the highest temperature a page prompt may ask for (default 0: greedy)
+    hide_others_text: bool = False           # a student's page gets no other client's prompt or output text
+    open_page: bool = False                  # with --api-key: the page's routes need no key (a class's students)
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """How one server runs (``minipaged serve``'s flags, or a test's ``build_app``)."""
 
@@ -82,6 +98,7 @@ class ServerSettings:
     max_client_samples: Optional[int] = None         # per client (address) in the engine at once (None: no bound;
                                                      # the flag's default is half of max_waiting_requests)
     max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
+    page: PageSettings = field(default_factory=PageSettings)   # the teacher's controls over the page
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags

@@ -76,9 +76,9 @@ NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_iden
 class ServerError(Exception):
     """An error the client caused (or may retry): becomes ``{"error": {...}}`` with this status code."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+             405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  headers: Optional[dict[str, str]] = None) -> None:
@@ -324,6 +324,18 @@ class ChatMessage(BaseModel):
             raise ServerError(400, f"message parts of type {not_text[0]!r} are not supported; send text only.",
                               "messages")
         return {"role": self.role, "content": "".join(part.text or "" for part in self.content)}
+
+
+class PagePrompt(BaseModel):
+    """What the page's prompt box sends to ``POST /v1/page/prompt``: a text and at most two knobs, each capped by
+    the teacher (``teacher.PageControls``). Nothing else: the OpenAI routes are there for everything else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0)
+    stream: bool = True
 
 
 class ChatCompletionRequest(SamplingFields):

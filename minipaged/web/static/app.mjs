@@ -25,6 +25,9 @@ const el = (tag, props = {}, ...children) => {
 const embedded = $("trace");
 const replay = Boolean(embedded);
 const params = new URLSearchParams(location.search);
+// ?presenter: the teacher's view (with the API key), which selects the teacher's newest request by itself.
+const presenter = params.has("presenter") && params.get("presenter") !== "0";
+const HIDDEN_TEXT = "(hidden: the teacher shows each student only their own text)";
 // Steps kept for stepping back, by count and by the size of their JSON; older ones are folded into `base`.
 // (A step of 128 samples sharing a 1,000-token prompt is 0.5 MB: 2,000 of them would be a gigabyte.)
 // ?buffer=N and ?buffer_mb=M keep less, for small laptops.
@@ -34,6 +37,7 @@ const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
   connected: false, goodbye: false, drops: 0, playing: null, abort: null, forgot: false,
+  settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
 let drawPending = false;
 
@@ -96,6 +100,7 @@ async function connect() {
   const parser = new SSEParser();
   view.connected = true;
   banner(null);
+  loadSettings();
   let dropped = null;
   let heard = Date.now();
   view.abort = abort;
@@ -117,6 +122,9 @@ async function connect() {
           const record = JSON.parse(msg.data);
           if (record.type === "engine") start(record);
           else if (record.type === "step") receive(record, msg.data.length);
+        } else if (msg.event === "teacher") {   // a request the teacher sent (only a keyed page hears these)
+          view.teacherIds = [...view.teacherIds.slice(-63), JSON.parse(msg.data).request_id];
+          schedule();
         } else if (msg.event === "dropped") {
           dropped = JSON.parse(msg.data).reason || "too far behind";
         } else if (msg.event === "goodbye") {
@@ -193,6 +201,8 @@ const isMine = (rid) => view.mine.has(rid) || view.mine.has(rid.replace(/\.\d+$/
 function draw() {
   if (!view.info) return;
   const st = view.shown = foldAtCursor();
+  if (textHidden()) showOwnTextOnly(st);
+  if (presenter) followTeacher(st);
   const selected = view.selected && st.requests.has(view.selected) ? st.requests.get(view.selected) : null;
   const dim = selected && (selected.blocks.length || selected.cpu_blocks.length);
   drawMap(st, dim);
@@ -564,14 +574,16 @@ $("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains(
 
 // ------------------------------------------------------------------------------------------ the prompt box
 
+// Page prompts take their own route, with the teacher's limits (minipaged/serve/teacher.py): the server picks
+// the length (--page-max-tokens) and greedy decoding; the page asks for nothing more.
 async function send(text) {
   const status = $("prompt-status");
   status.textContent = "sending ...";
   let response;
   try {
-    response = await fetch("v1/chat/completions", { method: "POST",
+    response = await fetch("v1/page/prompt", { method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
-      body: JSON.stringify({ messages: [{ role: "user", content: text }], max_tokens: 64, stream: true }) });
+      body: JSON.stringify({ prompt: text, stream: true }) });
   } catch (err) { status.textContent = `cannot reach the server (${err.message})`; return; }
   if (response.status === 401) { askKey(); status.textContent = "needs the API key"; return; }
   if (!response.ok) {
@@ -587,6 +599,12 @@ async function send(text) {
     for (const msg of parser.feed(value)) {
       if (msg.data === "[DONE]") continue;
       const chunk = JSON.parse(msg.data);
+      if (chunk.id) {                   // its own text: the page shows it even when others' text is hidden
+        const own = view.own.get(chunk.id) || { prompt: text, text: "" };
+        own.text += ((chunk.choices || [])[0] || { delta: {} }).delta?.content || "";
+        view.own.set(chunk.id, own);
+        if (view.own.size > 64) view.own.delete(view.own.keys().next().value);
+      }
       if (chunk.id && !view.mine.has(chunk.id)) {
         view.mine.add(chunk.id);
         view.selected = chunk.id;
@@ -596,6 +614,55 @@ async function send(text) {
     }
   }
   status.textContent = `your request finished; its blocks and rows are marked ★`;
+}
+
+// ------------------------------------------------------------------------------ the teacher's controls
+
+/** The teacher's settings (GET v1/page/settings), shown under the box; the box is disabled when prompts are off. */
+async function loadSettings() {
+  let body;
+  try {
+    const response = await fetch("v1/page/settings", { headers: authHeaders(), cache: "no-store" });
+    if (!response.ok) return;                     // an older server: no settings to show
+    body = await response.json();
+  } catch { return; }
+  view.settings = body;
+  const off = body.page_prompts === "off" && !body.teacher;
+  $("prompt").disabled = $("send").disabled = off;
+  $("prompt").placeholder = off ? "the teacher has turned student prompts off"
+    : "ask the engine something; your request joins the batch";
+  if (off) $("prompt-status").textContent = "student prompts are off (the teacher's setting): watch the engine";
+  $("teacher-settings").textContent = "teacher's settings: student prompts " + body.page_prompts
+    + (body.prompt_rate_per_minute ? `, at most ${body.prompt_rate_per_minute} a minute each` : "")
+    + ` · answers up to ${body.max_tokens} tokens, greedy (temperature up to ${body.max_temperature} if asked)`
+    + ` · others' prompts and outputs ${body.others_text}`
+    + (body.teacher ? " · this page holds the API key: it sees everything" : "");
+  if (presenter && !body.teacher) {
+    if (body.presenter_available) {
+      askKey();
+      banner("the presenter view follows the teacher's requests: give the API key (asked once, kept in this browser)");
+    } else banner("the presenter view follows the teacher's requests: it needs a server started with --api-key");
+  }
+  schedule();
+}
+
+const textHidden = () => Boolean(view.settings && view.settings.others_text === "hidden" && !view.settings.teacher);
+
+/** Others' text never reached this page (the server sent none); its own comes from what it sent and got back. */
+function showOwnTextOnly(st) {
+  for (const [rid, r] of st.requests) {
+    const own = view.own.get(rid) || view.own.get(rid.replace(/\.\d+$/, ""));
+    r.prompt = own ? own.prompt : HIDDEN_TEXT;
+    r.text = own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : "");
+  }
+}
+
+/** The presenter view: the teacher's newest request is selected as soon as the engine shows it. */
+function followTeacher(st) {
+  const newest = view.teacherIds[view.teacherIds.length - 1];
+  if (!newest || newest === view.followed) return;
+  const rid = st.requests.has(newest) ? newest : st.requests.has(`${newest}.0`) ? `${newest}.0` : null;
+  if (rid) { view.selected = rid; view.followed = newest; }
 }
 
 $("prompt-form").onsubmit = (e) => {

@@ -1,0 +1,202 @@
+"""The teacher's controls over the page (minipaged/serve/teacher.py), against real ``minipaged serve`` processes.
+
+Two students are two client addresses: 127.0.0.2 and 127.0.0.3 are both loopback on Linux, and a test binds its
+connection's source address to one of them (httpx's ``local_address``), so the server sees two clients on real
+TCP connections without trusting any forwarded header.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_util import openai_client, running_server
+
+KEY = "teacher-key"
+TEACHER = {"Authorization": f"Bearer {KEY}"}
+
+
+def student(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from ``address`` (a student's machine, as the server sees it)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
+
+
+def assert_openai_error(response: httpx.Response, status: int, *words: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] and all(w in error["message"] for w in words), error
+    return error["message"]
+
+
+def test_prompts_off_refuses_students_on_the_page_route_while_the_key_still_works(tiny_model, tmp_path):
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--api-key", KEY, "--open-page",
+                        "--page-prompts", "off", log_path=str(tmp_path / "server.log")) as url, \
+            student("127.0.0.2") as alice:
+        shown = alice.get(url + "/v1/page/settings").json()      # no key: --open-page lets the page in
+        assert shown["page_prompts"] == "off" and shown["teacher"] is False
+        refused = alice.post(url + "/v1/page/prompt", json={"prompt": "hello"})
+        assert_openai_error(refused, 403, "turned student prompts off", "--page-prompts off")
+        # The OpenAI API keeps its key: a student without it gets 401, not a way around the teacher's switch.
+        assert_openai_error(alice.post(url + "/v1/chat/completions",
+                                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                            401, "--api-key")
+        client = openai_client(url)
+        client.api_key = KEY
+        answer = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+        teacher_on_page = alice.post(url + "/v1/page/prompt", headers=TEACHER, json={"prompt": "hi", "stream": False})
+        assert teacher_on_page.status_code == 200, teacher_on_page.text
+        assert alice.get(url + "/v1/page/settings", headers=TEACHER).json()["teacher"] is True
+
+
+def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_refuse_over_asks(tiny_model, tmp_path):
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--page-prompt-rate", "2",
+                        "--page-max-tokens", "6", log_path=str(tmp_path / "server.log")) as url, \
+            student("127.0.0.2") as alice, student("127.0.0.3") as bob:
+        ask = {"prompt": "tell me", "stream": False}
+        too_long = alice.post(url + "/v1/page/prompt", json={**ask, "prompt": "word " * 3000})
+        assert_openai_error(too_long, 400, "maximum context length")     # refused: not counted against the rate
+        for _ in range(2):
+            answer = alice.post(url + "/v1/page/prompt", json=ask)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] <= 6        # --page-max-tokens is also the default
+        refused = alice.post(url + "/v1/page/prompt", json=ask)
+        assert_openai_error(refused, 429, "127.0.0.2", "2 a minute", "--page-prompt-rate")
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert bob.post(url + "/v1/page/prompt", json=ask).status_code == 200     # another student is not held
+        # The OpenAI API keeps its own limits: the rate is the page's.
+        api = alice.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert api.status_code == 200, api.text
+        # Over a cap: refused with the flag named (and not counted against the rate).
+        with student("127.0.0.4") as carol:
+            assert_openai_error(carol.post(url + "/v1/page/prompt", json={**ask, "max_tokens": 7}), 400,
+                                "at most 6 new tokens", "--page-max-tokens")
+            assert_openai_error(carol.post(url + "/v1/page/prompt", json={**ask, "temperature": 0.9}), 400,
+                                "at most 0.7", "--page-max-temperature")
+            assert_openai_error(carol.post(url + "/v1/page/prompt", json={**ask, "top_p": 0.5}), 400, "top_p")
+            for _ in range(2):
+                assert carol.post(url + "/v1/page/prompt", json={**ask, "temperature": 0.5}).status_code == 200
+
+
+def read_events(url: str, headers: dict, seen: list, stop: threading.Event) -> None:
+    """Collect the SSE messages of /v1/events (event name, data) until ``stop``."""
+    with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http:
+        with http.stream("GET", url + "/v1/events", headers=headers) as response:
+            assert response.status_code == 200
+            name = "message"
+            lines = response.iter_lines()
+            while not stop.is_set():
+                try:
+                    line = next(lines)
+                except httpx.ReadTimeout:
+                    continue
+                except StopIteration:
+                    return
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    seen.append((name, line[6:]))
+                    name = "message"
+
+
+def test_hidden_text_never_reaches_a_students_stream_but_the_teacher_sees_all(tiny_model, tmp_path):
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--api-key", KEY, "--open-page",
+                        "--hide-others-text", log_path=str(tmp_path / "server.log")) as url, \
+            student("127.0.0.2") as alice:
+        streams = {"student": [], "teacher": []}
+        stop = threading.Event()
+        readers = [threading.Thread(target=read_events, args=(url, headers, streams[who], stop), daemon=True)
+                   for who, headers in (("student", {}), ("teacher", TEACHER))]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 30
+        while not all(any(json.loads(d).get("type") == "engine" for _, d in s) for s in streams.values()):
+            assert time.monotonic() < deadline, "the watchers never got the engine header"
+            time.sleep(0.05)
+        mine = alice.post(url + "/v1/page/prompt", json={"prompt": "zebras in the student prompt", "stream": False})
+        assert mine.status_code == 200, mine.text
+        theirs = httpx.post(url + "/v1/completions", headers=TEACHER, timeout=60,
+                            json={"prompt": "giraffes in the teacher prompt", "max_tokens": 4}).json()
+        ids = {mine.json()["id"], theirs["id"]}
+        while not all(ids <= {f["request_id"] for _, d in s if json.loads(d).get("type") == "step"
+                              for f in json.loads(d)["finished"]} for s in streams.values()):
+            assert time.monotonic() < deadline, "the watchers did not see both requests finish"
+            time.sleep(0.05)
+        # whole prompts: for the teacher only
+        assert_openai_error(alice.get(url + f"/v1/events/prompts/{theirs['id']}"), 403, "--hide-others-text")
+        whole = alice.get(url + f"/v1/events/prompts/{mine.json()['id']}", headers=TEACHER)
+        assert whole.status_code == 200 and "zebras" in whole.json()["prompt"]
+        stop.set()
+        for reader in readers:
+            reader.join(5)
+    student_steps = [json.loads(d) for name, d in streams["student"] if name == "message"]
+    student_raw = "".join(d for _, d in streams["student"])
+    assert "zebras" not in student_raw and "giraffes" not in student_raw
+    steps = [s for s in student_steps if s.get("type") == "step"]
+    assert any(s["arrivals"] for s in steps) and all(a["prompt"] == "" for s in steps for a in s["arrivals"])
+    assert all(not s["new_text"] for s in steps)
+    generated = [ids for s in steps for ids in s["new_token_ids"].values()]
+    assert generated and all(t == -1 for ids in generated for t in ids)      # counted, not readable
+    teacher_raw = "".join(d for _, d in streams["teacher"])
+    assert "zebras" in teacher_raw and "giraffes" in teacher_raw
+    told = [json.loads(d)["request_id"] for name, d in streams["teacher"] if name == "teacher"]
+    assert told == [theirs["id"]]                          # the presenter view follows the teacher's request
+    assert not [1 for name, _ in streams["student"] if name == "teacher"]
+
+
+def test_events_without_text_keep_counts_and_the_rate_window_slides():
+    from minipaged.events import RequestArrival, ScheduledRequest, StepEvent
+    from minipaged.serve.protocol import ServerError
+    from minipaged.serve.teacher import PromptRate, step_payloads
+
+    event = StepEvent(step=3, time_s=0.1, duration_s=0.01, schedule_s=0.0, model_s=0.01, budget_limit=16,
+                      budget_used=3, max_num_seqs=4, arrivals=(RequestArrival("r0", 5, 8, "secret words"),),
+                      scheduled=(ScheduledRequest("r0", "decode", 5, 8, 5, 0, 2, draft_token_ids=(7, 8),
+                                                  num_accepted=1, draft_pieces=("a", "b"), target_piece="c"),),
+                      new_token_ids={"r0": [7, 9]}, new_text={"r0": "secret out"})
+    assert step_payloads(event, hide_text=False) == (event.to_json(), None)
+    full, without_text = step_payloads(event, hide_text=True)
+    assert full == event.to_json() and "secret" in full
+    assert "secret" not in without_text and '"a"' not in without_text
+    hidden = StepEvent.from_dict(json.loads(without_text))             # still an event a page can fold
+    assert hidden.new_token_ids == {"r0": [-1, -1]} and hidden.scheduled[0].draft_token_ids == (-1, -1)
+    assert hidden.scheduled[0].num_accepted == 1 and hidden.arrivals[0].prompt_len == 5 and hidden.budget_used == 3
+
+    now = [0.0]
+    rate = PromptRate(2, clock=lambda: now[0])
+    rate.take("a"), rate.give_back("a"), rate.take("b"), rate.take("a"), rate.take("a")
+    now[0] = 59.0
+    with pytest.raises(ServerError) as refused:
+        rate.take("a")
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+    rate.take("b")
+    now[0] = 60.0                                       # the first prompt has left the window
+    rate.take("a")
+    now[0] = 200.0
+    rate.take("c")
+    assert set(rate.sent) == {"c"}                     # idle students are forgotten
+
+
+def test_serve_says_when_the_teachers_settings_will_not_do_what_they_seem_to():
+    from minipaged.serve.limits import PageSettings
+    from minipaged.serve.teacher import setting_notes
+
+    assert setting_notes(PageSettings(), has_key=False) == setting_notes(PageSettings(), has_key=True) == []
+    assert setting_notes(PageSettings(prompts=False, open_page=True), has_key=True) == []
+    forgot_open = setting_notes(PageSettings(hide_others_text=True), has_key=True)
+    assert len(forgot_open) == 1 and "--open-page" in forgot_open[0]
+    no_key = " ".join(setting_notes(PageSettings(hide_others_text=True, prompt_rate=3), has_key=False))
+    assert "every page (the teacher's too)" in no_key and "OpenAI API directly" in no_key
+
+
+@pytest.mark.parametrize("flags, problem", [(["--open-page"], "--open-page opens the page's routes"),
+                                            (["--page-prompt-rate", "0"], "--page-prompt-rate must be at least 1"),
+                                            (["--page-max-temperature", "-1"], "--page-max-temperature must be")])
+def test_teacher_flags_that_cannot_work_are_refused_before_the_model_loads(flags, problem, capsys):
+    from minipaged.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert problem in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""The teacher's controls as students and the teacher see them in the page (headless Chromium, real servers):
+prompts off disables the box and says why; with others' text hidden a student reads their own answer and
+nobody else's; the presenter view (``?presenter``, with the key) selects the teacher's newest request."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page
+from serve_util import running_server
+
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
+KEY = "teacher-key"
+SERVER = ("--block-size", "4", "--num-blocks", "64", "--api-key", KEY, "--open-page")
+
+
+async def wait_for(page, expression: str, what: str, timeout_s: float = 40.0):
+    """The value of ``expression`` once it is truthy (while the page still loads, its elements may be missing)."""
+    deadline = time.monotonic() + timeout_s
+    guarded = f"(() => {{ try {{ return {expression}; }} catch {{ return null; }} }})()"
+    while not (value := await evaluate(page, guarded)):
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+    return value
+
+
+@needs_chromium
+def test_with_prompts_off_a_students_box_is_disabled_and_says_why(tiny_model, tmp_path):
+    with running_server(tiny_model, *SERVER, "--page-prompts", "off", "--page-prompt-rate", "3",
+                        log_path=str(tmp_path / "server.log")) as url:
+        async def run() -> dict:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "document.getElementById('prompt').disabled", "the box was never disabled")
+                return await evaluate(page, """(() => ({
+                    connected: window.minipaged.view.connected, asked: !document.getElementById('key-form').hidden,
+                    send: document.getElementById('send').disabled,
+                    placeholder: document.getElementById('prompt').placeholder,
+                    status: document.getElementById('prompt-status').textContent,
+                    settings: document.getElementById('teacher-settings').textContent}))()""")
+        seen = asyncio.run(run())
+    assert seen["connected"] and not seen["asked"]          # --open-page: a student watches without the key
+    assert seen["send"] and "turned student prompts off" in seen["placeholder"]
+    assert "student prompts are off" in seen["status"]
+    assert "student prompts off" in seen["settings"] and "at most 3 a minute" in seen["settings"]
+    assert "up to 64 tokens" in seen["settings"] and "shown" in seen["settings"]
+
+
+def send_as_teacher(url: str, prompt: str) -> str:
+    answer = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                        json={"prompt": prompt, "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["id"]
+
+
+@needs_chromium
+def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_the_teacher(tiny_model, tmp_path):
+    with running_server(tiny_model, *SERVER, "--hide-others-text", log_path=str(tmp_path / "server.log")) as url:
+        async def student() -> dict:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "window.minipaged.view.settings", "the page never got the teacher's settings")
+                teacher_id = send_as_teacher(url, "teacher secret words")
+                await evaluate(page, "document.getElementById('prompt').focus()")
+                await page.call("Input.insertText", text="my own words")
+                await evaluate(page, "document.getElementById('prompt-form').requestSubmit()")
+                mine = await wait_for(page, """(() => { const m = window.minipaged, [id] = [...m.view.mine];
+                    const r = id && m.head.requests.get(id);
+                    return r && r.state === 'finished' && id; })()""", "the student's request never finished")
+                await evaluate(page, "window.minipaged.draw()")
+                return await evaluate(page, f"""(() => {{ const m = window.minipaged;
+                    const row = (id) => document.querySelector(`tr[data-request="${{id}}"] td.prompt`).textContent;
+                    return {{own: m.view.own.get("{mine}").text, output: document.getElementById('output').textContent,
+                            title: document.getElementById('output-title').textContent, mine_row: row("{mine}"),
+                            their_row: row("{teacher_id}"), body: document.body.innerText,
+                            settings: document.getElementById('teacher-settings').textContent}}; }})()""")
+
+        async def presenter() -> dict:
+            async with open_page(url + "/?presenter=1") as page:
+                await wait_for(page, "!document.getElementById('key-form').hidden", "the presenter never asked the key")
+                await evaluate(page, f"""(() => {{ document.getElementById('key').value = '{KEY}';
+                    document.getElementById('key-form').requestSubmit(); }})()""")
+                await wait_for(page, "window.minipaged.view.settings && window.minipaged.view.settings.teacher",
+                               "the key did not make the page the teacher's")
+                first = send_as_teacher(url, "the first lesson prompt")
+                await wait_for(page, f"window.minipaged.view.selected === '{first}'", "not following the first")
+                second = send_as_teacher(url, "the second lesson prompt")
+                await wait_for(page, f"window.minipaged.view.selected === '{second}'", "not following the second")
+                return {"second": second, "title": await evaluate(
+                    page, "document.getElementById('output-title').textContent"),
+                    "body": await evaluate(page, "document.body.innerText")}
+
+        seen = asyncio.run(student())
+        shown = asyncio.run(presenter())
+    assert seen["output"] == seen["own"] and "(mine)" in seen["title"]      # the student's own answer, in full
+    assert "my own words" in seen["mine_row"] and "hidden" in seen["their_row"]
+    assert "teacher secret" not in seen["body"] and "others' prompts and outputs hidden" in seen["settings"]
+    assert shown["second"] in shown["title"] and "the second lesson prompt" in shown["body"]   # the teacher sees
