@@ -89,12 +89,12 @@ def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_th
                 second = send_as_teacher(url, "the second lesson prompt")
                 await wait_for(page, f"window.minipaged.view.selected === '{second}'", "not following the second")
                 return {"second": second, "title": await evaluate(
-                    page, "document.getElementById('output-title').textContent"),
+                    page, "document.getElementById('output-title').title"),
                     "body": await evaluate(page, "document.body.innerText")}
 
         seen = asyncio.run(student())
         shown = asyncio.run(presenter())
-    assert seen["output"] == seen["own"] and "(mine)" in seen["title"]      # the student's own answer, in full
+    assert seen["output"] == seen["own"] and "★ mine" in seen["title"]      # the student's own answer, in full
     assert "my own words" in seen["mine_row"] and "hidden" in seen["their_row"]
     assert "teacher secret" not in seen["body"] and "others' prompts and outputs hidden" in seen["settings"]
     assert shown["second"] in shown["title"] and "the second lesson prompt" in shown["body"]   # the teacher sees
