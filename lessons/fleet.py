@@ -97,10 +97,23 @@ class FleetRun:
         return [rid for rid, r in self.routed.items() if r == replica]
 
 
+def how_to_watch(number: int, scenario: FleetScenario) -> str:
+    """What to run instead of ``minipaged watch --lesson N`` for a fleet lesson (watch draws one engine)."""
+    from minipaged.fleet import DEFAULT_PORT, DEFAULT_VIEW_PORT
+    fleet = (f"minipaged fleet --replicas {scenario.replicas} --policy {scenario.main_variant} "
+             f"--serve-args {shlex.quote(scenario.serve_args())}")
+    return (f"lesson {number} runs {scenario.replicas} engines behind a router, and `minipaged watch` draws one "
+            f"engine. See it live on the fleet page instead:\n"
+            f"  {fleet}\n"
+            f"  (open the fleet view it prints, http://127.0.0.1:{DEFAULT_VIEW_PORT}/, then in another terminal:)\n"
+            f"  python -m minipaged.lessons {number} --send http://127.0.0.1:{DEFAULT_PORT}\n"
+            f"Then stop the fleet (Ctrl-C) and start it again with --policy round_robin. The lesson's text: "
+            f"minipaged lessons {number}")
+
+
 def run_fleet(scenario: FleetScenario, model: str, variant: Optional[str] = None) -> FleetRun:
     """Start the replicas and sglang-router (policy ``variant``), send every request, stop everything, and
     return what each replica's event stream said. RouterMissing if sglang-router is not installed."""
-    import httpx
     from transformers import AutoTokenizer
 
     from minipaged.fleet.processes import ChildProcesses
@@ -112,7 +125,7 @@ def run_fleet(scenario: FleetScenario, model: str, variant: Optional[str] = None
     variant = variant or scenario.main_variant
     scenario.engine_options(variant)                         # a KeyError names the variants
     check_installed()
-    tokenizer = AutoTokenizer.from_pretrained(_model_path(model))
+    tokenizer = AutoTokenizer.from_pretrained(model_path(model))
     children = ChildProcesses(Path(tempfile.mkdtemp(prefix=f"minipaged-lesson-fleet-{variant}-")))
     streams: list[AttachRun] = []
     server_ids: dict[str, str] = {}
@@ -123,22 +136,31 @@ def run_fleet(scenario: FleetScenario, model: str, variant: Optional[str] = None
         infos = [s.load() for s in streams]
         port = free_port()
         start_router(children, "127.0.0.1", port, [r.url for r in replicas], variant)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=REQUEST_TIMEOUT_S) as client:
-            with ThreadPoolExecutor(scenario.in_flight) as users:     # taken up in list order
-                sent = users.map(lambda spec: _send(client, spec.messages(tokenizer), spec.max_tokens,
-                                                    spec.request_id), scenario.requests)
-                server_ids = dict(zip((spec.request_id for spec in scenario.requests), sent))
+        server_ids = send_workload(scenario, f"http://127.0.0.1:{port}", tokenizer)
     finally:
         children.stop_all()              # the replicas drain and say goodbye: every event is in the streams
     per_replica = [(info, _drain(stream)) for info, stream in zip(infos, streams)]
     return _assemble(variant, per_replica, server_ids)
 
 
-def _send(client: Any, messages: list[dict[str, str]], max_tokens: int, name: str) -> str:
+def send_workload(scenario: FleetScenario, url: str, tokenizer: Any, model_name: str = SERVED_NAME) -> dict[str, str]:
+    """Send the scenario's requests through the router at ``url``, ``in_flight`` at a time, in list order;
+    returns the id each got (the lesson's id -> the replica's). Also what ``--send URL`` does to a fleet the
+    student started, so the fleet page shows the lesson's workload land."""
+    import httpx
+
+    with httpx.Client(base_url=url.rstrip("/"), timeout=REQUEST_TIMEOUT_S) as client, \
+            ThreadPoolExecutor(scenario.in_flight) as users:          # taken up in list order
+        sent = users.map(lambda spec: _send(client, spec.messages(tokenizer), spec.max_tokens, spec.request_id,
+                                            model_name), scenario.requests)
+        return dict(zip((spec.request_id for spec in scenario.requests), sent))
+
+
+def _send(client: Any, messages: list[dict[str, str]], max_tokens: int, name: str, model_name: str) -> str:
     """One streamed chat request through the router, read to its end; the id the replica gave it."""
     import json
 
-    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     server_id = None
     with client.stream("POST", "/v1/chat/completions", json=body) as answer:
@@ -179,6 +201,7 @@ def _assemble(variant: str, per_replica: list[tuple[EngineInfo, list[StepEvent]]
     return FleetRun(variant, runs, {rid: order.index(home[sid]) for rid, sid in server_ids.items()}, server_ids)
 
 
-def _model_path(model: str) -> str:
+def model_path(model: str) -> str:
+    """A model name as ``minipaged serve --model`` takes it -> the folder its tokenizer is in."""
     from minipaged.model.loader import resolve_model_path
     return str(resolve_model_path(model)[0])

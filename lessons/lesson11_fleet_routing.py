@@ -69,6 +69,7 @@ def measure(runs: dict[str, FleetRun]) -> dict[str, Any]:
     block_size = SCENARIO.options["block_size"]
     out: dict[str, Any] = {
         "num_tenants": len(TENANTS), "num_requests": len(SCENARIO.requests), "replicas": SCENARIO.replicas,
+        "in_flight": SCENARIO.in_flight,
         "per_tenant": ORDER.count("A"),
         "sys_min": min(t.num_tokens for t in TENANTS.values()), "sys_max": max(t.num_tokens for t in TENANTS.values()),
         "text_tokens": sum(r.text_tokens for r in SCENARIO.requests),
@@ -158,7 +159,7 @@ QUIZ = [
          "replica has it cached"),
         0,
         "Below the threshold it picks the smallest tree, the replica with the most room by its guess; here "
-        "replica 0 got tenants {{measured.cache_aware_r0_tenants}} and replica 1 tenants "
+        "the first replica got tenants {{measured.cache_aware_r0_tenants}} and the second tenants "
         "{{measured.cache_aware_r1_tenants}}."),
     QuizQuestion(
         "If every tenant's requests go to one replica, what can go wrong?",
@@ -166,6 +167,7 @@ QUIZ = [
          "router then routes by load, not by cache", "Outputs change", "The KV blocks leak"),
         1,
         "cache_aware switches to the shortest queue when the loads differ by more than balance_abs_threshold "
-        "and balance_rel_threshold. In this run one request was in flight at a time, so the loads never "
-        "differed and every request was routed by cache."),
+        "and balance_rel_threshold. In this run {{measured.in_flight}} requests were in flight at a time and "
+        "the replicas served {{measured.cache_aware_r0_requests}} and {{measured.cache_aware_r1_requests}}: "
+        "the loads never differed enough, and every request was routed by its text."),
 ]
