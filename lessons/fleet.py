@@ -10,15 +10,15 @@ Requests are sent ``in_flight`` at a time, in list order, as several users would
 lands then depends on timing as well as on text (which request the router sees first, the replicas' loads),
 so unlike the other lessons' numbers these change a little from run to run: ``measured.json`` holds the last
 ``--update`` run, and the tests check what the lesson claims (the ordering), not the digits. (One request
-at a time would be repeatable, but sglang-router 0.3's cache_aware then sent every tenant to the same
-replica: measured while writing this lesson, and said in the text.) Replicas are numbered in the order they
-first served a request, never by their port.
+at a time would be repeatable, but sglang-router 0.3's cache_aware then sent every request to one replica:
+``bench/fleet.py --concurrency 1`` did so too, while this lesson was written.) Replicas are numbered in the
+order they first served a request, never by their port.
 """
 from __future__ import annotations
 
 import shlex
-from concurrent.futures import ThreadPoolExecutor
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -47,8 +47,8 @@ class FleetRequest:
         return self.system.num_tokens + self.question.num_tokens
 
     def messages(self, tokenizer: Any) -> list[dict[str, str]]:
-        """The chat messages, as text: sglang-router matches the text of a chat request's messages (a
-        ``/v1/completions`` prompt it does not read: 0.3 routes it as if it were empty)."""
+        """The chat messages, as text (the router matches text): each piece cut to its exact number of tokens
+        by the model's own tokenizer, then decoded, so the replicas see the token counts the lesson names."""
         def text(piece: Text) -> str:
             return tokenizer.decode(piece.token_ids(tokenizer))
         return [{"role": "system", "content": text(self.system)}, {"role": "user", "content": text(self.question)}]

@@ -91,8 +91,9 @@ def measure(runs: dict[str, FleetRun]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-# Each is a predicate over one replica's stream, as ``minipaged watch --attach`` on a replica would fold it;
-# the headless tests feed every replica's events to them.
+# Each is a predicate over one replica's stream (what ``minipaged watch --attach`` on a replica folds). No
+# panel ticks them live (the fleet page has none): they are what to look for, and the headless tests feed
+# every replica's events to them to check that each run shows it.
 
 def _whole_prefix_hit(t: Trace) -> Any:
     for s in t.last.scheduled:
@@ -124,11 +125,11 @@ def _all_done(t: Trace) -> Any:
 
 CHECKPOINTS = [
     Checkpoint("a request finds its tenant's whole system prompt cached on the replica it was sent to",
-               _whole_prefix_hit, "send a tenant's prompt twice; select the second request on the fleet page"),
+               _whole_prefix_hit, "send the lesson's requests (--send) and watch a tenant's second request"),
     Checkpoint("round_robin: a replica evicts one tenant's prefix to make room for another's", _evicted_a_prefix,
                "watch the block map of one replica as the third tenant arrives there", variants=("round_robin",)),
     Checkpoint("round_robin: a tenant's prefix was cached here once, and evicted before the tenant came back",
-               _missed_what_it_had, "select a request that found nothing cached: why did block 0 miss?",
+               _missed_what_it_had, "attach the TUI to a replica and select a request that found nothing cached",
                variants=("round_robin",)),
     Checkpoint("every request finished with all its tokens", _all_done, "let the run finish"),
 ]

@@ -344,6 +344,19 @@ def test_lesson11_watch_says_what_to_run_and_the_commands_parse(capsys):
     assert main(["watch", "--lesson", "11", "--compare"]) == 2 and "fleet page" in capsys.readouterr().err
 
 
+def test_update_of_one_lesson_keeps_the_others(monkeypatch, tmp_path):
+    """`python -m minipaged.lessons 11 --update` replaces lesson 11's entry only (another lesson's stays)."""
+    from minipaged.lessons import __main__ as lessons_main
+
+    stored = tmp_path / "measured.json"
+    stored.write_text(json.dumps({"3": {"hit_rate": 0.5}, "11": {"old": 1}}), encoding="utf-8")
+    monkeypatch.setattr(lessons_main, "MEASURED_FILE", stored)
+    lessons_main.write_measured({"11": {"new": 2}}, merge=True)
+    assert json.loads(stored.read_text(encoding="utf-8")) == {"3": {"hit_rate": 0.5}, "11": {"new": 2}}
+    lessons_main.write_measured({"11": {"new": 2}})
+    assert json.loads(stored.read_text(encoding="utf-8")) == {"11": {"new": 2}}
+
+
 def test_send_refuses_a_one_engine_lesson(capsys):
     from minipaged.lessons.__main__ import main as lessons_main
 
