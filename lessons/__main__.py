@@ -21,6 +21,7 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 from .core import MEASURED_FILE, SMOLLM2_FILE, build_lesson_model, get_lesson, list_lessons, run_scenario
+from .fleet import FleetScenario, repeatable
 
 
 def measure_all(model: Optional[str] = None, only: Optional[str] = None) -> dict[str, dict[str, Any]]:
@@ -71,7 +72,7 @@ def send_to_fleet(number: str, url: str, model: str) -> int:
     import httpx
     from transformers import AutoTokenizer
 
-    from .fleet import FleetScenario, model_path, send_workload
+    from .fleet import model_path, send_workload
 
     lesson = get_lesson(number)
     if not isinstance(lesson.scenario, FleetScenario):
@@ -120,6 +121,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {MEASURED_FILE}")
             return 0
         stored = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
+        for lesson in list_lessons():                # a fleet's results move with timing: its claims are tested
+            if isinstance(lesson.scenario, FleetScenario) and str(lesson.number) in values:
+                values[str(lesson.number)] = repeatable(values[str(lesson.number)], lesson.scenario)
         diffs = [(n, k, stored.get(n, {}).get(k), v) for n, vals in values.items() for k, v in vals.items()
                  if stored.get(n, {}).get(k) != v]
         for n, k, old, new in diffs:

@@ -97,6 +97,12 @@ class FleetRun:
         return [rid for rid, r in self.routed.items() if r == replica]
 
 
+def repeatable(values: dict[str, Any], scenario: FleetScenario) -> dict[str, Any]:
+    """The measured values that timing cannot move (the workload's own: tenants, lengths, pool), for
+    ``--check`` and the tests; a policy's results (``round_robin_*``, ``prefill_*``) are left out."""
+    return {k: v for k, v in values.items() if not k.startswith((*scenario.variants, "prefill_"))}
+
+
 def how_to_watch(number: int, scenario: FleetScenario) -> str:
     """What to run instead of ``minipaged watch --lesson N`` for a fleet lesson (watch draws one engine)."""
     from minipaged.fleet import DEFAULT_PORT, DEFAULT_VIEW_PORT
