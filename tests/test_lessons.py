@@ -533,4 +533,9 @@ def test_smollm2_gives_the_same_numbers():
     """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says (about 90 s)."""
     stored = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
     for lesson in list_lessons():
+        if is_fleet(lesson):        # its prompts are cut in SmolLM2's tokens too; its results move with timing
+            if HAS_ROUTER:
+                values = repeatable(run_scenario(lesson, "smollm2").values, lesson.scenario)
+                assert values == {k: stored[str(lesson.number)][k] for k in values}, lesson.number
+            continue
         assert run_scenario(lesson, "smollm2").values == stored[str(lesson.number)], lesson.number
