@@ -537,7 +537,7 @@ class ScenarioResult:
     """A headless run of every variant of a lesson's scenario and the numbers measured from it."""
 
     lesson: Lesson
-    runs: dict[str, Run]
+    runs: dict[str, Any]               # name -> Run (a FleetRun for a fleet lesson, lessons/fleet.py)
     values: dict[str, Any]
 
     def __getitem__(self, key: str) -> Any:
@@ -545,9 +545,13 @@ class ScenarioResult:
 
 
 def run_scenario(lesson: Lesson, model: str, variants: Optional[Sequence[str]] = None) -> ScenarioResult:
-    """Run the lesson's scenario headless (every variant unless told otherwise) and measure its numbers."""
+    """Run the lesson's scenario headless (every variant unless told otherwise) and measure its numbers.
+    A fleet lesson's variants are router policies, each run on replicas of its own (``fleet.run_fleet``)."""
+    from .fleet import FleetScenario, run_fleet
+
     names = list(variants) if variants is not None else list(lesson.scenario.variants)
-    runs = {name: run_variant(lesson.scenario, model, name) for name in names}
+    run_one = run_fleet if isinstance(lesson.scenario, FleetScenario) else run_variant
+    runs = {name: run_one(lesson.scenario, model, name) for name in names}
     return ScenarioResult(lesson, runs, lesson.measure(runs))
 
 

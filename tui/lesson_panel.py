@@ -281,6 +281,16 @@ class LessonRun(LiveRun):
         return not waiting and not self.engine.has_unfinished_requests()
 
 
+def one_engine_lesson(number: str) -> Lesson:
+    """Lesson ``number``, if ``watch`` can run it: a fleet lesson (several engines behind a router) is seen on
+    the fleet page instead, and the ValueError says how to start it."""
+    lesson = get_lesson(number)
+    from minipaged.lessons.fleet import FleetScenario, how_to_watch
+    if isinstance(lesson.scenario, FleetScenario):
+        raise ValueError(how_to_watch(lesson.number, lesson.scenario))
+    return lesson
+
+
 def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     """``minipaged watch --lesson N``: the lesson, its live run and a one-line description.
 
@@ -291,7 +301,7 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
     if workload_flags:
         raise ValueError(f"--lesson {args.lesson} brings its own workload, so {', '.join(workload_flags)} cannot "
                          f"be used with it; engine flags (e.g. --num-blocks) can.")
-    lesson = get_lesson(args.lesson)
+    lesson = one_engine_lesson(args.lesson)
     variant, options = lesson.options_for(engine_options(args))
     run = LessonRun(lambda progress: build_engine(args.model, options, progress), lesson,
                     record=getattr(args, "record", None))
@@ -302,7 +312,7 @@ def build_lesson_run(args: argparse.Namespace) -> tuple[Lesson, LessonRun, str]:
 def build_lesson_compare(args: argparse.Namespace) -> tuple[Lesson, list[tuple[str, LessonRun]], str]:
     """``minipaged watch --lesson N --compare``: the lesson's variants (its first three) side by side, each a
     LessonRun of the same scenario; engine flags the user gave apply to every one of them."""
-    lesson = get_lesson(args.lesson)
+    lesson = one_engine_lesson(args.lesson)
     names = list(lesson.scenario.variants)[:3]
     if len(names) < 2:
         raise ValueError(f"lesson {lesson.number} has a single run, so there is nothing to compare; open it "

@@ -223,7 +223,8 @@ def fleet_table(r: dict[str, Any]) -> str:
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
-    "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table}
+    "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
+    "fleet_smollm2": fleet_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
