@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 PreemptionMode = Literal["recompute", "swap"]
 # long_prefill_token_threshold's default on a CPU, where a step's time grows with its tokens: measured in
 # bench/long_prefill.py (docs/performance.md). On CUDA a 2,048-token step takes milliseconds: 0 (no cap), vLLM's.
-LONG_PREFILL_CPU = 256
+LONG_PREFILL_CPU = 128
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The backends' names, the one list of them (kernels/backends/ reads it; each name is a Backend's ``name``).
