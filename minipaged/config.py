@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from .spec_decode.config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
+# long_prefill_token_threshold's default on a CPU, where a step's time grows with its tokens: measured in
+# bench/long_prefill.py (docs/performance.md). On CUDA a 2,048-token step takes milliseconds: 0 (no cap), vLLM's.
+LONG_PREFILL_CPU = 128
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The backends' names, the one list of them (kernels/backends/ reads it; each name is a Backend's ``name``).
@@ -63,6 +66,18 @@ class EngineConfig:
         "help": "prefill-first scheduling with whole prompts (vLLM's old default)", "shown_default": "chunked"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "turn automatic prefix caching off", "shown_default": "caching on"})
+    # A long prompt shares the step with everyone else (vLLM's names; the scheduler's docstring tells how).
+    # None: derived from the device in finalize (LONG_PREFILL_CPU on a CPU, 0 on CUDA; docs/performance.md).
+    long_prefill_token_threshold: Optional[int] = field(default=None, metadata={
+        "help": "with chunked prefill, a prompt with more than this many tokens left to compute is long: it "
+                "gets at most this many per step, so other requests keep decoding while it prefills (0: no cap)",
+        "shown_default": f"{LONG_PREFILL_CPU} on CPU, 0 on CUDA"})
+    max_num_partial_prefills: Optional[int] = field(default=None, metadata={
+        "help": "most prompts mid-prefill at once: a new prompt that cannot finish its prefill in this step "
+                "waits while this many are mid-prefill", "shown_default": "no limit"})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "most long prompts (see --long-prefill-token-threshold) prefilling at once; shorter prompts "
+                "behind them are admitted first"})
     policy: Policy = field(default="continuous", metadata={"help": "static batching is a teaching baseline"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={"help": "what a preempted request loses"})
     # Policies (minipaged.policies): a name, or a user's class as path/to/file.py:ClassName. vLLM's are the defaults.
@@ -141,8 +156,16 @@ class EngineConfig:
                                   f"{' (or None)' if optional else ''}, got {value!r}.")
 
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_cpu_blocks"):
+                     "num_cpu_blocks", "max_num_partial_prefills", "max_long_partial_prefills"):
             positive(name)
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not is_int(threshold) or threshold < 0):
+            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {threshold!r}.")
+        if self.max_num_partial_prefills is not None and \
+                self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ConfigError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must not exceed "
+                              f"max_num_partial_prefills ({self.max_num_partial_prefills}): long prompts are "
+                              f"among the partial prefills. Lower the first or raise the second.")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks == 0:
             raise ConfigError("num_cpu_blocks must be positive.")
         if self.num_threads is not None and (not is_int(self.num_threads) or self.num_threads < 0):
@@ -225,8 +248,11 @@ class EngineConfig:
         from .spec_decode.config import SpeculativeConfig
         return SpeculativeConfig.parse(self.speculative_config)
 
-    def finalize(self, model_max_len: int) -> None:
-        """Fill in the derived values once the model's context length is known."""
+    def finalize(self, model_max_len: int, device_type: str = "cpu") -> None:
+        """Fill in the derived values once the model's context length (and the device: ``cuda``, ``cpu`` ...) is
+        known."""
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = 0 if device_type == "cuda" else LONG_PREFILL_CPU
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

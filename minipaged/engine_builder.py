@@ -92,7 +92,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     else:                                  # rank 0's shard only: the whole model never stays in memory
         model, loaded = rank0_shard(model_name, layout, DTYPES[dtype_name], device, load_progress)
     tokenizer = loaded.tokenizer
-    config.finalize(loaded.config.max_position_embeddings)
+    config.finalize(loaded.config.max_position_embeddings, device.type)
     if problem := sliding_window_problem(loaded.config, config.max_model_len, model_name):
         raise ConfigError(problem)          # before any worker starts or any KV memory is taken
     try:

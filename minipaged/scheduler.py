@@ -16,6 +16,22 @@ Policies
     (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
+Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
+``max_long_partial_prefills``, ``max_num_partial_prefills``)
+  * A prompt with more than ``long_prefill_token_threshold`` tokens left to compute (uncached) is *long*: it
+    gets at most that many tokens per step, so the rest of the budget serves others, and a step stays short
+    enough for everyone's decodes to keep coming.
+  * At most ``max_long_partial_prefills`` long prompts prefill at once, and at most ``max_num_partial_prefills``
+    prompts of any length are mid-prefill (a prompt whose chunk this step does not finish it). A waiting
+    request that would pass a limit waits, and the requests behind it that fit are admitted first: a 16-token
+    question does not queue behind a 7,000-token prompt. The ones that waited keep their place in the order.
+  * The n samples of one request share their prompt through the prefix cache. While one sample is still
+    prefilling the prompt, its siblings wait: each step's chunk publishes its blocks, so once the first sample
+    has been granted the whole prompt the others find all of it cached and compute only the last token,
+    instead of prefilling the same long prompt n times side by side. (vLLM fans n out into independent child
+    requests and relies on its prefix cache alone; with a capped chunk that would let the children race the
+    first sample through the same tokens.)
+
 Token accounting (vLLM v1's ``update_from_output``)
   * After the forward pass, ``update_from_output`` is the one place that advances ``num_computed_tokens``,
     appends sampled tokens and finishes requests whose token says stop (EOS, a stop token id, max_tokens,
@@ -54,6 +70,7 @@ from .policies import load_policy
 from .request import Request, RequestStatus
 
 logger = logging.getLogger("minipaged.scheduler")
+MAX_SKIPPED_PER_STEP = 256   # waiting requests one step looks past (long or siblings' prompt not ready) at most
 
 
 @dataclass
@@ -236,7 +253,7 @@ class Scheduler:
                 continue
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
-            num_new = min(num_known + len(req.spec_token_ids), budget)
+            num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
             while not self._allocate(req, num_new):
                 victim = self._choose_victim(scheduled_ids, req, out)
                 if victim is None:
@@ -316,17 +333,51 @@ class Scheduler:
             out.swapped_in.append(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_known = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_known, budget, self._chunk_cap(num_known))
             if self._allocate(req, num_new):
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
         return budget
 
+    @property
+    def _shares_steps(self) -> bool:
+        """Long prompts are capped and counted only where prompts are chunked (not prefill-first, not static)."""
+        return self.config.enable_chunked_prefill and self.config.policy == "continuous"
+
+    def _chunk_cap(self, num_left: int) -> int:
+        """The most tokens a prefill with ``num_left`` tokens to compute may take this step: the threshold when
+        it is long, else no cap of its own (only the budget's)."""
+        threshold = self.config.long_prefill_token_threshold or 0
+        return threshold if self._shares_steps and 0 < threshold < num_left else num_left
+
+    def _partial_prefills(self, out: SchedulerOutput) -> tuple[int, int, set[str]]:
+        """Before admissions: how many running prompts are long and how many stay mid-prefill after this step,
+        and the parents (n > 1) whose prompt is not yet granted in full to one of their samples."""
+        granted = {c.request.request_id: c.end for c in out.chunks}
+        num_long = num_partial = 0
+        parents: set[str] = set()
+        for req in self.running:
+            num_left = req.num_tokens - req.num_computed_tokens
+            if num_left <= 1:
+                continue                                   # a decode
+            end = granted.get(req.request_id, req.num_computed_tokens)
+            num_long += self._chunk_cap(num_left) < num_left
+            num_partial += end < req.num_tokens
+            if req.params.n > 1 and end < req.num_prompt_tokens:
+                parents.add(req.parent_id)
+        return num_long, num_partial, parents
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit new requests in the scheduling policy's order (FCFS: arrival) while the budget, max_num_seqs and
-        the pool allow."""
+        the pool allow. A request that would pass a limit on long or partial prefills, or whose sibling is still
+        prefilling their prompt, waits without holding up those behind it (it keeps its place)."""
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_long, num_partial, prefilling_parents = self._partial_prefills(out)
+        max_partial = self.config.max_num_partial_prefills if self._shares_steps else None
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and len(skipped) < MAX_SKIPPED_PER_STEP:
             try:
                 req = self.order.first(self.waiting)
                 if req not in self.waiting:
@@ -337,17 +388,32 @@ class Scheduler:
                 continue
             # Prompt log-probabilities need every prompt row's logits: a cached prefix has none (as in vLLM).
             looked = self.kv.enable_caching and req.params.prompt_logprobs is None
+            if looked and req.params.n > 1 and req.parent_id in prefilling_parents:
+                self._take_waiting(req)                    # its sibling's blocks will be its cache hits
+                skipped.append(req)
+                continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(req) if looked else ([], 0)
-            # Explained before the allocation publishes the request's own blocks (they would then be found).
-            lookup = self.kv.explain_lookup(req, len(cached_blocks)) if looked else None
-            num_new = req.num_tokens - num_cached          # the budget pays only for uncached tokens
+            num_uncached = req.num_tokens - num_cached     # the budget pays only for uncached tokens
+            num_new = self._chunk_cap(num_uncached)
+            is_long = num_new < num_uncached
             if num_new > budget:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
+            if (is_long and num_long >= self.config.max_long_partial_prefills) or \
+                    (num_new < num_uncached and max_partial is not None and num_partial >= max_partial):
+                self._take_waiting(req)                    # shorter ones behind it go first
+                skipped.append(req)
+                continue
+            # Explained before the allocation publishes the request's own blocks (they would then be found).
+            lookup = self.kv.explain_lookup(req, len(cached_blocks)) if looked else None
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
+            num_long += is_long
+            num_partial += num_new < num_uncached
+            if req.params.n > 1 and num_cached + num_new < req.num_prompt_tokens:
+                prefilling_parents.add(req.parent_id)
             self.kv.record_prefix_query(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -358,6 +424,7 @@ class Scheduler:
                                           cached_prefix_end=len(cached_blocks) * self.kv.block_size,
                                           prefix_lookup=lookup))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))        # back where they were: first in the order still
         return budget
 
     def _keys_that_raise(self) -> list[Request]:

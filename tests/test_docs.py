@@ -160,17 +160,22 @@ def nudged(node, factors=None):
 
 def test_every_figure_in_the_rendered_page_moves_with_the_json():
     """Nudge every measured value and render again: each figure must change with it. What may stay put: the
-    numbers the JSON writes in its strings and keys, the chunked-prefill budgets (rows are found by them),
+    numbers the JSON writes in its strings and keys, the chunked-prefill budgets and long-prefill thresholds
+    (rows are found by them),
     and the engine's defaults. A number the template or the renderer typed itself would stay put and fail."""
     results, values = bench_results(), load_values()
     moved = nudged(copy.deepcopy(results))
     factors = itertools.count(500)
     moved["chunked_prefill"]["results"] = [{**nudged(x, factors), "budget": x["budget"]}
                                            for x in results["chunked_prefill"]["results"]]
+    moved["long_prefill"]["results"] = [{**nudged(x, factors),
+                                         "long_prefill_token_threshold": x["long_prefill_token_threshold"]}
+                                        for x in results["long_prefill"]["results"]]
     before = figures(rendered_performance_doc(results, values))
     after = figures(rendered_performance_doc(moved, values))
     assert len(before) == len(after) and len(before) > 100
     fixed = numbers_written_in(results) | {str(x["budget"]) for x in results["chunked_prefill"]["results"]}
+    fixed |= {str(x["long_prefill_token_threshold"]) for x in results["long_prefill"]["results"]}
     fixed |= {str(v) for v in performance_values(results, values)["config"].values()}
     unmoved = sorted({a for a, b in zip(before, after) if a == b and a not in fixed})
     assert not unmoved, f"numbers in docs/performance.md that do not come from the JSON: {unmoved}"

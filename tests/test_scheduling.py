@@ -64,6 +64,10 @@ VARIANTS = {
     "preempt-priority-lowest-priority": dict(num_blocks=24, scheduling_policy="priority",
                                              preemption_victim="lowest-priority"),
     "prefix-cache-evicting-mru": dict(enable_prefix_caching=True, num_blocks=40, eviction_policy="mru"),
+    # a long prompt's capped chunk and the limits on partial prefills (issue 39) change who runs when, not tokens
+    "long-prefill-8": dict(long_prefill_token_threshold=8),
+    "long-prefill-8-two-partial": dict(long_prefill_token_threshold=8, max_long_partial_prefills=2,
+                                       max_num_partial_prefills=2, num_blocks=40),
 }
 
 

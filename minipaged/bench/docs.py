@@ -164,6 +164,25 @@ def chunked_prefill_derived(r: dict[str, Any], default_budget: int) -> dict[str,
             "itl_p99_gain": by_budget[compared]["itl_p99_ms"] / by_budget[smallest]["itl_p99_ms"]}
 
 
+def long_prefill_table(r: dict[str, Any]) -> str:
+    """bench/long_prefill.py: the short request and the long one per threshold (engine-thread CPU seconds)."""
+    rows = [["0 (off)" if x["long_prefill_token_threshold"] == 0 else x["long_prefill_token_threshold"],
+             f"{x['victim_ttft_cpu_s']:.2f} s", f"{x['victim_max_gap_cpu_s']:.2f} s", f"{x['victim_done_cpu_s']:.1f} s",
+             f"{x['long_all_first_tokens_cpu_s']:.1f} s", x["steps"], "yes" if x["same_tokens"] else "**no**"]
+            for x in r["results"]]
+    return markdown_table(["long_prefill_token_threshold", "short: first token", "short: longest pause",
+                           "short: done", "long: every sample's first token", "steps", "same tokens"], rows)
+
+
+def long_prefill_derived(r: dict[str, Any], default_threshold: int) -> dict[str, Any]:
+    """The row without a cap (the scheduler before issue 39) and the default's row."""
+    by_threshold = {x["long_prefill_token_threshold"]: x for x in r["results"]}
+    if 0 not in by_threshold or default_threshold not in by_threshold:
+        raise KeyError(f"bench/out/long_prefill.json needs rows for 0 and the default {default_threshold}: rerun "
+                       f"bench/long_prefill.py with --thresholds including both")
+    return {"before": by_threshold[0], "default": by_threshold[default_threshold]}
+
+
 def preemption_table(r: dict[str, Any]) -> str:
     rows = [["big pool (no preemption)" if x["mode"].startswith("none") else x["mode"],
              f"{short(x['throughput_tok_s'])} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
@@ -224,7 +243,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
-    "fleet_smollm2": fleet_table}
+    "fleet_smollm2": fleet_table,
+    "long_prefill": long_prefill_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
@@ -245,6 +265,8 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
             "derived": {"throughput": throughput_derived(results["throughput"]),
                         "chunked_prefill": chunked_prefill_derived(results["chunked_prefill"],
                                                                    config["max_num_batched_tokens"]),
+                        "long_prefill": long_prefill_derived(results["long_prefill"],
+                                                             config["long_prefill_token_threshold"]),
                         "quantization": quantization_derived(results["quantization"]),
                         "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"]),
                         "peer": peer_derived(results["peer_llamacpp"])},

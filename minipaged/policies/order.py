@@ -1,7 +1,9 @@
 """Request order: which waiting request is admitted next (``--scheduling-policy``).
 
 A policy gives each request a sort key; the smallest key is admitted first. Admission stays strict: when the
-first request in this order does not fit (budget, blocks), nobody behind it jumps the queue, as in vLLM.
+first request in this order does not fit (budget, blocks), nobody behind it jumps the queue, as in vLLM. The
+one exception is fairness between prompts (minipaged/scheduler.py): a long prompt over the limit of long
+prefills, or a sample whose sibling is still prefilling their prompt, lets those behind it go first.
 A request preempted by recompute goes back to the waiting queue and is ordered by the same key.
 """
 from __future__ import annotations
