@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from minipaged.events import EngineInfo, StepEvent
 
-from .core import Run, Text
+from .core import LESSON_DEFAULTS, Run, Text
 
 REQUEST_TIMEOUT_S = 120.0
 SERVED_NAME = "lesson"
@@ -74,11 +74,11 @@ class FleetScenario:
     def engine_options(self, variant: Optional[str] = None) -> dict[str, Any]:
         if variant is not None and variant not in self.variants:
             raise KeyError(f"no variant {variant!r}; choose one of {list(self.variants)}")
-        return dict(self.options)
+        return {**LESSON_DEFAULTS, **self.options}     # (as every lesson's: each shows its one mechanism)
 
     def serve_args(self) -> str:
         from minipaged.options import as_command_line
-        return shlex.join(as_command_line(self.options))
+        return shlex.join(as_command_line(self.engine_options()))
 
     def request(self, request_id: str) -> FleetRequest:
         return next(r for r in self.requests if r.request_id == request_id)
