@@ -5,6 +5,7 @@
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
   FREE, CACHED, PALETTE, describeLookup } from "./fold.mjs";
+import { busyElement } from "./busy.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
 const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
@@ -334,6 +335,8 @@ function drawGauges(st) {
     panel.append(el("div", { className: "gauge" }, el("div", { className: "dim", textContent: label }),
       el("div", { className: "value", textContent: last }), sparkline(history)));
   }
+  const busy = busyElement(st);             // how busy the device kept (busy.mjs); null in older traces
+  if (busy) panel.append(busy);
 }
 
 function chip(st, rid) {
