@@ -128,8 +128,10 @@ def record(engine, path) -> list[StepEvent]:
 def test_the_tui_shows_the_busy_gauge_and_lane_only_when_steps_carry_times(tiny_engine_factory, tmp_path):
     from pathlib import Path
 
+    from rich.style import Style
+
     from minipaged.tui.app import WatchApp
-    from minipaged.tui.widgets.busy import BARS
+    from minipaged.tui.widgets.busy import BARS, BUSY_COLOUR, HOST_COLOUR, bar
     from minipaged.tui.widgets.gauges import Gauges
 
     trace = tmp_path / "run.jsonl"
@@ -143,10 +145,10 @@ def test_the_tui_shows_the_busy_gauge_and_lane_only_when_steps_carry_times(tiny_
             await pilot.pause()
             gauges = app.query_one(Gauges)
             lane = gauges.query_one("#busy-lane")
-            seen = {"shown": gauges.query_one("#gauge-busy").parent.display and lane.display,
+            seen = {"shown": gauges.query_one("#gauge-busy").parent.display,
                     "title": str(gauges.query_one("#busy-title").render()),
                     "value": str(gauges.query_one("#gauge-busy").render()),
-                    "lane": str(lane.render()), "state": app.state}
+                    "lane": lane.render(), "state": app.state}
             await pilot.press("q")
         return seen
 
@@ -154,9 +156,13 @@ def test_the_tui_shows_the_busy_gauge_and_lane_only_when_steps_carry_times(tiny_
     assert seen["shown"] and seen["title"] == "forward", seen
     share = seen["state"].device_busy.last
     assert 0 < share <= 1 and f"{share * 100:5.1f} %" == seen["value"]
-    rows = seen["lane"].splitlines()
-    assert rows[0].startswith("forward") and rows[1].startswith("host"), rows
-    assert len(rows[0][8:].strip(" ")) > 0 and set(rows[0][8:] + rows[1][8:]) <= set(BARS)
+    # The lane: a cell per recent step (as many as fit), its height the step's forward share, over the host's colour.
+    lane, steps = seen["lane"], list(seen["state"].lane)
+    assert 10 <= len(lane.plain) <= len(steps) and set(lane.plain) <= set(BARS), lane.plain
+    assert lane.plain == "".join(bar(busy) for _host, busy in steps[-len(lane.plain):])
+    colours = {(s.color.triplet, s.bgcolor.triplet) for s in (Style.parse(str(span.style)) for span in lane.spans)}
+    wanted = Style.parse(f"{BUSY_COLOUR} on {HOST_COLOUR}")
+    assert colours == {(wanted.color.triplet, wanted.bgcolor.triplet)}, colours
     assert not asyncio.run(look(committed))["shown"]
 
 

@@ -1,5 +1,5 @@
 """Why the GPU waits, drawn: how busy the device kept (on a CPU: how much of each step was the forward pass), and
-a lane of the recent steps, each a column, split into the host's share of its wall time and the device's.
+a lane of the recent steps, a cell each, split into the device's share of its wall time and the host's.
 
 Issue 37 measured an engine that kept an H200 busy 11% of each decode step: the rest was Python (scheduling,
 preparing inputs, launching 707 kernels, turning tokens into text). The gauge shows that share live, from the
@@ -28,15 +28,10 @@ def busy_title(state: WatchState) -> str:
 
 
 def lane_text(state: WatchState, width: int = 40) -> Text:
-    """Two rows over the last ``width`` steps, oldest on the left: the busy share of each step (the device's, or
-    the forward pass's on a CPU) and the host's share. Without async scheduling the two add up to the step; with
-    it they overlap (the host works while the device computes), which is the point of it."""
-    recent = list(state.lane)[-width:]
-    busy_name = "device" if state.busy_label == "device" else "forward"
+    """The last ``width`` steps, oldest on the left, one cell each: the lower part (green) is the share of the step
+    the device was busy (on a CPU: the forward pass), the rest (orange) the host's, while the device waited. With
+    async scheduling the host works while the device computes, so the host's share is what is left uncovered."""
     text = Text()
-    text.append(f"{busy_name:<8}", style="dim")
-    text.append("".join(bar(busy) for _host, busy in recent), style=BUSY_COLOUR)
-    text.append("\n")
-    text.append(f"{'host':<8}", style="dim")
-    text.append("".join(bar(host) for host, _busy in recent), style=HOST_COLOUR)
+    for _host, busy in list(state.lane)[-width:]:
+        text.append(bar(busy), style=f"{BUSY_COLOUR} on {HOST_COLOUR}")
     return text

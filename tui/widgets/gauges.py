@@ -53,11 +53,7 @@ class Gauges(Vertical):
         with busy_row:
             yield Label("device busy", id="busy-title", classes="gauge-label")
             yield Label("", id="gauge-busy", classes="gauge-value")
-            yield Sparkline([], id="spark-busy", classes="gauge-spark")
-        lane = Static("", id="busy-lane", classes="busy-gauge")
-        lane.display = False
-        lane.styles.height = 2
-        yield lane
+            yield Static("", id="busy-lane", classes="gauge-spark")
 
     def show(self, state: Optional[WatchState]) -> None:
         speculating = state is not None and bool(state.info.speculative)
@@ -73,8 +69,9 @@ class Gauges(Vertical):
         self._show_busy(state)
 
     def _show_busy(self, state: Optional[WatchState]) -> None:
-        """The busy gauge (share of the recent steps' wall time the device, or the forward pass, was busy) and the
-        lane of recent steps: shown once the events carry the times."""
+        """The busy gauge (share of the recent steps' wall time the device, or the forward pass, was busy) and, in
+        the place of a sparkline, the lane of recent steps (busy.py): one row, shown once the events carry the
+        times."""
         timed = state is not None and bool(state.lane)
         for widget in self.query(".busy-gauge"):
             widget.display = timed
@@ -82,8 +79,5 @@ class Gauges(Vertical):
             return
         self.query_one("#busy-title", Label).update(busy_title(state))
         self.query_one("#gauge-busy", Label).update(f"{(state.device_busy.last or 0) * 100:5.1f} %")
-        spark = self.query_one("#spark-busy", Sparkline)
-        spark.data = list(state.device_busy.history)
-        spark.visible = len(spark.data) >= 2
         lane = self.query_one("#busy-lane", Static)
-        lane.update(lane_text(state, max(8, lane.size.width - 8) if lane.size.width else 40))
+        lane.update(lane_text(state, lane.size.width or 40))
