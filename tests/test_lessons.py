@@ -48,11 +48,11 @@ def results(tiny_model, lesson_model):
 
 def test_lessons_are_listed_in_order_with_titles():
     lessons = list_lessons()
-    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [l.number for l in lessons] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert all(l.title and l.markdown.startswith(f"# Lesson {l.number}: ") for l in lessons)
     assert get_lesson(3).title == "Prefix caching" and get_lesson("4").number == 4
-    with pytest.raises(ValueError, match="no lesson 10"):
-        get_lesson(10)
+    with pytest.raises(ValueError, match="no lesson 99"):
+        get_lesson(99)
 
 
 def test_cli_lists_the_lessons(capsys):
@@ -63,7 +63,7 @@ def test_cli_lists_the_lessons(capsys):
         assert f"{lesson.number}. {lesson.title}: {lesson.summary}" in out and f"--lesson {lesson.number}" in out
     assert main(["lessons", "3"]) == 0
     assert capsys.readouterr().out.strip() == get_lesson(3).markdown.strip()
-    assert main(["lessons", "10"]) == 2 and "no lesson 10" in capsys.readouterr().err
+    assert main(["lessons", "99"]) == 2 and "no lesson 99" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- text
@@ -74,7 +74,7 @@ def _texts(lesson):
     return [lesson.template, *quiz, *checkpoints]
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_every_placeholder_is_filled_from_the_measured_run(number):
     lesson = get_lesson(number)
     measured = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))[str(number)]
@@ -94,7 +94,7 @@ ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson 
            r"\b(?:int8|fp32)\b"]                                     # names of number formats (lesson 9)
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_no_number_in_the_text_is_written_by_hand(number):
     # Skipped: diagrams (their numbers are illustrative), code and commands, placeholders, link targets and
     # quotations from vLLM's docs (the docs' templates are checked the same way, without quotations).
@@ -102,7 +102,7 @@ def test_no_number_in_the_text_is_written_by_hand(number):
     assert not leftovers, f"lesson {number} states numbers that are not measured: {leftovers}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
     """Lessons quote vLLM's documents to test their claims: a quoted number never stands alone."""
     text = re.sub(r"```.*?```", "", get_lesson(number).template, flags=re.S)
@@ -112,7 +112,7 @@ def test_a_quoted_claim_with_a_number_stands_beside_our_measurement(number):
                 f"lesson {number}: a quoted number without ours: {paragraph[:80]}"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_links_point_at_files_that_exist(number):
     lesson = get_lesson(number)
     links = re.findall(r"\]\(([^)#]+)\)", lesson.template)
@@ -135,7 +135,7 @@ def test_links_resolve_in_an_installed_wheel_too(monkeypatch, tmp_path):
     assert Lesson.source_path("../kernels/reference.py") == root / "kernels" / "reference.py"
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("number", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_lesson_text_is_short_paragraphs_with_a_diagram(number):
     text = get_lesson(number).template
     assert "```" in text, "a diagram where it helps"
