@@ -141,9 +141,7 @@ def _batched(t: Trace) -> Any:
 def _one_step_late(t: Trace) -> Any:
     if not t.info.async_scheduling or len(t.events) < 2 or t.events[0].scheduled or not t.events[1].scheduled:
         return None
-    if len(t.events) > 2:
-        return None                                       # tick once, at the second step
-    first, second = t.events
+    first, second = t.events[:2]
     return (f"step {first.step} returned nothing scheduled ({len(first.arrivals)} arrival(s)): "
             f"{second.scheduled[0].request_id}'s forward pass was in flight; step {second.step} returned it")
 
