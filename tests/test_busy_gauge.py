@@ -203,4 +203,4 @@ def test_the_page_shows_the_busy_gauge(tiny_engine_factory, tmp_path):
     assert seen["text"].startswith("forward") and "host" in seen["text"], seen
     assert seen["value"] == f"{expected.device_busy.last * 100:.0f}%", seen
     assert seen["columns"] == seen["hosts"] == len(expected.lane) > 0, seen
-    assert seen["height"] > 10 and seen["colour"] == "rgb(89, 161, 79)", seen      # its own style block applies
+    assert seen["height"] > 10 and seen["colour"] == "rgb(89, 161, 79)", seen      # its block in style.css applies
