@@ -15,7 +15,8 @@ is rewritten after every stage, so a run cut short still leaves everything it me
                 round differently (another matmul shape), so this counts agreement; the exact check, in fp32,
                 is tests/test_triton_gpu.py (`pytest -m gpu`, run first by `make gpu-check`)
   step_profile  decode steps at batch 1/64/256: wall time, device time (torch profiler: the time kernels ran),
-                GPU-busy fraction (device / wall), kernel launches the host issued, kernels the GPU ran
+                GPU-busy fraction (device / wall), kernel launches the host issued, kernels the GPU ran; and what
+                the steps' events said (host, forward call and device milliseconds: the TUI's busy gauge)
   alone         one request: ms per token against the HBM floor (the weights' bytes / the card's peak)
   throughput    256 requests (prompts of 128-512 random tokens, 256 out): output tokens/s
   hf_generate   the same token ids through transformers' padded `generate` (batches of 64), on the same weights
@@ -57,6 +58,21 @@ PEAK_BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12),
 # Host-side calls that put work on the GPU, as torch's profiler names them (runtime and driver API spellings;
 # Triton launches through the driver). A replayed CUDA graph is one cudaGraphLaunch however many kernels it holds.
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+
+
+def event_times(events: list[Any]) -> dict[str, Optional[float]]:
+    """What the steps' own events said (lesson 10's gauge): median host, forward-call and device milliseconds, and
+    the device's share of the steps' wall time. The device's time is the CUDA events' span over the forward
+    pass, an upper bound on the time kernels ran (kernels/backends/forward_timer.py): beside the profiler's
+    ``device_ms`` it shows how tight that bound is. None where an event carries none (a CPU)."""
+    def median_ms(name: str) -> Optional[float]:
+        values = [getattr(e, name) for e in events if getattr(e, name, None) is not None]
+        return statistics.median(values) * 1000 if values else None
+    device = [e.device_s for e in events if getattr(e, "device_s", None) is not None]
+    wall = sum(e.duration_s for e in events)
+    return {"event_host_ms": median_ms("host_s"), "event_forward_ms": median_ms("forward_s"),
+            "event_device_ms": median_ms("device_s"),
+            "event_device_busy": sum(device) / wall if device and wall else None}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -285,8 +301,7 @@ class Bench:
                 engine.step()
             self.sync()
             start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
+            events = [engine.step().event for _ in range(steps)]
             self.sync()
             wall_ms = (time.perf_counter() - start) / steps * 1000
             profiled = self.profiled_steps(steps)
@@ -295,7 +310,8 @@ class Bench:
                 engine.abort(rid)
         busy = profiled["device_ms"] / profiled["wall_ms"] if profiled["wall_ms"] else None
         return {"wall_ms": wall_ms, **profiled, "gpu_busy": busy,
-                "gpu_busy_unprofiled_wall": profiled["device_ms"] / wall_ms if wall_ms else None}
+                "gpu_busy_unprofiled_wall": profiled["device_ms"] / wall_ms if wall_ms else None,
+                **event_times(events)}
 
     def profiled_steps(self, steps: int) -> dict[str, Any]:
         from torch.autograd import DeviceType

@@ -38,6 +38,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from .kernels.devices import use_in_this_thread
+from .execute_step import StepTimes
 from .logits.logprobs import TokenLogprobs
 from .output_processor import OutputProcessor
 from .request import Request
@@ -54,7 +55,7 @@ class StepOutcome:
     plan: SchedulerOutput = field(default_factory=SchedulerOutput)
     update: StepUpdate = field(default_factory=StepUpdate)
     verified: dict[str, Verified] = field(default_factory=dict)
-    model_s: float = 0.0                                     # the forward pass and sampling, in their thread
+    times: StepTimes = field(default_factory=StepTimes)      # input preparation, forward pass, sampling
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     constrained: dict[str, int] = field(default_factory=dict)
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .async_scheduling import InFlight, ModelThread, PromptLogprobsBuffer, StepOutcome
 from .engine_builder import build_engine_parts
-from .execute_step import execute_and_sample
+from .execute_step import StepTimes, execute_and_sample
 from .events import RequestArrival, RequestFinish, StepEvent, prompt_preview
 from .input_processor import Prompt, ProcessedPrompt, as_prompt_list
 from .output_processor import DrainedStep
@@ -184,9 +184,9 @@ class Engine:
             return self._step_async()
         start = time.perf_counter()
         plan = self._schedule()
-        sampled, verified, model_s = execute_and_sample(      # request id -> its new tokens (None: sampling failed)
+        sampled, verified, times = execute_and_sample(        # request id -> its new tokens (None: sampling failed)
             plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator, self._run_model_call_hooks)
-        outcome = self._account(plan, sampled, verified, model_s)
+        outcome = self._account(plan, sampled, verified, times)
         return self._process_outputs(outcome, plan.failed, start, wait_s=0.0)
 
     def _schedule(self) -> SchedulerOutput:
@@ -200,11 +200,11 @@ class Engine:
         return plan
 
     def _account(self, plan: SchedulerOutput, sampled: dict[str, Optional[list[int]]],
-                 verified: dict[str, Verified], model_s: float) -> StepOutcome:
+                 verified: dict[str, Verified], times: StepTimes) -> StepOutcome:
         """The forward pass is over: append its tokens (finishing on EOS, stop ids, length) and take what the
         logits stage kept for them."""
         update = self.scheduler.update_from_output(plan, sampled)
-        return StepOutcome(plan, update, verified, model_s, self.logits.take_logprobs(update.new_token_ids),
+        return StepOutcome(plan, update, verified, times, self.logits.take_logprobs(update.new_token_ids),
                            self.logits.drain_constrained())
 
     def _process_outputs(self, outcome: StepOutcome, failed: list[Request], start: float,
@@ -249,11 +249,11 @@ class Engine:
         waited = time.perf_counter()
         in_flight, self._in_flight = self._in_flight, None
         try:
-            sampled, verified, model_s = in_flight.future.result()
+            sampled, verified, times = in_flight.future.result()
         finally:
             self._forget_waiting()
         in_flight.prompt_logprobs.replay(self.outputs)
-        return self._account(in_flight.plan, sampled, verified, model_s), time.perf_counter() - waited
+        return self._account(in_flight.plan, sampled, verified, times), time.perf_counter() - waited
 
     def _wait_for_model(self) -> None:
         """Let the forward pass in flight end (its result stays for the join), then forget what waited for it."""
@@ -291,7 +291,8 @@ class Engine:
         """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
         and hand it to every subscriber. ``wait_s``: the time ``step()`` waited for a forward pass in the model
         thread (async scheduling), which is not the host's work."""
-        plan, update, verified, model_s = outcome.plan, outcome.update, outcome.verified, outcome.model_s
+        plan, update, verified, times = outcome.plan, outcome.update, outcome.verified, outcome.times
+        model_s = times.model_s
         new_token_ids = update.new_token_ids
         self._counters.count_step(plan, sum(map(len, new_token_ids.values())), model_s, 0.0, verified)
         self._step_index += 1
@@ -317,14 +318,32 @@ class Engine:
         stats["step_seconds"] = self._counters.add_step_seconds(end - start)
         # The host's share: without async scheduling all but the forward pass; with it, all but the wait for it
         # (the forward pass ran in the model thread, beside the host's work).
-        host_s = (end - start) - wait_s if self.config.async_scheduling else (end - start) - model_s - draft_s
-        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start, schedule_s=host_s)
+        schedule_s = (end - start) - wait_s if self.config.async_scheduling else (end - start) - model_s - draft_s
+        event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
+                                    schedule_s=schedule_s, **self._host_and_forward(times, end - start, wait_s,
+                                                                                    draft_s))
         for callback in list(self._subscribers):
             try:
                 callback(event)
             except Exception:                         # an observer must never take the engine down
                 logger.exception("a StepEvent subscriber raised; it stays subscribed")
         return event
+
+    def _host_and_forward(self, times: StepTimes, duration_s: float, wait_s: float,
+                          draft_s: float) -> dict[str, Optional[float]]:
+        """StepEvent's host_s, forward_s and device_s (rounded to the microsecond: every watcher gets them).
+
+        Without async scheduling the step is host work, then the forward pass, then host work again:
+        host_s + forward_s (+ a draft model's draft_s) = duration_s. With it, the forward pass ran in the model
+        thread beside the host's work, so the two may add up to more than the step: the host's work is this
+        ``step()``'s time but its wait for the model thread, plus what the model thread did outside the forward
+        (the batch's tensors, the logits stage, sampling)."""
+        if self.config.async_scheduling:
+            host_s = duration_s - wait_s + times.prepare_s + times.model_s - times.forward_s
+        else:
+            host_s = duration_s - times.forward_s - draft_s
+        device_s = None if times.device_s is None else round(times.device_s, 6)
+        return {"host_s": round(max(host_s, 0.0), 6), "forward_s": round(times.forward_s, 6), "device_s": device_s}
 
     # ------------------------------------------------------------------ results out
     def generate(self, prompts: Union[Prompt, Iterable[Prompt]], params: Union[SamplingParams,

@@ -221,11 +221,13 @@ class StepEvent:
 
     step: int
     time_s: float                # seconds since the engine started, at the end of the step
-    duration_s: float            # the whole step
-    schedule_s: float            # everything but the forward pass: scheduling, KV bookkeeping, batch building
-                                 # (async scheduling: the step() call's time but its wait for the model thread)
-    model_s: float               # the model's forward pass and sampling (verification included); with async
-                                 # scheduling, in the model thread, beside the previous step's host work
+    duration_s: float            # the whole step() call, wall time
+    schedule_s: float            # duration_s but model_s and draft_s: scheduling, KV bookkeeping, the batch's
+                                 # tensors, text and the event (async scheduling: the step() call's time but its
+                                 # wait for the model thread). Sampling is in model_s: see host_s for the host's all
+    model_s: float               # from the forward pass's start to its tokens sampled: forward, logits stage,
+                                 # sampling (verification included); with async scheduling, in the model thread,
+                                 # beside the previous step's host work
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step
     max_num_seqs: int
@@ -250,6 +252,14 @@ class StepEvent:
     # The logits stage, for requests that asked for log-probabilities / have a structured-output grammar:
     new_logprobs: dict[str, list[float]] = field(default_factory=dict)   # raw log-prob of each new token
     constrained: dict[str, tuple[int, int]] = field(default_factory=dict)  # (tokens the mask allowed, vocabulary)
+    # Where the step's time went, host against forward pass (busy_seconds below; the TUI's and the page's "busy"
+    # gauge and lane; lessons/lesson10_gpu_waits.md). None: a trace recorded before they were kept.
+    host_s: Optional[float] = None     # the host's work outside the forward pass: scheduling, the batch's tensors,
+                                       # logits stage, sampling, text and the event (engine.py's _host_and_forward)
+    forward_s: Optional[float] = None  # the model's forward call on the host's clock: on a CPU the time computing
+                                       # it; on CUDA the time launching its kernels, which run asynchronously
+    device_s: Optional[float] = None   # CUDA: the device's time for the forward pass (CUDA events, first kernel to
+                                       # last: kernels/backends/forward_timer.py); None: the host computed it
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -281,6 +291,19 @@ class StepEvent:
                "constrained": {r: tuple(pair) for r, pair in d.get("constrained", {}).items()},
                "waiting": tuple(d.get("waiting", ())), "running": tuple(d.get("running", ())),
                "swapped": tuple(d.get("swapped", ()))})
+
+
+def busy_seconds(ev: StepEvent) -> Optional[float]:
+    """How long the step kept the thing that computes the model busy: the device's time on CUDA, the forward
+    call's time on a CPU (where the host computes the forward itself); None in an old trace. Beside
+    ``duration_s`` it is the "busy" gauge: the share of the step the device did not wait for the host. The web
+    page's fold.mjs (busySeconds) says the same."""
+    return ev.device_s if ev.device_s is not None else ev.forward_s
+
+
+def busy_label(ev: StepEvent) -> str:
+    """What ``busy_seconds`` counts: "device" (CUDA events) or "forward" (a CPU's forward pass)."""
+    return "device" if ev.device_s is not None else "forward"
 
 
 def _lookup(d: Optional[dict[str, Any]]) -> Optional[PrefixLookup]:

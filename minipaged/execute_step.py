@@ -1,14 +1,21 @@
 """One step's forward pass and its new tokens: the model over every scheduled token, the logits stage, then a
 sample from each request's last row or the rejection sampler's verdict on its drafts (what vLLM's model
 runner does after its forward pass). ``Engine.step`` calls ``execute_and_sample`` once a step.
+
+It also says where that time went (``StepTimes``): building the batch's tensors, the forward pass itself (timed by
+the backend's ``ForwardTimer``: the host's clock, and CUDA events on CUDA), and the logits stage and sampling
+after it. A StepEvent carries them, so that the TUI and the web page can show how much of a step the device
+(or, on a CPU, the forward pass) was busy, and how much was the host's own work (lessons/lesson10_gpu_waits.md).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from .kernels.backends.forward_timer import ForwardTimer
 from .logits.stage import LogitsStage, prompt_logprobs
 from .logits.logprobs import TokenLogprobs
 from .request import Request
@@ -17,6 +24,17 @@ from .sampling import Sampler
 from .scheduler import SchedulerOutput
 from .spec_decode.rejection_sampler import Verified
 from .spec_decode.speculator import Speculator
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where the forward-pass part of a step went, in seconds. The host's work outside the forward pass is
+    ``prepare_s + model_s - forward_s`` (and, around it, the engine's scheduling and output processing)."""
+
+    prepare_s: float = 0.0               # the batch's input tensors (runner.prepare)
+    forward_s: float = 0.0               # the model's forward call, on the host's clock, in the calling thread
+    device_s: Optional[float] = None     # CUDA: the device's time for that forward (CUDA events); None: host-computed
+    model_s: float = 0.0                 # from the forward's start: forward, logits stage and sampling
 
 
 class PromptLogprobsSink(Protocol):
@@ -29,15 +47,19 @@ class PromptLogprobsSink(Protocol):
 def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage: LogitsStage, sampler: Sampler,
                        outputs: PromptLogprobsSink, speculator: Optional[Speculator],
                        before_model_call: Callable[[], None] = lambda: None,
-                       ) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], float]:
+                       ) -> tuple[dict[str, Optional[list[int]]], dict[str, Verified], StepTimes]:
     """Run the model on every scheduled token and pick the new tokens (a sample from a last row, or the
-    rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and the seconds it took.
+    rejection sampler's verdict on a decode's drafts): the tokens, the verdicts and where the time went.
     ``before_model_call`` is the engine's hook, run by the backend just before its long call."""
     if not plan.chunks:
-        return {}, {}, 0.0
+        return {}, {}, StepTimes()
+    begin = time.perf_counter()
     model_input = runner.prepare(plan.chunks, before_model_call=before_model_call)
     forward_start = time.perf_counter()
+    timer = runner.forward_timer
+    timer.start()
     logits = runner.execute(model_input)
+    timer.stop()
     drafts = {c.request.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids} \
         if speculator is not None else {}
     logits = run_logits_stage(model_input, logits, drafts, logits_stage, outputs)
@@ -46,8 +68,8 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
         # One row a request (the usual case): the rows are the logits themselves, sampled at once; no per-row
         # views, no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
         tokens = sampler.sample(logits, requests)
-        return ({req.request_id: None if t is None else [t] for req, t in zip(requests, tokens)}, {},
-                _took(forward_start, plan, speculator))
+        return {req.request_id: None if t is None else [t] for req, t in zip(requests, tokens)}, {}, \
+            _times(begin, forward_start, timer, plan, speculator)
     sampled: dict[str, Optional[list[int]]] = {}
     verified: dict[str, Verified] = {}
     plain: list[tuple[Request, torch.Tensor]] = []
@@ -70,15 +92,17 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
     if plain:
         tokens = sampler.sample(torch.stack([row for _req, row in plain]), [req for req, _row in plain])
         sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-    return sampled, verified, _took(forward_start, plan, speculator)
+    return sampled, verified, _times(begin, forward_start, timer, plan, speculator)
 
 
-def _took(forward_start: float, plan: SchedulerOutput, speculator: Optional[Speculator]) -> float:
-    """The seconds since ``forward_start``, also told to the speculator (its automatic k learns from them)."""
+def _times(begin: float, forward_start: float, timer: ForwardTimer, plan: SchedulerOutput,
+           speculator: Optional[Speculator]) -> StepTimes:
+    """The step's times once its tokens are sampled (so the device is done: reading its clock waits for nothing);
+    the seconds since ``forward_start`` are also told to the speculator (its automatic k learns from them)."""
     seconds = time.perf_counter() - forward_start
     if speculator is not None:
         speculator.observe_step(plan.chunks, seconds)
-    return seconds
+    return StepTimes(forward_start - begin, timer.host_s, timer.device_seconds(), seconds)
 
 
 def run_logits_stage(model_input: ModelInput, logits: torch.Tensor, drafts: dict[str, Sequence[int]],

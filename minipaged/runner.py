@@ -50,6 +50,8 @@ class ModelRunner:
         # Captured decode steps (kernels/backends/cuda_graphs.py), when the engine captured them: None, eager.
         self.graphs: Optional[DecodeGraphs] = None
         self.decode_inputs = DecodeInputs()
+        # Times each step's forward pass (execute_step.py): the host's clock, and the device's on CUDA.
+        self.forward_timer = backend.forward_timer(self.device)
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
                 before_model_call: Callable[[], None] = lambda: None) -> ModelInput:

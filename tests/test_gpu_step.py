@@ -51,6 +51,10 @@ def test_stages_run_and_record_on_the_tiny_model_on_a_cpu(tiny_model, tmp_path):
         "engine", "graphs_exact", "step_profile", "alone", "throughput", "hf_generate")}
     assert set(stages["step_profile"]["graphs_off"]) == {"1", "3"}
     assert stages["step_profile"]["graphs_off"]["3"]["wall_ms"] > 0
+    # the steps' own events: host and forward times everywhere, the device's only where there is one (CUDA)
+    profile = stages["step_profile"]["graphs_off"]["3"]
+    assert profile["event_host_ms"] > 0 and profile["event_forward_ms"] > 0
+    assert profile["event_device_ms"] is None and profile["event_device_busy"] is None
     assert stages["throughput"]["graphs_off"]["output_tokens"] == 5 * 4
     assert stages["hf_generate"]["output_tokens"] == 5 * 4 and stages["hf_generate"]["minipaged_x"] > 0
     assert stages["alone"]["graphs_off"]["ms_per_token"] > 0

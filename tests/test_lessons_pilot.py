@@ -278,8 +278,8 @@ def test_flags_given_on_top_of_a_lesson_are_kept_even_when_they_equal_a_default(
 
 def test_watch_lesson_errors_and_plain_mode(tiny_model, capsys):
     from minipaged.tui import run_watch
-    assert run_watch(watch_args(tiny_model, "--lesson", "10")) == 2
-    assert "no lesson 10" in capsys.readouterr().err
+    assert run_watch(watch_args(tiny_model, "--lesson", "99")) == 2
+    assert "no lesson 99" in capsys.readouterr().err
     assert run_watch(watch_args(tiny_model, "--lesson", "3", "--workload", "chat", "--rate", "2")) == 2
     assert "--workload, --rate cannot be used" in capsys.readouterr().err
     assert run_watch(watch_args(tiny_model, "--lesson", "1", "--no-tui")) == 0

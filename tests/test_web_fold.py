@@ -24,7 +24,7 @@ from minipaged.tui.state import FINISHED_KEPT, WatchState
 NODE = shutil.which("node")
 HERE = Path(__file__).parent
 METRICS = ("kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms", "acceptance_rate",
-           "acceptance_length")
+           "acceptance_length", "device_busy")
 
 
 def comparable(state: WatchState) -> dict[str, Any]:
@@ -42,6 +42,7 @@ def comparable(state: WatchState) -> dict[str, Any]:
         "lookups": {rid: r.prefix_lookup and describe_prefix_lookup(r.prefix_lookup)
                     for rid, r in view.requests.items()},
         "metrics": {name: list(getattr(state, name).history) for name in METRICS},
+        "lane": [list(pair) for pair in state.lane], "busy_label": state.busy_label,
     }
 
 
@@ -118,6 +119,9 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     while engine.has_unfinished_requests():
         engine.step()
     out["samples-share-a-prompt-old-ones-forgotten"] = engine.info, events
+    # Async scheduling: the forward pass runs beside the host's work (the busy gauge's lane overlaps).
+    engine = tiny_engine_factory(async_scheduling=True)
+    out["async-scheduling"] = engine.info, record(engine, prompts(3, 6), greedy)
     return out
 
 
@@ -139,6 +143,9 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert shared and all(a.prompt == "" for a in shared), "no arrival that shares its prompt"
     finished = sum(len(ev.finished) for ev in traces["samples-share-a-prompt-old-ones-forgotten"][1])
     assert finished > FINISHED_KEPT, "nothing old enough to forget"
+    assert all(ev.host_s is not None and ev.forward_s is not None and ev.device_s is None for ev in events), \
+        "a step without its host and forward times (on a CPU device_s is None)"
+    assert any(ev.forward_s for ev in traces["async-scheduling"][1])
     reasons = {s.prefix_lookup.reason for ev in events for s in ev.scheduled if s.prefix_lookup}
     assert {"never", "differs", "evicted", "all_hit"} <= reasons, reasons      # the page says each in words
 

@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent
+from minipaged.events import (PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent,
+                              busy_label, busy_seconds)
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -25,6 +26,7 @@ RATE_WINDOW = 10           # steps averaged for tokens per second
 FINISHED_KEPT = 200        # finished requests remembered (older ones are forgotten: a class runs for hours)
 SHORT_ID = 8               # ids this short name themselves (the TUI's r0, r1; the engine's 0, 1)
 _SAMPLE = re.compile(r"(.*)\.([0-9]+)")      # output_processor.sample_ids: a request's samples are id.0, id.1 ...
+LANE_LEN = 40              # recent steps the host/device lane shows
 
 # Chat-template markup (ChatML's "<|im_start|>user", Llama's "[INST]", "<s>" ...) and the role word after it.
 _CHAT_MARKUP = re.compile(r"<\|im_start\|>\w+|<\|(?:system|user|assistant)\|>|<\|[^|>]{1,20}\|>|</?s>|\[/?INST\]")
@@ -189,6 +191,15 @@ class WatchState:
         self.acceptance_length = Metric()
         self._latency = LatencyFold()
         self._recent: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
+        # Why the GPU waits (lessons/lesson10_gpu_waits.md): the share of the last RATE_WINDOW steps' wall time the
+        # device was busy (on a CPU: the forward pass ran; ``busy_label`` says which), and per recent step the
+        # shares of its wall time the host worked and the device (forward) was busy: the lane. Without async
+        # scheduling they add up to the step; with it they overlap. Empty for traces recorded before steps
+        # carried these times.
+        self.device_busy = Metric()
+        self.lane: deque[tuple[float, float]] = deque(maxlen=LANE_LEN)
+        self.busy_label = "forward"
+        self._recent_busy: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW)
 
     @classmethod
     def from_events(cls, info: EngineInfo, events: Iterable[StepEvent]) -> "WatchState":
@@ -244,6 +255,7 @@ class WatchState:
         busy = sum(d for _n, d in self._recent)
         self.tokens_per_s.add(sum(n for n, _d in self._recent) / busy if busy > 0 else 0.0)
         self._track_latencies(ev)
+        self._track_busy(ev)
         num_verified, drafted, accepted = verification_totals(ev)
         if num_verified:
             self.acceptance_rate.add(accepted / drafted)
@@ -265,6 +277,16 @@ class WatchState:
                 self.short_names.pop(rid, None)
                 gone.add(rid)
         self.arrival_order = [rid for rid in self.arrival_order if rid not in gone]
+
+    def _track_busy(self, ev: StepEvent) -> None:
+        busy = busy_seconds(ev)
+        if busy is None or ev.host_s is None or ev.duration_s <= 0:   # an old trace, or a late watcher's snapshot
+            return
+        self.busy_label = busy_label(ev)
+        self._recent_busy.append((busy, ev.duration_s))
+        wall = sum(d for _b, d in self._recent_busy)
+        self.device_busy.add(min(1.0, sum(b for b, _d in self._recent_busy) / wall))
+        self.lane.append((min(1.0, ev.host_s / ev.duration_s), min(1.0, busy / ev.duration_s)))
 
     def _track_latencies(self, ev: StepEvent) -> None:
         arrived = self.engine_s                            # the step's requests arrived just before it

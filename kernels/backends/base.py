@@ -16,7 +16,9 @@ A backend owns:
   quantization_problem          whether it multiplies quantized weights (``Int8Weight``, kernels/int8.py) in
                                 ``linear`` and ``lm_head``; ``use_quantization`` notes that it does;
   describe                      its one start-up line;
-  cuda_graphs_problem           whether its decode steps can be captured as CUDA graphs (cuda_graphs.py).
+  cuda_graphs_problem           whether its decode steps can be captured as CUDA graphs (cuda_graphs.py);
+  forward_timer                 how a forward pass is timed: the host's clock, and CUDA events on CUDA
+                                (forward_timer.py: the device's time is what StepEvent.device_s reports).
 
 A backend whose step spends most of its time in one call that releases Python's GIL (the cpu backend's compiled
 decode step) runs the step's ``meta.before_model_call`` (the engine's hook, ``Engine.before_model_call``) just
@@ -32,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .forward_timer import ForwardTimer, forward_timer_for
 
 @dataclass(frozen=True)
 class ModelShapes:
@@ -119,6 +122,11 @@ class Backend(ABC):
         to do instead (one sentence). By default, not: the torch backend plans its attention from Python lists."""
         return (f"the {self.name} backend plans each step's attention on the host, which a CUDA graph cannot "
                 "replay: use attention_backend='triton' on CUDA, or leave cuda_graphs off")
+
+    def forward_timer(self, device: torch.device) -> ForwardTimer:
+        """A timer for this engine's forward passes on ``device``: the host's clock, plus CUDA events on a CUDA
+        device, where kernels run after the call that launched them returns (forward_timer.py)."""
+        return forward_timer_for(device)
 
     @abstractmethod
     def allocate_kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

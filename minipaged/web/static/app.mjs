@@ -6,6 +6,7 @@ import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
   FREE, CACHED, PALETTE, describeLookup, nameOf } from "./fold.mjs";
 import { mapWindow, blocksInUse } from "./mapwindow.mjs";
+import { busyElement } from "./busy.mjs";
 
 const MAX_CELLS = 1024;           // the host pool: a bigger one draws 2, 4, 8 ... blocks per cell, as the TUI does
 // The KV map draws a window of the pool that holds the blocks in use (mapwindow.mjs): this many cells at most,
@@ -378,6 +379,8 @@ function drawGauges(st) {
     panel.append(el("div", { className: "gauge" }, el("div", { className: "dim", textContent: label }),
       el("div", { className: "value", textContent: last }), sparkline(history)));
   }
+  const busy = busyElement(st);             // how busy the device kept (busy.mjs); null in older traces
+  if (busy) panel.append(busy);
 }
 
 /** A request's name (r0, r1 ... as the TUI says; its full id on hover) in its colour; mine carry a ★ badge. */

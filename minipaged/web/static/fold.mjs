@@ -14,8 +14,9 @@ export const LOG_LEN = 400;             // event log lines kept
 export const RATE_WINDOW = 10;          // steps averaged for tokens per second
 export const FINISHED_KEPT = 200;       // finished requests remembered (tui/state.py's FINISHED_KEPT)
 export const SHORT_ID = 8;              // ids this short name themselves (tui/state.py's SHORT_ID)
+export const LANE_LEN = 40;             // recent steps the host/device lane shows (tui/state.py's LANE_LEN)
 export const METRICS = ["kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms",
-  "acceptance_rate", "acceptance_length"];
+  "acceptance_rate", "acceptance_length", "device_busy"];
 
 /** An empty fold for an engine described by its header (EngineInfo as JSON). */
 export function newState(info) {
@@ -42,6 +43,9 @@ export function newState(info) {
     arrived: new Map(),              // LatencyFold
     lastToken: new Map(),
     recent: [],                      // (tokens, seconds) of the last RATE_WINDOW steps
+    lane: [],                        // per recent step: [host share, busy share] of its wall time
+    busyLabel: "forward",            // what "busy" counts: "device" (CUDA events) or "forward" (a CPU's)
+    recentBusy: [],                  // (busy seconds, wall seconds) of the last RATE_WINDOW steps
   };
 }
 
@@ -290,6 +294,25 @@ function shortName(st, rid) {
   return `r${st.numNamed - 1}${suffix}`;
 }
 
+/** events.py's busy_seconds: the device's time on CUDA, the forward call's on a CPU; null in an old trace. */
+export function busySeconds(ev) { return ev.device_s ?? ev.forward_s ?? null; }
+
+/** events.py's busy_label. */
+export function busyLabel(ev) { return ev.device_s == null ? "forward" : "device"; }
+
+/** WatchState._track_busy: the "busy" gauge and the host/device lane. */
+function trackBusy(st, ev) {
+  const busy = busySeconds(ev);
+  if (busy === null || ev.host_s == null || !(ev.duration_s > 0)) return;
+  st.busyLabel = busyLabel(ev);
+  push(st.recentBusy, [busy, ev.duration_s], RATE_WINDOW);
+  let wall = 0, busyTotal = 0;
+  for (const [, d] of st.recentBusy) wall += d;
+  for (const [b] of st.recentBusy) busyTotal += b;
+  push(st.metrics.device_busy, Math.min(1, busyTotal / wall));
+  push(st.lane, [Math.min(1, ev.host_s / ev.duration_s), Math.min(1, busy / ev.duration_s)], LANE_LEN);
+}
+
 /** Fold one StepEvent (parsed JSON) into ``st``; returns ``st``. */
 export function applyEvent(st, ev) {
   for (const a of ev.arrivals || []) {
@@ -330,6 +353,7 @@ export function applyEvent(st, ev) {
   }
   for (const f of ev.finished || []) { st.arrived.delete(f.request_id); st.lastToken.delete(f.request_id); }
   if (gaps.length) push(m.itl_ms, gaps.reduce((x, y) => x + y, 0) / gaps.length * 1e3);
+  trackBusy(st, ev);
   const [numVerified, drafted, accepted] = verificationTotals(ev);
   if (numVerified) {
     push(m.acceptance_rate, accepted / drafted);
@@ -392,5 +416,6 @@ export function comparable(st) {
     lookups: Object.fromEntries([...st.requests].map(([rid, r]) =>
       [rid, r.prefix_lookup && describeLookup(r.prefix_lookup)])),
     metrics: Object.fromEntries(METRICS.map((name) => [name, [...st.metrics[name]]])),
+    lane: st.lane.map((pair) => [...pair]), busy_label: st.busyLabel,
   };
 }
