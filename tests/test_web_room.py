@@ -207,7 +207,8 @@ def record_spread_trace(tiny_engine_factory, path: Path) -> int:
     from minipaged import SamplingParams
     from minipaged.events import write_trace_event, write_trace_header
 
-    engine = tiny_engine_factory(num_blocks=POOL, max_num_batched_tokens=4096)
+    # (every prompt prefills in one step: no cap on a long prompt's chunk, the CPU default's 128 would stagger them)
+    engine = tiny_engine_factory(num_blocks=POOL, max_num_batched_tokens=4096, long_prefill_token_threshold=0)
     events = []
     engine.subscribe(events.append)
     system = [7] * 64                                                   # 16 blocks every request shares
