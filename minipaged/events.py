@@ -121,7 +121,8 @@ def describe_prefix_lookup(lookup: PrefixLookup) -> str:
     why = {"never": "never computed",
            "evicted": f"evicted at step {lookup.evicted_step} for {lookup.evicted_for}",
            "reset": f"cache reset at step {lookup.evicted_step}",
-           "differs": f"tokens differ at position {lookup.differs_at}",
+           "differs": ("tokens differ from the cached ones" if lookup.differs_at is None     # (hidden text)
+                       else f"tokens differ at position {lookup.differs_at}"),
            "unrecorded": "evicted long ago, or never seen",
            }.get(lookup.reason, lookup.reason)
     return f"{hits}; block {lookup.num_hit_blocks} missed: {why}"

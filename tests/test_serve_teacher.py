@@ -6,6 +6,7 @@ TCP connections without trusting any forwarded header.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -13,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from minipaged.serve.teacher import STUDENT_STREAMS
 from serve_util import openai_client, running_server
 
 KEY = "teacher-key"
@@ -50,6 +52,26 @@ def test_prompts_off_refuses_students_on_the_page_route_while_the_key_still_work
         teacher_on_page = alice.post(url + "/v1/page/prompt", headers=TEACHER, json={"prompt": "hi", "stream": False})
         assert teacher_on_page.status_code == 200, teacher_on_page.text
         assert alice.get(url + "/v1/page/settings", headers=TEACHER).json()["teacher"] is True
+
+        # Event streams without the key are counted per student (each holds a backlog and costs a snapshot).
+        with contextlib.ExitStack() as streams, student("127.0.0.3") as bob:
+            def open_stream(who: httpx.Client, headers: dict = {}) -> httpx.Response:
+                return streams.enter_context(who.stream("GET", url + "/v1/events", headers=headers))
+            tabs = [open_stream(alice) for _ in range(STUDENT_STREAMS)]
+            assert [tab.status_code for tab in tabs] == [200] * STUDENT_STREAMS
+            extra = open_stream(alice)
+            extra.read()
+            assert_openai_error(extra, 429, f"{STUDENT_STREAMS} event streams", "close another tab")
+            assert open_stream(bob).status_code == 200 and open_stream(alice, TEACHER).status_code == 200
+            tabs[0].close()                                  # a closed tab gives its place back
+            deadline = time.monotonic() + 10
+            while True:
+                again = open_stream(alice)
+                if again.status_code == 200 or time.monotonic() > deadline:
+                    break
+                again.close()
+                time.sleep(0.1)
+            assert again.status_code == 200, again.read()
 
 
 def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_refuse_over_asks(tiny_model, tmp_path):
@@ -148,14 +170,18 @@ def test_hidden_text_never_reaches_a_students_stream_but_the_teacher_sees_all(ti
 
 
 def test_events_without_text_keep_counts_and_the_rate_window_slides():
-    from minipaged.events import RequestArrival, ScheduledRequest, StepEvent
+    from minipaged.events import PrefixLookup, RequestArrival, ScheduledRequest, StepEvent, describe_prefix_lookup
     from minipaged.serve.protocol import ServerError
     from minipaged.serve.teacher import PromptRate, step_payloads
 
+    # (a miss told to the token would let a student guess another's prompt a token at a time)
+    lookup = PrefixLookup(num_blocks=3, num_hit_blocks=1, reason="differs", differs_at=21)
     event = StepEvent(step=3, time_s=0.1, duration_s=0.01, schedule_s=0.0, model_s=0.01, budget_limit=16,
-                      budget_used=3, max_num_seqs=4, arrivals=(RequestArrival("r0", 5, 8, "secret words"),),
+                      budget_used=3, max_num_seqs=4,
+                      arrivals=(RequestArrival("r0", 5, 8, "secret words", prefix_lookup=lookup),),
                       scheduled=(ScheduledRequest("r0", "decode", 5, 8, 5, 0, 2, draft_token_ids=(7, 8),
-                                                  num_accepted=1, draft_pieces=("a", "b"), target_piece="c"),),
+                                                  num_accepted=1, draft_pieces=("a", "b"), target_piece="c",
+                                                  prefix_lookup=lookup),),
                       new_token_ids={"r0": [7, 9]}, new_text={"r0": "secret out"})
     assert step_payloads(event, hide_text=False) == (event.to_json(), None)
     full, without_text = step_payloads(event, hide_text=True)
@@ -164,6 +190,9 @@ def test_events_without_text_keep_counts_and_the_rate_window_slides():
     hidden = StepEvent.from_dict(json.loads(without_text))             # still an event a page can fold
     assert hidden.new_token_ids == {"r0": [-1, -1]} and hidden.scheduled[0].draft_token_ids == (-1, -1)
     assert hidden.scheduled[0].num_accepted == 1 and hidden.arrivals[0].prompt_len == 5 and hidden.budget_used == 3
+    for shown in (hidden.arrivals[0].prefix_lookup, hidden.scheduled[0].prefix_lookup):
+        assert shown.reason == "differs" and shown.num_hit_blocks == 1 and shown.differs_at is None
+        assert describe_prefix_lookup(shown) == "1/3 blocks hit; block 1 missed: tokens differ from the cached ones"
 
     now = [0.0]
     rate = PromptRate(2, clock=lambda: now[0])

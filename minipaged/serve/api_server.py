@@ -201,7 +201,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         teacher = TEACHER.get()
         watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
                           limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher))
-        controls.watch(watcher, teacher)
+        controls.watch(watcher, teacher, CLIENT.get() or "local", has_key=bool(settings.api_key))   # may refuse
         async_engine.watch(watcher)
 
         def unwatch() -> None:

@@ -40,6 +40,7 @@ TEACHER: ContextVar[bool] = ContextVar("minipaged_teacher", default=False)   # s
 JSON_SEPARATORS = (",", ":")             # as StepEvent.to_json writes events
 WINDOW_S = 60.0                          # --page-prompt-rate counts prompts in the last minute
 RECENT_TEACHER_REQUESTS = 64             # a presenter page that connects late still finds these
+STUDENT_STREAMS = 4                      # event streams one student may hold open on a keyed server (tabs)
 # Under /v1 (behind the key) unless --open-page: the page's own routes.
 PAGE_ROUTES = ("/v1/events", "/v1/page/prompt", "/v1/page/settings")
 PAGE_ROUTE_PREFIXES = ("/v1/events/prompts/",)
@@ -86,6 +87,7 @@ class PageControls:
         self.rate = PromptRate(settings.prompt_rate) if settings.prompt_rate else None
         self.teacher_requests: deque[str] = deque(maxlen=RECENT_TEACHER_REQUESTS)
         self.teacher_watchers: set[Watcher] = set()     # event streams opened with the key (on the event loop)
+        self.student_streams: dict[Watcher, str] = {}   # keyed server: streams opened without the key -> client
 
     def admit(self, client: str, teacher: bool, max_tokens: Optional[int], temperature: Optional[float]) -> None:
         """Refuse a page prompt the teacher's settings do not allow (403 off, 429 over the rate, 400 over a cap).
@@ -124,16 +126,28 @@ class PageControls:
                 "others_text": "hidden" if s.hide_others_text else "shown", "teacher": teacher,
                 "presenter_available": has_key}
 
-    def watch(self, watcher: Watcher, teacher: bool) -> None:
+    def watch(self, watcher: Watcher, teacher: bool, client: str, has_key: bool) -> None:
         """A new event stream: the teacher's is told the teacher's recent requests (a presenter page that comes
-        late), and each new one as it is accepted (``sent_by_teacher``)."""
+        late), and each new one as it is accepted (``sent_by_teacher``).
+
+        On a keyed server, streams opened without the key (``--open-page``) are counted per student and refused
+        past STUDENT_STREAMS: each holds a backlog of up to ``--event-buffer-mb`` and costs the engine thread a
+        snapshot, and without the key nothing else bounds how many one student opens. (Without a key anyone may
+        do anything, the API included: no limit is added there.)"""
         if teacher:
             self.teacher_watchers.add(watcher)
             for request_id in self.teacher_requests:
                 watcher.say(teacher_event(request_id))
+        elif has_key:
+            if sum(1 for other in self.student_streams.values() if other == client) >= STUDENT_STREAMS:
+                raise ServerError(429, f"this client already has {STUDENT_STREAMS} event streams open, the most a "
+                                       "student may: close another tab of the page first.",
+                                  headers={"Retry-After": "5"})
+            self.student_streams[watcher] = client
 
     def unwatch(self, watcher: Watcher) -> None:
         self.teacher_watchers.discard(watcher)
+        self.student_streams.pop(watcher, None)
 
     def sent_by_teacher(self, request_id: str) -> None:
         """The teacher's request was accepted: the presenter view follows it."""
@@ -175,8 +189,18 @@ def step_payloads(event: StepEvent, hide_text: bool) -> tuple[str, Optional[str]
 
 
 def without_text(d: dict[str, Any]) -> dict[str, Any]:
-    """A step event's dict (as ``StepEvent.to_json`` writes it) with its text taken out (a new dict; ``d`` stays)."""
-    return {**d, "arrivals": [{**a, "prompt": ""} for a in d["arrivals"]],
+    """A step event's dict (as ``StepEvent.to_json`` writes it) with its text taken out (a new dict; ``d`` stays).
+
+    A prefix-cache miss keeps its reason but not the position where a prompt's tokens first differ from a cached
+    one: told to the token, it would let a student guess another's prompt a token at a time. (Whole blocks still
+    hit or miss: a guess that fills a block shows as a hit, as its faster first token would show anyway.)"""
+    return {**d, "arrivals": [{**a, "prompt": "", "prefix_lookup": _coarse(a.get("prefix_lookup"))}
+                              for a in d["arrivals"]],
             "scheduled": [{**s, "draft_token_ids": [-1] * len(s["draft_token_ids"]), "draft_pieces": [],
-                           "target_piece": ""} for s in d["scheduled"]],
+                           "target_piece": "", "prefix_lookup": _coarse(s.get("prefix_lookup"))}
+                          for s in d["scheduled"]],
             "new_text": {}, "new_token_ids": {rid: [-1] * len(ids) for rid, ids in d["new_token_ids"].items()}}
+
+
+def _coarse(lookup: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    return None if lookup is None else {**lookup, "differs_at": None}

@@ -148,7 +148,8 @@ export function describeLookup(lookup) {
     never: "never computed",
     evicted: `evicted at step ${lookup.evicted_step} for ${lookup.evicted_for}`,
     reset: `cache reset at step ${lookup.evicted_step}`,
-    differs: `tokens differ at position ${lookup.differs_at}`,
+    differs: lookup.differs_at == null ? "tokens differ from the cached ones"        // (hidden text)
+      : `tokens differ at position ${lookup.differs_at}`,
     unrecorded: "evicted long ago, or never seen",
   }[lookup.reason] ?? lookup.reason;
   return `${hits}; block ${lookup.num_hit_blocks} missed: ${why}`;
