@@ -52,7 +52,7 @@ async def test_panel_ticks_checkpoints_from_events_and_runs_the_quiz(tiny_model)
     lesson = get_lesson(3)
     run = run_variant(lesson.scenario, tiny_model, "cache-on")
     app = PanelApp(lesson)
-    async with app.run_test(size=(70, 50)) as pilot:
+    async with app.run_test(size=(70, 60)) as pilot:
         panel = app.query_one(LessonPanel)
         assert app.focused is panel
         hit = checkpoint_index(lesson, "cache hit")
@@ -63,11 +63,17 @@ async def test_panel_ticks_checkpoints_from_events_and_runs_the_quiz(tiny_model)
         text = str(panel.checkpoints_text())
         assert "✔ a request is admitted reusing cached blocks" in text and "12 blocks reused" in text
         assert "without the cache" in text and "--no-prefix-caching" in text   # the other run's checkpoint
-        # The quiz: 1-4 answer the current question; the next one follows.
+        # The quiz: 1-4 answer the current question; the next one follows. A learner presses a key after seeing
+        # the frame drawn from these checkpoints (pause: Textual lays out and paints), and the panel judges by that
+        # frame whether the question is on screen: this terminal is tall enough for it to be, below checkpoints
+        # grown by the tick's detail line (a shorter one answers the first press by showing the quiz instead).
         quiz = lesson.render_quiz()
+        await pilot.pause()
+        assert panel._quiz_in_view()
         await pilot.press(str(quiz[0].answer + 1))
         assert panel.answers == [quiz[0].answer]
         wrong = (quiz[1].answer + 1) % len(quiz[1].choices)
+        await pilot.pause()
         await pilot.press(str(wrong + 1))
         shown = str(panel.quiz_text())
         assert "Quiz 1/4 right" in shown and "✗ Q2" in shown and quiz[1].explanation in shown

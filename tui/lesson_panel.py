@@ -229,7 +229,11 @@ class LessonPanel(Vertical, can_focus=True):
         self.call_after_refresh(quiz.scroll_visible, animate=False)
 
     def _quiz_in_view(self) -> bool:
-        """Whether the quiz's first lines (the current question) are on screen in their scroll area."""
+        """Whether the quiz's first lines (the current question) are on screen in their scroll area.
+
+        Regions come from Textual's last layout, which it paints in the same pass: this judges the frame the
+        learner saw. Text updated since (a tick adds a detail line above the quiz) moves the quiz at the next
+        layout, not before, so a press that reaches us in between is judged by what was on screen."""
         progress = self.query_one("#lesson-progress", VerticalScroll)
         top = self.query_one("#lesson-quiz", Static).virtual_region.y - round(progress.scroll_offset.y)
         return top >= 0 and (top + QUIZ_LINES_TO_SEE <= progress.size.height or top == 0)
