@@ -39,7 +39,10 @@ def workload(vocab: int, long_tokens: int, num_decoders: int, num_long: int, see
 
 def run(model: str, budget, args) -> dict:
     chunked = budget is not None
-    options = dict(enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=64)
+    # (long_prefill_token_threshold 0: the budget alone sets a long prompt's chunk, the thing this sweep varies;
+    # the CPU default of 128 would cap every chunk below the larger budgets. bench/long_prefill.py sweeps the cap.)
+    options = dict(enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=64,
+                   long_prefill_token_threshold=0)
     if chunked:
         options["max_num_batched_tokens"] = budget
     engine = Engine(model, **options)

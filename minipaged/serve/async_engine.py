@@ -177,7 +177,10 @@ class AsyncEngine:
         held: Any = None                              # an item taken while catching up, next in line
         try:
             while True:
-                item, held = (held, None) if held is not None else (await q.get(), None)
+                if held is not None:
+                    item, held = held, None
+                else:
+                    item = await q.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
