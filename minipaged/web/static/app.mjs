@@ -5,6 +5,7 @@
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
   FREE, CACHED, PALETTE, describeLookup } from "./fold.mjs";
+import { speculationLines } from "./spec.mjs";
 
 const MAX_CELLS = 1024;           // a bigger pool draws 2, 4, 8 ... blocks per cell, as the TUI does
 const SLICE_MS = 10;              // reading the stream yields to the browser after this long (stays responsive)
@@ -275,6 +276,7 @@ function drawBatch(st) {
   const ev = st.lastEvent;
   const bar = $("batch-bar");
   bar.replaceChildren();
+  drawSpeculation(ev);
   if (!ev) return;
   const limit = ev.budget_limit || 1;
   const width = (n) => `${(100 * n) / limit}%`;
@@ -303,6 +305,19 @@ function drawBatch(st) {
   $("batch-text").textContent = `prefill ${prefill} tokens (striped), decode ${ev.budget_used - prefill}`
     + (verified ? `; drafts ${accepted}/${drafted} accepted (green) / rejected (red)` : "")
     + `; ${(ev.duration_s * 1e3).toFixed(1)} ms`;
+}
+
+/** Under the batch bar: each speculating request's k and acceptance (spec.mjs), a line each; hidden without. */
+function drawSpeculation(ev) {
+  let box = $("spec-text");
+  if (!box) {                          // made here, so the page's layout (index.html) needs no slot for it
+    box = el("div", { id: "spec-text", className: "dim" });
+    box.style.whiteSpace = "pre-line";
+    $("batch-text").after(box);
+  }
+  const lines = speculationLines(ev);
+  box.textContent = lines.join("\n");
+  box.hidden = !lines.length;
 }
 
 const GAUGES = [["kv_usage", "KV used", (x) => `${(x * 100).toFixed(0)}%`],
