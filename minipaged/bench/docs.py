@@ -239,12 +239,44 @@ def fleet_table(r: dict[str, Any]) -> str:
                            "output tok/s", "requests per replica"], rows)
 
 
+# bench/spec_verify_cost.py's parts, in words
+KERNEL_LABELS = {"matmuls": "matmuls ({layers} layers)", "lm_head": "LM head",
+                 "attention": "attention ({layers} layers)", "layer_ops": "layer ops ({layers} layers)",
+                 "layer_loop": "the layer loop, one compiled call",
+                 "forward": "forward pass (embedding, loop, final norm, LM head)"}
+STEP_LABELS = {"step": "whole step", "schedule": "scheduling", "prepare": "preparing the inputs",
+               "forward": "forward pass", "layer_loop": "- the layer loop", "lm_head": "- the LM head",
+               "attention_plan": "- the attention plan", "argmax": "argmax of the rows",
+               "sample": "sampler (rows without drafts)", "rejection_sampler": "rejection sampler",
+               "proposer": "proposer (n-gram lookup)", "update": "scheduler's update (appending tokens)",
+               "outputs": "output processor (text, deltas)", "event": "the step's event"}
+
+
+def spec_verify_cost_table(record: dict[str, Any]) -> str:
+    """bench/spec_verify_cost.py's two tables: a verify step's kernels and step parts beside a decode step's."""
+    args, rows = record["args"], record["rows"]
+    kernels, steps = record["kernels_ms"], record["steps_ms"]
+    # (no column of differences: when both values move, their difference can stay put, and the docs' test
+    # would take it for a number typed by hand)
+    kernel_rows = [[KERNEL_LABELS[name].format(layers=record["num_layers"]), f"{t['decode']:.2f}",
+                    f"{t['verify']:.2f}", f"{t['verify'] / t['decode']:.2f}x"] for name, t in kernels.items()]
+    step_rows = [[STEP_LABELS[name], f"{t['decode']:.3f}", f"{t['verify']:.3f}"] for name, t in steps.items()]
+    return (f"Kernels, one request at {args['context']} tokens of context, {args['repeats']} interleaved "
+            "repetitions:\n\n" + markdown_table(["part", "1 row", f"{rows} rows", "ratio"], kernel_rows)
+            + f"\n\nEngine steps, {args['prompts']} input-grounded prompts at batch one, {args['max_tokens']} new "
+            f"tokens: medians over the {record['num_steps']['decode']} decode steps of the run without speculation "
+            f"and the {record['num_steps']['verify']} verify steps of the n-gram run (each part's median taken on its "
+            "own: the parts need not add up to the step):\n\n"
+            + markdown_table(["part", "decode step", "verify step"], step_rows))
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
-    "long_prefill": long_prefill_table}
+    "long_prefill": long_prefill_table,
+    "spec_verify_cost": spec_verify_cost_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 

@@ -7,6 +7,7 @@ import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRe
   FREE, CACHED, PALETTE, describeLookup, nameOf } from "./fold.mjs";
 import { mapWindow, blocksInUse } from "./mapwindow.mjs";
 import { busyElement } from "./busy.mjs";
+import { speculationLines } from "./spec.mjs";
 
 const MAX_CELLS = 1024;           // the host pool: a bigger one draws 2, 4, 8 ... blocks per cell, as the TUI does
 // The KV map draws a window of the pool that holds the blocks in use (mapwindow.mjs): this many cells at most,
@@ -320,6 +321,7 @@ function drawBatch(st) {
   const ev = st.lastEvent;
   const bar = $("batch-bar");
   bar.replaceChildren();
+  drawSpeculation(ev);
   if (!ev) return;
   const limit = ev.budget_limit || 1;
   const width = (n) => `${(100 * n) / limit}%`;
@@ -348,6 +350,19 @@ function drawBatch(st) {
   $("batch-text").textContent = `prefill ${prefill} tokens (striped), decode ${ev.budget_used - prefill}`
     + (verified ? `; drafts ${accepted}/${drafted} accepted (green) / rejected (red)` : "")
     + `; ${(ev.duration_s * 1e3).toFixed(1)} ms`;
+}
+
+/** Under the batch bar: each speculating request's k and acceptance (spec.mjs), a line each; hidden without. */
+function drawSpeculation(ev) {
+  let box = $("spec-text");
+  if (!box) {                          // made here, so the page's layout (index.html) needs no slot for it
+    box = el("div", { id: "spec-text", className: "dim" });
+    box.style.whiteSpace = "pre-line";
+    $("batch-text").after(box);
+  }
+  const lines = speculationLines(ev);
+  box.textContent = lines.join("\n");
+  box.hidden = !lines.length;
 }
 
 const GAUGES = [["kv_usage", "KV used", (x) => `${(x * 100).toFixed(0)}%`],
