@@ -18,8 +18,8 @@ thread at a time (the GIL): if the HTTP thread wakes while the engine thread is 
 engine waits for the HTTP thread's Python to finish (about a millisecond per streamed token, on every token).
 So the engine thread keeps its hand-offs in an outbox and passes them on when it lets go of the GIL for
 long: the engine runs its ``before_model_call`` hook just before a decode step's compiled call (the cpu backend
-does; kernels/backends/base.py), and the HTTP thread streams step N's tokens while step N+1 computes. Even waking the event loop would give the GIL
-away (writing to its wake-up socket is a system call, which releases the GIL, and the woken loop takes it), so
+does; kernels/backends/base.py), and the HTTP thread streams step N's tokens while step N+1 computes. Even
+waking the event loop would give the GIL away (writing to its wake-up socket is a system call, which releases the GIL, and the woken loop takes it), so
 the engine thread only drops the outbox on a queue: a courier thread, woken without a system call, takes the GIL
 when the compiled call lets go of it and wakes the loop. vLLM V1 takes the same cost away with two processes (an
 engine core and an API server); two threads and one well-placed hand-off do it here.
