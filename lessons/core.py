@@ -134,6 +134,14 @@ class Scenario:
     def request(self, request_id: str) -> RequestSpec:
         return next(r for r in self.requests if r.request_id == request_id)
 
+    def run_headless(self, model: str, variant: Optional[str] = None) -> "Run":
+        """One variant on one in-process engine (a fleet lesson's scenario runs replicas instead: fleet.py)."""
+        return run_variant(self, model, variant)
+
+    def watch_elsewhere(self, number: int) -> Optional[str]:
+        """None: ``minipaged watch --lesson N`` draws this scenario (a fleet lesson's says what to run instead)."""
+        return None
+
 
 class ScenarioFeed:
     """Adds a scenario's requests to an engine when their step comes.
@@ -552,11 +560,8 @@ class ScenarioResult:
 def run_scenario(lesson: Lesson, model: str, variants: Optional[Sequence[str]] = None) -> ScenarioResult:
     """Run the lesson's scenario headless (every variant unless told otherwise) and measure its numbers.
     A fleet lesson's variants are router policies, each run on replicas of its own (``fleet.run_fleet``)."""
-    from .fleet import FleetScenario, run_fleet
-
     names = list(variants) if variants is not None else list(lesson.scenario.variants)
-    run_one = run_fleet if isinstance(lesson.scenario, FleetScenario) else run_variant
-    runs = {name: run_one(lesson.scenario, model, name) for name in names}
+    runs = {name: lesson.scenario.run_headless(model, name) for name in names}
     return ScenarioResult(lesson, runs, lesson.measure(runs))
 
 

@@ -80,6 +80,14 @@ class FleetScenario:
         from minipaged.options import as_command_line
         return shlex.join(as_command_line(self.engine_options()))
 
+    def run_headless(self, model: str, variant: Optional[str] = None) -> "FleetRun":
+        """One variant (a router policy) on replicas of its own: ``run_fleet``."""
+        return run_fleet(self, model, variant)
+
+    def watch_elsewhere(self, number: int) -> Optional[str]:
+        """``minipaged watch`` draws one engine: what to run instead (``how_to_watch``)."""
+        return how_to_watch(number, self)
+
     def request(self, request_id: str) -> FleetRequest:
         return next(r for r in self.requests if r.request_id == request_id)
 

@@ -113,7 +113,8 @@ def test_raw_stream_is_shaped_like_openai(server, model_name):
         for index in (0, 1):
             mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
             reasons = [c["finish_reason"] for c in mine]
-            assert reasons[-1] == "length" and set(reasons[:-1]) == {None}, (path, reasons)
+            # (a choice may come in fewer chunks than tokens: a reader behind the engine gets steps merged)
+            assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}, (path, reasons)
         assert all(c["usage"] is None for c in chunks[:-1])
 
 

@@ -289,9 +289,8 @@ def one_engine_lesson(number: str) -> Lesson:
     """Lesson ``number``, if ``watch`` can run it: a fleet lesson (several engines behind a router) is seen on
     the fleet page instead, and the ValueError says how to start it."""
     lesson = get_lesson(number)
-    from minipaged.lessons.fleet import FleetScenario, how_to_watch
-    if isinstance(lesson.scenario, FleetScenario):
-        raise ValueError(how_to_watch(lesson.number, lesson.scenario))
+    if (elsewhere := lesson.scenario.watch_elsewhere(lesson.number)) is not None:
+        raise ValueError(elsewhere)
     return lesson
 
 
