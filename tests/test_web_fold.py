@@ -188,3 +188,8 @@ def test_requests_are_named_as_the_tui_names_them_with_samples_sharing_a_name(tr
                           f"chatcmpl-{6:024x}": "r4", f"cmpl-{7:024x}": "r5", **{n: n for n in numbers}}, by_request
     assert len(numbers) == 2
     assert names[f"chatcmpl-{0:024x}.7"] == "r0.7" and names[f"cmpl-{7:024x}"] == "r5"
+    # What naming keeps beside the names (so an arrival is named without looking at every name held) follows
+    # the requests still shown, forgotten ones gone.
+    live = {rid.rsplit(".", 1)[0] if rid.rsplit(".", 1)[-1].isdigit() and "." in rid else rid: name.split(".")[0]
+            for rid, name in state.short_names.items()}
+    assert state._base_names == live and sorted(state._names_taken.elements()) == sorted(live.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -160,6 +160,12 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
     return lines
 
 
+def _split_sample(request_id: str) -> tuple[str, str]:
+    """A sample's id into its request's id and its suffix (``r3.1`` -> ``r3``, ``.1``); others stay whole."""
+    sample = _SAMPLE.fullmatch(request_id)
+    return (sample.group(1), f".{sample.group(2)}") if sample else (request_id, "")
+
+
 class WatchState:
     """The fold of events 0..k: view, colours, log and metrics. Rebuild it to go back in time."""
 
@@ -169,6 +175,10 @@ class WatchState:
         self.colours: dict[str, str] = {}
         self.short_names: dict[str, str] = {}     # request id -> r0, r1 ... (what the web page shows)
         self._num_named = 0
+        # Kept as names come and go, so that naming an arrival does not look at every name held:
+        self._base_names: dict[str, str] = {}     # a named id without its sample suffix -> its name's, likewise
+        self._ids_of_base: Counter[str] = Counter()   # named ids per such base (a request's samples share one)
+        self._names_taken: Counter[str] = Counter()   # the bases' names in use
         self.arrival_order: list[str] = []
         self.num_arrived = 0             # colours go by it (arrival_order forgets finished requests)
         self._finished_order: deque[str] = deque()
@@ -216,21 +226,35 @@ class WatchState:
         """The name a room reads: r0, r1 ... in arrival order (the TUI's driver names its requests so) for ids
         longer than SHORT_ID, such as a server's ``chatcmpl-95d...``; the samples of one request share it (r3.0,
         r3.1). A short id is its own name unless another request holds that name already."""
-        sample = _SAMPLE.fullmatch(request_id)
-        base, suffix = (sample.group(1), f".{sample.group(2)}") if sample else (request_id, "")
-        named = {}                                     # a named request's id without its sample suffix -> name
-        for rid, name in self.short_names.items():
-            other = _SAMPLE.fullmatch(rid)
-            named[other.group(1) if other else rid] = name.split(".")[0]
-        if base in named:                              # another sample of the same request
-            return named[base] + suffix
-        taken = set(named.values())
-        if len(base) <= SHORT_ID and base not in taken:
+        base, suffix = _split_sample(request_id)
+        if base in self._base_names:                   # another sample of the same request
+            return self._base_names[base] + suffix
+        if len(base) <= SHORT_ID and not self._names_taken[base]:
             return request_id
-        while f"r{self._num_named}" in taken:
+        while self._names_taken[f"r{self._num_named}"]:
             self._num_named += 1
         self._num_named += 1
         return f"r{self._num_named - 1}{suffix}"
+
+    def _give_name(self, request_id: str) -> None:
+        name = self.short_names[request_id] = self._short_name(request_id)
+        base = _split_sample(request_id)[0]
+        if not self._ids_of_base[base]:
+            self._base_names[base] = name.split(".")[0]
+            self._names_taken[self._base_names[base]] += 1
+        self._ids_of_base[base] += 1
+
+    def _forget_name(self, request_id: str) -> None:
+        if self.short_names.pop(request_id, None) is None:
+            return
+        base = _split_sample(request_id)[0]
+        self._ids_of_base[base] -= 1
+        if not self._ids_of_base[base]:
+            del self._ids_of_base[base]
+            name = self._base_names.pop(base)
+            self._names_taken[name] -= 1
+            if not self._names_taken[name]:
+                del self._names_taken[name]
 
     def short_name(self, request_id: str) -> str:
         return self.short_names.get(request_id, request_id)
@@ -239,7 +263,7 @@ class WatchState:
         for a in ev.arrivals:
             if a.request_id not in self.colours:
                 self.colours[a.request_id] = PALETTE[self.num_arrived % len(PALETTE)]
-                self.short_names[a.request_id] = self._short_name(a.request_id)
+                self._give_name(a.request_id)
                 self.arrival_order.append(a.request_id)
                 self.num_arrived += 1
         self.log.extend(describe_event(ev, self.view))
@@ -274,7 +298,7 @@ class WatchState:
             if req is not None and req.state == "finished":
                 del self.view.requests[rid]
                 self.colours.pop(rid, None)
-                self.short_names.pop(rid, None)
+                self._forget_name(rid)
                 gone.add(rid)
         self.arrival_order = [rid for rid in self.arrival_order if rid not in gone]
 

@@ -33,6 +33,10 @@ export function newState(info) {
     colours: new Map(),
     shortNames: new Map(),           // request id -> r0, r1 ... (shortName)
     numNamed: 0,
+    // Kept as names come and go, so that naming an arrival does not look at every name held (tui/state.py's):
+    baseNames: new Map(),            // a named id without its sample suffix -> its name's, likewise
+    idsOfBase: new Map(),            // named ids per such base (a request's samples share one)
+    namesTaken: new Map(),           // the bases' names in use -> how many bases hold each
     arrivalOrder: [],
     numArrived: 0,                   // colours go by it (arrivalOrder forgets finished requests)
     finishedOrder: [],
@@ -273,7 +277,7 @@ function forgetOldFinished(st, ev) {
   for (const rid of st.finishedOrder.splice(0, st.finishedOrder.length - FINISHED_KEPT)) {
     const req = st.requests.get(rid);
     if (req && req.state === "finished") {
-      st.requests.delete(rid); st.colours.delete(rid); st.shortNames.delete(rid); gone.add(rid);
+      st.requests.delete(rid); st.colours.delete(rid); forgetName(st, rid); gone.add(rid);
     }
   }
   st.arrivalOrder = st.arrivalOrder.filter((rid) => !gone.has(rid));
@@ -283,16 +287,39 @@ function forgetOldFinished(st, ev) {
  * so), for ids longer than SHORT_ID (a server's chatcmpl-95d...); samples of one request share it (r3.0, r3.1).
  * A short id is its own name unless another request holds that name already. */
 function shortName(st, rid) {
-  const split = (id) => { const m = /^(.*)\.([0-9]+)$/.exec(id); return m ? [m[1], `.${m[2]}`] : [id, ""]; };
-  const [base, suffix] = split(rid);
-  const named = new Map();                      // a named request's id without its sample suffix -> name
-  for (const [other, name] of st.shortNames) named.set(split(other)[0], name.split(".")[0]);
-  if (named.has(base)) return named.get(base) + suffix;           // another sample of the same request
-  const taken = new Set(named.values());
-  if ([...base].length <= SHORT_ID && !taken.has(base)) return rid;
-  while (taken.has(`r${st.numNamed}`)) st.numNamed += 1;
+  const [base, suffix] = splitSample(rid);
+  if (st.baseNames.has(base)) return st.baseNames.get(base) + suffix;   // another sample of the same request
+  if ([...base].length <= SHORT_ID && !st.namesTaken.has(base)) return rid;
+  while (st.namesTaken.has(`r${st.numNamed}`)) st.numNamed += 1;
   st.numNamed += 1;
   return `r${st.numNamed - 1}${suffix}`;
+}
+
+/** tui/state.py's _split_sample: a sample's id into its request's id and its suffix (r3.1 -> r3, .1). */
+function splitSample(id) { const m = /^(.*)\.([0-9]+)$/.exec(id); return m ? [m[1], `.${m[2]}`] : [id, ""]; }
+
+const bump = (map, key, by) => { const n = (map.get(key) ?? 0) + by; if (n) map.set(key, n); else map.delete(key); };
+
+/** WatchState._give_name. */
+function giveName(st, rid) {
+  const named = shortName(st, rid), [base] = splitSample(rid);
+  st.shortNames.set(rid, named);
+  if (!st.idsOfBase.has(base)) {
+    st.baseNames.set(base, named.split(".")[0]);
+    bump(st.namesTaken, st.baseNames.get(base), 1);
+  }
+  bump(st.idsOfBase, base, 1);
+}
+
+/** WatchState._forget_name. */
+function forgetName(st, rid) {
+  if (!st.shortNames.delete(rid)) return;
+  const [base] = splitSample(rid);
+  bump(st.idsOfBase, base, -1);
+  if (!st.idsOfBase.has(base)) {
+    bump(st.namesTaken, st.baseNames.get(base), -1);
+    st.baseNames.delete(base);
+  }
 }
 
 /** events.py's busy_seconds: the device's time on CUDA, the forward call's on a CPU; null in an old trace. */
@@ -319,7 +346,7 @@ export function applyEvent(st, ev) {
   for (const a of ev.arrivals || []) {
     if (!st.colours.has(a.request_id)) {
       st.colours.set(a.request_id, PALETTE[st.numArrived % PALETTE.length]);
-      st.shortNames.set(a.request_id, shortName(st, a.request_id));
+      giveName(st, a.request_id);
       st.arrivalOrder.push(a.request_id);
       st.numArrived += 1;
     }
