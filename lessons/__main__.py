@@ -97,7 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("lesson", nargs="?", help="print this lesson's text")
     parser.add_argument("--update", action="store_true",
                         help="measure every scenario (only lesson N's when one is given), rewrite measured.json")
-    parser.add_argument("--check", action="store_true", help="measure every scenario, compare with measured.json")
+    parser.add_argument("--check", action="store_true",
+                        help="measure every scenario (only lesson N's when one is given), compare with measured.json")
     parser.add_argument("--model", default=None, help="model to measure on (default: a tiny random Llama)")
     parser.add_argument("--measure-smollm2", action="store_true",
                         help="run the lessons that quote milliseconds on SmolLM2 (3 runs, medians; only lesson N "
@@ -115,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {SMOLLM2_FILE}")
         return 0
     if args.update or args.check:
-        values = measure_all(args.model, only=args.lesson if args.update else None)
+        values = measure_all(args.model, only=args.lesson)
         if args.update:
             write_measured(values, merge=args.lesson is not None)
             print(f"wrote {MEASURED_FILE}")

@@ -359,6 +359,18 @@ def test_update_of_one_lesson_keeps_the_others(monkeypatch, tmp_path):
     assert json.loads(stored.read_text(encoding="utf-8")) == {"11": {"new": 2}}
 
 
+def test_check_of_one_lesson_measures_that_lesson_only(monkeypatch, capsys):
+    """`python -m minipaged.lessons 3 --check` runs lesson 3's scenario alone and compares its numbers."""
+    from minipaged.lessons import __main__ as lessons_main
+
+    measured = []
+    real = lessons_main.run_scenario
+    monkeypatch.setattr(lessons_main, "run_scenario",
+                        lambda lesson, model: measured.append(lesson.number) or real(lesson, model))
+    assert lessons_main.main(["3", "--check"]) == 0
+    assert measured == [3] and "all lesson numbers reproduced" in capsys.readouterr().out
+
+
 def test_send_refuses_a_one_engine_lesson(capsys):
     from minipaged.lessons.__main__ import main as lessons_main
 
