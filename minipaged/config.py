@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 PreemptionMode = Literal["recompute", "swap"]
 # long_prefill_token_threshold's default on a CPU, where a step's time grows with its tokens: measured in
-# bench/long_prefill.py (docs/performance.md). On CUDA a 2,048-token step takes milliseconds: 0 (no cap), vLLM's.
+# bench/long_prefill.py (docs/performance.md). On an accelerator (CUDA) a 2,048-token step takes milliseconds:
+# 0 (no cap), vLLM's.
 LONG_PREFILL_CPU = 128
 Policy = Literal["continuous", "static"]
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -67,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "turn automatic prefix caching off", "shown_default": "caching on"})
     # A long prompt shares the step with everyone else (vLLM's names; the scheduler's docstring tells how).
-    # None: derived from the device in finalize (LONG_PREFILL_CPU on a CPU, 0 on CUDA; docs/performance.md).
+    # None: derived from the device in finalize (LONG_PREFILL_CPU on a CPU, 0 on an accelerator; performance.md).
     long_prefill_token_threshold: Optional[int] = field(default=None, metadata={
         "help": "with chunked prefill, a prompt with more than this many tokens left to compute is long: it "
                 "gets at most this many per step, so other requests keep decoding while it prefills (0: no cap)",
@@ -252,7 +253,7 @@ class EngineConfig:
         """Fill in the derived values once the model's context length (and the device: ``cuda``, ``cpu`` ...) is
         known."""
         if self.long_prefill_token_threshold is None:
-            self.long_prefill_token_threshold = 0 if device_type == "cuda" else LONG_PREFILL_CPU
+            self.long_prefill_token_threshold = LONG_PREFILL_CPU if device_type == "cpu" else 0
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

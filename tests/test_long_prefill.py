@@ -147,10 +147,12 @@ def test_the_limits_do_not_apply_without_chunked_prefill():
 
 
 def test_options_are_checked_and_the_threshold_defaults_by_device():
-    cpu, cuda = EngineConfig(), EngineConfig()
+    cpu, cuda, mps = EngineConfig(), EngineConfig(), EngineConfig()
     cpu.finalize(8192)
     cuda.finalize(8192, "cuda")
-    assert (cpu.long_prefill_token_threshold, cuda.long_prefill_token_threshold) == (LONG_PREFILL_CPU, 0)
+    mps.finalize(8192, "mps")                   # any accelerator: its steps are fast, as CUDA's
+    assert (cpu.long_prefill_token_threshold, cuda.long_prefill_token_threshold,
+            mps.long_prefill_token_threshold) == (LONG_PREFILL_CPU, 0, 0)
     given = EngineConfig(long_prefill_token_threshold=64)
     given.finalize(8192, "cuda")
     assert given.long_prefill_token_threshold == 64
