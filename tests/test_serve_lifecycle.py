@@ -207,11 +207,15 @@ def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(long_con
                 got["long_error"] = str(exc)
             got["long_chunks"] = len(chunks)
 
+        short_started = threading.Event()
+
         def short_stream() -> None:
-            # (100 tokens: enough that the health poll sees it running beside the long one, a tiny-model step
-            # being under a millisecond; few enough to finish within the 1 s grace period)
-            chunks = list(client.completions.create(model=model, prompt="short", max_tokens=100, stream=True,
-                                                    extra_body={"ignore_eos": True}))
+            # (100 tokens: few enough to finish within the 1 s grace period beside the long one)
+            chunks = []
+            for chunk in client.completions.create(model=model, prompt="short", max_tokens=100, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                chunks.append(chunk)
+                short_started.set()                    # it runs: it has a token
             got["short_finish"] = chunks[-1].choices[0].finish_reason
 
         threads = [threading.Thread(target=f) for f in (watcher, long_stream)]
@@ -220,7 +224,8 @@ def test_9_sigterm_drains_running_requests_ends_the_rest_and_exits_zero(long_con
         wait_for(lambda: httpx.get(url + "/health").json()["num_requests_running"] == 1, 20, "the long request")
         short = threading.Thread(target=short_stream)
         short.start()
-        wait_for(lambda: httpx.get(url + "/health").json()["num_requests_running"] == 2, 20, "the short request")
+        # (its first token, not a /health poll: its 100 steps may all fall between two polls)
+        assert short_started.wait(20), "the short request never started"
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "too late", "max_tokens": 2}, timeout=10)
