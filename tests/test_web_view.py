@@ -29,7 +29,10 @@ needs_chromium = pytest.mark.skipif(find_chromium() is None,
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("web") / "server.log"
-    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "160", log_path=str(log)) as url:
+    # (a budget of 64 tokens: a decode's share of the batch bar is 1/64 of its width, a dozen pixels to find its
+    # colour in; at the default 2,048 it is a sliver under a pixel wide, drawn or not by sub-pixel rounding)
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "160", "--max-num-batched-tokens", "64",
+                        log_path=str(log)) as url:
         yield url
 
 
