@@ -122,6 +122,20 @@ async def evaluate(tools: DevTools, expression: str) -> Any:
     return result["result"].get("value")
 
 
+async def wait_for(page: DevTools, expression: str, what: str, timeout_s: float = 40.0,
+                   tolerate_errors: bool = False) -> Any:
+    """The value of the page's JavaScript ``expression`` once it is truthy; fails saying ``what`` after
+    ``timeout_s``. With ``tolerate_errors`` an expression that throws (an element not there yet while the page
+    loads) counts as not yet true."""
+    if tolerate_errors:
+        expression = f"(() => {{ try {{ return {expression}; }} catch {{ return null; }} }})()"
+    deadline = time.monotonic() + timeout_s
+    while not (value := await evaluate(page, expression)):
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+    return value
+
+
 async def screenshot(tools: DevTools) -> bytes:
     shot = await tools.call("Page.captureScreenshot", format="png")
     return base64.b64decode(shot["data"])

@@ -167,7 +167,7 @@ def test_the_tui_shows_the_busy_gauge_and_lane_only_when_steps_carry_times(tiny_
 
 
 def test_the_page_shows_the_busy_gauge(tiny_engine_factory, tmp_path):
-    from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page
+    from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page, wait_for
 
     if find_chromium() is None:
         pytest.skip(f"no headless Chromium: {INSTALL_HINT} (.ci/run installs it)")
@@ -180,15 +180,11 @@ def test_the_page_shows_the_busy_gauge(tiny_engine_factory, tmp_path):
 
     async def look() -> dict:
         async with open_page(page_file.as_uri(), offline=True) as page:
-            deadline = time.monotonic() + 30
-            while not await evaluate(page, "!!document.getElementById('busy-value')"):
-                assert time.monotonic() < deadline, "the page never drew the busy gauge"
-                await asyncio.sleep(0.2)
+            await wait_for(page, "!!document.getElementById('busy-value')", "the page never drew the busy gauge", 30)
             await evaluate(page, """(() => { const s = document.getElementById('slider');
                 s.value = s.max; s.dispatchEvent(new Event('input')); })()""")     # a replay opens at its first step
-            while await evaluate(page, "window.minipaged.state.step") != len(events):
-                assert time.monotonic() < deadline, "the slider did not reach the last step"
-                await asyncio.sleep(0.1)
+            await wait_for(page, f"window.minipaged.state.step === {len(events)}",
+                           "the slider did not reach the last step", 30)
             await asyncio.sleep(0.2)
             return {"text": await evaluate(page, "document.getElementById('busy').textContent"),
                     "value": await evaluate(page, "document.getElementById('busy-value').textContent"),

@@ -12,13 +12,12 @@ import asyncio
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page, screenshot
+from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page, screenshot, wait_for
 from serve_util import running_server
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None,
@@ -115,13 +114,6 @@ async def type_a_prompt(page, text: str) -> None:
     for kind in ("keyDown", "keyUp"):
         await page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13,
                         nativeVirtualKeyCode=13)
-
-
-async def wait_for(page, expression: str, what: str, timeout_s: float = 40) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await evaluate(page, expression):
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
 
 
 def save(tmp_path: Path, name: str, png: bytes) -> Path:

@@ -18,7 +18,8 @@ import pytest
 
 from minipaged import SamplingParams
 from minipaged.events import PREVIEW_GAP, PROMPT_PREVIEW_CHARS, EngineView, StepEvent
-from browser_util import INSTALL_HINT, evaluate, find_chromium, main_thread_tasks, open_page, start_tracing
+from browser_util import (INSTALL_HINT, evaluate, find_chromium, main_thread_tasks, open_page, start_tracing,
+                          wait_for)
 from serve_util import free_port, running_server, wait_until_idle
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None,
@@ -331,13 +332,6 @@ async def heap_mb(page) -> float:
     """The page's JavaScript heap in use after a full garbage collection, in MB (DevTools)."""
     await page.call("HeapProfiler.collectGarbage")
     return (await page.call("Runtime.getHeapUsage"))["usedSize"] / 2**20
-
-
-async def wait_for(page, expression: str, what: str, timeout_s: float = 40) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await evaluate(page, expression):
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
 
 
 LONG_PROMPT = "a long prompt starts here " + "-" * 1500 + " and ends here"

@@ -4,12 +4,12 @@ nobody else's; the presenter view (``?presenter``, with the key) selects the tea
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from browser_util import INSTALL_HINT, evaluate, find_chromium, open_page
+from browser_util import wait_for as wait_for_page
 from serve_util import running_server
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None,
@@ -18,14 +18,9 @@ KEY = "teacher-key"
 SERVER = ("--block-size", "4", "--num-blocks", "64", "--api-key", KEY, "--open-page")
 
 
-async def wait_for(page, expression: str, what: str, timeout_s: float = 40.0):
-    """The value of ``expression`` once it is truthy (while the page still loads, its elements may be missing)."""
-    deadline = time.monotonic() + timeout_s
-    guarded = f"(() => {{ try {{ return {expression}; }} catch {{ return null; }} }})()"
-    while not (value := await evaluate(page, guarded)):
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.2)
-    return value
+def wait_for(page, expression: str, what: str):
+    """``browser_util.wait_for``, while the page may still be loading (its elements may be missing)."""
+    return wait_for_page(page, expression, what, tolerate_errors=True)
 
 
 @needs_chromium
@@ -88,6 +83,9 @@ def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_th
                 await wait_for(page, f"window.minipaged.view.selected === '{first}'", "not following the first")
                 second = send_as_teacher(url, "the second lesson prompt")
                 await wait_for(page, f"window.minipaged.view.selected === '{second}'", "not following the second")
+                # (selected before the next frame draws it: the text shows a frame later)
+                await wait_for(page, "document.body.innerText.includes('the second lesson prompt')",
+                               "the teacher's page never showed the teacher's prompt")
                 return {"second": second, "title": await evaluate(
                     page, "document.getElementById('output-title').title"),
                     "body": await evaluate(page, "document.body.innerText")}
