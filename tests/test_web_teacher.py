@@ -79,6 +79,10 @@ def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_th
                     document.getElementById('key-form').requestSubmit(); }})()""")
                 await wait_for(page, "window.minipaged.view.settings && window.minipaged.view.settings.teacher",
                                "the key did not make the page the teacher's")
+                # The keyless stream is closed when the key is given: a second one would fold its steps, text
+                # hidden, over the keyed one's (the teacher's prompt came and went, once in a CI run).
+                await wait_for(page, "window.minipaged.view.streams === 1 && window.minipaged.view.connected",
+                               "the keyless stream stayed open beside the keyed one")
                 first = send_as_teacher(url, "the first lesson prompt")
                 await wait_for(page, f"window.minipaged.view.selected === '{first}'", "not following the first")
                 second = send_as_teacher(url, "the second lesson prompt")

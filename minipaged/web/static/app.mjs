@@ -38,7 +38,8 @@ const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null, abort: null, forgot: false,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null,
+  streams: 0,                                      // event streams reading now: one (two for a moment on a new key)
   settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
 let drawPending = false;
@@ -79,7 +80,7 @@ function forgetKey() {
   localStorage.removeItem(KEY_STORE);
   $("forget-key").hidden = true;
   $("prompt-status").textContent = "the key is forgotten: this browser no longer keeps it";
-  if (view.abort) { view.forgot = true; view.abort.abort(); }
+  connect();                                     // the stream that used it is closed: watch without it, or ask
 }
 
 function authHeaders() {
@@ -87,27 +88,33 @@ function authHeaders() {
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
+/** One stream at a time: a new connect() (a key given or forgotten, a reconnect) closes the one before. Two would
+ * fold steps into one picture, and a keyless one (others' text hidden) would overwrite what a keyed one shows. */
 async function connect() {
-  view.goodbye = false;
-  let response;
+  if (view.abort) view.abort.abort();
   const abort = new AbortController();
+  view.abort = abort;
+  const superseded = () => view.abort !== abort;
+  view.connected = view.goodbye = false;
+  let response;
   try {
     response = await fetch("v1/events", { headers: authHeaders(), cache: "no-store", signal: abort.signal });
   } catch (err) {
-    return lost(`cannot reach the server (${err.message})`);
+    return superseded() ? undefined : lost(`cannot reach the server (${err.message})`);
   }
+  if (superseded()) return;
   if (response.status === 401) { askKey(); return; }
   if (!response.ok) return lost(`the event stream answered ${response.status}`);
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   const parser = new SSEParser();
   view.connected = true;
   banner(null);
-  loadSettings();
+  loadSettings(superseded);
   let dropped = null;
   let heard = Date.now();
-  view.abort = abort;
   const watchdog = setInterval(() => { if (Date.now() - heard > SILENCE_MS) abort.abort(); }, 1000);
   let slice = performance.now();
+  view.streams += 1;
   try {
     for (;;) {
       // Pieces that are already there resolve read() at once, without giving the browser a turn: a big burst
@@ -140,9 +147,10 @@ async function connect() {
     dropped = dropped || `the connection broke (${err.message})`;
   } finally {
     clearInterval(watchdog);
+    view.streams -= 1;
   }
+  if (superseded()) return;                                             // a newer stream took over
   view.connected = false;
-  if (view.forgot) { view.forgot = false; connect(); return; }          // the key was forgotten: ask again
   if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
   if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
   lost("lost the server; reconnecting");
@@ -637,13 +645,14 @@ async function send(text) {
 // ------------------------------------------------------------------------------ the teacher's controls
 
 /** The teacher's settings (GET v1/page/settings), shown under the box; the box is disabled when prompts are off. */
-async function loadSettings() {
+async function loadSettings(superseded = () => false) {
   let body;
   try {
     const response = await fetch("v1/page/settings", { headers: authHeaders(), cache: "no-store" });
     if (!response.ok) return;                     // an older server: no settings to show
     body = await response.json();
   } catch { return; }
+  if (superseded()) return;                       // asked with an old key: the new stream's own answer counts
   view.settings = body;
   const off = body.page_prompts === "off" && !body.teacher;
   $("prompt").disabled = $("send").disabled = off;
