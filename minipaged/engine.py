@@ -187,7 +187,10 @@ class Engine:
         sampled, verified, times = execute_and_sample(        # request id -> its new tokens (None: sampling failed)
             plan, self.runner, self.logits, self.sampler, self.outputs, self.speculator, self._run_model_call_hooks)
         outcome = self._account(plan, sampled, verified, times)
-        return self._process_outputs(outcome, plan.failed, start, wait_s=0.0)
+        result = self._process_outputs(outcome, plan.failed, start, wait_s=0.0)
+        if self.speculator is not None:    # the automatic k learns what a step of so many rows costs, all of it
+            self.speculator.observe_step(plan.chunks, result.event.duration_s - result.event.draft_s)
+        return result
 
     def _schedule(self) -> SchedulerOutput:
         # Requests whose grammar compiled (or failed) meanwhile; with nothing else to run, wait a moment for one.

@@ -69,10 +69,10 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
         # views, no copy of [requests, vocab] (12 MB at batch 64 with SmolLM2's vocabulary).
         tokens = sampler.sample(logits, requests)
         return {req.request_id: None if t is None else [t] for req, t in zip(requests, tokens)}, {}, \
-            _times(begin, forward_start, timer, plan, speculator)
+            _times(begin, forward_start, timer)
     sampled: dict[str, Optional[list[int]]] = {}
     verified: dict[str, Verified] = {}
-    plain: list[tuple[Request, torch.Tensor]] = []
+    plain: list[tuple[Request, int]] = []                  # a request without drafts, and its one row
     # Greedy verifications need only each row's argmax: one call for the step (the backend's), not one a request.
     argmax = sampler.argmax(logits).tolist() if any(r.params.greedy for r in requests) else None
     first = 0
@@ -82,7 +82,7 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
             sampled[req.request_id] = None
             continue
         if req.request_id not in drafts:
-            plain.append((req, rows[-1]))
+            plain.append((req, first - 1))
             continue
         verdict = speculator.verify(req, rows, drafts[req.request_id],
                                     None if argmax is None else argmax[first - len(rows):first])
@@ -90,19 +90,15 @@ def execute_and_sample(plan: SchedulerOutput, runner: ModelRunner, logits_stage:
         if verdict is not None:
             verified[req.request_id] = verdict
     if plain:
-        tokens = sampler.sample(torch.stack([row for _req, row in plain]), [req for req, _row in plain])
+        tokens = sampler.sample(logits, [req for req, _row in plain], rows=[row for _req, row in plain],
+                                argmax=argmax)
         sampled.update({req.request_id: None if t is None else [t] for (req, _row), t in zip(plain, tokens)})
-    return sampled, verified, _times(begin, forward_start, timer, plan, speculator)
+    return sampled, verified, _times(begin, forward_start, timer)
 
 
-def _times(begin: float, forward_start: float, timer: ForwardTimer, plan: SchedulerOutput,
-           speculator: Optional[Speculator]) -> StepTimes:
-    """The step's times once its tokens are sampled (so the device is done: reading its clock waits for nothing);
-    the seconds since ``forward_start`` are also told to the speculator (its automatic k learns from them)."""
-    seconds = time.perf_counter() - forward_start
-    if speculator is not None:
-        speculator.observe_step(plan.chunks, seconds)
-    return StepTimes(forward_start - begin, timer.host_s, timer.device_seconds(), seconds)
+def _times(begin: float, forward_start: float, timer: ForwardTimer) -> StepTimes:
+    """The step's times once its tokens are sampled (so the device is done: reading its clock waits for nothing)."""
+    return StepTimes(forward_start - begin, timer.host_s, timer.device_seconds(), time.perf_counter() - forward_start)
 
 
 def run_logits_stage(model_input: ModelInput, logits: torch.Tensor, drafts: dict[str, Sequence[int]],

@@ -34,16 +34,24 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[Optional[int]]:
-        """logits: [len(requests), vocab] float32. Returns one token id per request, or None for a request
-        whose sampling failed: the engine aborts that one request and serves the others."""
-        tokens: list[Optional[int]] = self.argmax(logits).tolist()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request], rows: Optional[Sequence[int]] = None,
+               argmax: Optional[Sequence[int]] = None) -> list[Optional[int]]:
+        """logits: [len(requests), vocab] float32, or (``rows``) any number of rows, of which request i samples
+        row ``rows[i]``; ``argmax``: every row's argmax when the caller already has it (a step that verifies
+        drafts works it out for all its rows: the plain decodes beside them need no copy of their rows then).
+        Returns one token id per request, or None for a request whose sampling failed: the engine aborts that
+        one request and serves the others."""
+        picked = range(len(requests)) if rows is None else rows
+        if argmax is not None:
+            tokens: list[Optional[int]] = [argmax[i] for i in picked]
+        else:
+            tokens = self.argmax(logits if rows is None else logits[list(rows)]).tolist()
         for row, req in enumerate(requests):
             if req.error is not None:            # the logits stage failed it: nothing to sample
                 tokens[row] = None
             elif not req.params.greedy:
                 try:
-                    tokens[row] = self._sample_row(logits[row], req)
+                    tokens[row] = self._sample_row(logits[picked[row]], req)
                 except Exception as exc:
                     fail_request(req, f"sampling failed ({type(exc).__name__}: {exc}).")
                     tokens[row] = None

@@ -515,6 +515,44 @@ def test_auto_k_drafts_what_pays_and_stops_where_drafts_lose():
     assert fresh.choose({"r": 3})["r"] >= 1                  # batch 1 not timed yet: tried
 
 
+
+def test_auto_k_reads_what_a_row_costs_from_far_apart_steps_not_from_noisy_neighbours():
+    """At batch 64 one more row costs a millisecond of a 100 ms step: the step of 65 rows, timed once and 3% slow
+    (noise), must not say a row costs 3 ms (the two nearest counts would); a line through the counts seen between
+    half and twice the rows says 1.4 ms. With only neighbours seen, the slope is the optimistic prior (drafts get
+    tried, and timed)."""
+    from minipaged.spec_decode.auto_k import PRIOR_ROW_COST, StepCost
+    cost = StepCost()
+    for _ in range(30):
+        cost.observe(64, 0.028 + 0.0014 * 64)
+    cost.observe(65, (0.028 + 0.0014 * 65) * 1.03)
+    _intercept, slope = cost.line(64)
+    assert slope == pytest.approx(PRIOR_ROW_COST * cost.seconds[64] / 64, rel=0.05)   # neighbours only: the prior
+    for rows in (96, 128, 40):
+        for _ in range(3):
+            cost.observe(rows, 0.028 + 0.0014 * rows)
+    _intercept, slope = cost.line(64)
+    assert slope == pytest.approx(0.0014, rel=0.1)
+    assert cost(80) == pytest.approx(0.028 + 0.0014 * 80, rel=0.02)
+
+
+def test_auto_k_proposes_and_watches_nothing_where_even_a_certain_draft_loses(tiny_engine_factory):
+    """Where every row costs its share of the step (a big batch on a CPU), even a draft that is sure to be accepted
+    lowers tokens per second: the automatic k then asks the proposer for nothing, not even the free guesses it
+    watches idle requests with, so that turning speculation on costs nothing there."""
+    prompts, params = repetitive_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = greedy_tokens(tiny_engine_factory(), prompts, params)
+    engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
+    guesses = engine.speculator.proposer = _WrongGuesses()
+    pin_step_costs(engine, {8: 0.008, 64: 0.064})       # 1 ms a row, nothing shared
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    assert greedy_tokens(engine, prompts, params) == plain
+    assert guesses.proposed == 0
+    decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
+    assert decodes and all(s.spec_k == 0 and not s.draft_token_ids for s in decodes)
+
+
 class _WrongGuesses:
     """A proposer whose guesses are never the target's greedy token (one past it, from the step's logits)."""
 
@@ -630,3 +668,21 @@ def test_cli_generate_speculates_and_reports_acceptance(tiny_model, capsys):
 def test_speculation_with_parallelism_is_refused_before_anything_starts():
     with pytest.raises(ConfigError, match="does not combine with tensor or pipeline parallelism"):
         Engine("/nonexistent/model/folder", speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_the_sampler_samples_chosen_rows_with_the_argmax_it_is_given_as_it_samples_them_copied():
+    """A step that verifies drafts samples its plain decodes from their rows in place, with the argmax it worked out
+    for every row: the same tokens as sampling a copy of those rows, for greedy and seeded requests alike."""
+    from minipaged.request import Request
+    from minipaged.sampling import Sampler
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0)]
+    rows = [4, 0, 5]
+
+    def requests() -> list[Request]:
+        return [Request(f"r{i}", [1, 2, 3], p, i, 0.0) for i, p in enumerate(params)]
+    copied = Sampler(0).sample(logits[rows], requests())
+    in_place = Sampler(0).sample(logits, requests(), rows=rows, argmax=logits.argmax(-1).tolist())
+    assert in_place == copied
+    assert in_place[0] == int(logits[4].argmax()) and in_place[2] == int(logits[5].argmax())
+    assert Sampler(0).sample(logits, requests(), rows=rows) == copied              # no argmax given: works it out

@@ -20,7 +20,10 @@ gets k = 0 (speculation off for it); a batch where every draft loses runs as pla
 speculates no more keeps being watched: the n-gram lookup's guess costs nothing, so it is still made and
 checked against the token that comes (``observe_verification`` of one draft); a draft model's is not free, so
 instead the request's estimate drifts up towards certainty over the steps that follow (optimism: a draft that
-lost gets another try every few dozen steps, a draft that was never tried gets its first).
+lost gets another try every few dozen steps, a draft that was never tried gets its first). Where even a draft
+that is certain to be accepted would lose (a big batch on a CPU, where a row costs about its share of the step; a
+draft model whose pass costs more than a row gives), nothing is proposed, watched or drifted: the step is a plain
+decode and costs what one costs.
 """
 from __future__ import annotations
 
@@ -33,34 +36,69 @@ DRIFT = 0.99                # per idle step, the part of (1 - estimate) that sta
 # Before two row counts were timed: a row beyond the first costs this share of a one-row step (optimistic, so
 # that speculation is tried and the timings decide).
 PRIOR_ROW_COST = 0.15
+# A draft is taken when it raises tokens per second by this much of what its row costs, not merely at all: the
+# drafts chosen are those whose estimates are highest, which are more often too high than too low (a request
+# with a few lucky guesses), and a step that verifies does host work a plain decode does not. Where a row costs
+# little (batch one on a CPU) the margin changes nothing; where it costs nearly its share of the step (a big batch)
+# it keeps speculation to the drafts that are nearly sure.
+MARGIN = 0.1
 
 
 def moved(average: float, outcome: float) -> float:
     return average + WEIGHT * (outcome - average)
 
 
+def pays(gain: float, extra_seconds: float, rate: float) -> bool:
+    """Whether ``gain`` more tokens for ``extra_seconds`` more raise a step's tokens per second (``rate``) by the
+    margin: (tokens + gain) / (seconds + extra) > rate, with the extra's cost in tokens raised by MARGIN."""
+    return gain > (1 + MARGIN) * extra_seconds * rate
+
+
 @dataclass
 class StepCost:
-    """Seconds a decode step takes by its number of rows: running averages of the counts seen."""
+    """Seconds a decode step takes by its number of rows: running averages of the counts seen, and a line through
+    those near a row count (``line``) that says what one more row costs there.
+
+    Why a line and not the two nearest counts: what decides is the slope, a millisecond on a 100 ms step at
+    batch 64, and two neighbouring counts (64 and 65 rows) differ by less than their noise. A least-squares line
+    through the counts seen between half and twice the rows, each weighted by how often it was timed, and
+    widened to farther counts until they span an eighth of the rows, reads the slope from far-apart steps."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    timed: dict[int, int] = field(default_factory=dict)          # how many steps each average is made of
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else moved(old, seconds)
+        self.timed[rows] = self.timed.get(rows, 0) + 1
+
+    def line(self, rows: int) -> tuple[float, float]:
+        """(intercept, slope): a step of ``x`` rows near ``rows`` takes about intercept + slope * x seconds. With
+        too narrow a spread of counts (or none), the slope is PRIOR_ROW_COST of a row's share of the nearest step:
+        optimistic, so that drafts are tried and their steps timed."""
+        seen = self.seconds
+        if not seen:
+            return 1.0 - PRIOR_ROW_COST, PRIOR_ROW_COST            # 1.0 at one row, in no particular unit
+        wanted = max(2, rows // 8)
+        near = [r for r in seen if rows // 2 <= r <= 2 * rows + 4]
+        farther = sorted((r for r in seen if r not in near), key=lambda r: (abs(r - rows), r))
+        while farther and (not near or max(near) - min(near) < wanted):
+            near.append(farther.pop(0))
+        weights = {r: min(self.timed.get(r, 1), 8) for r in near}
+        total = sum(weights.values())
+        mean_rows = sum(w * r for r, w in weights.items()) / total
+        mean_s = sum(w * seen[r] for r, w in weights.items()) / total
+        if max(near) - min(near) < wanted:
+            slope = PRIOR_ROW_COST * mean_s / mean_rows
+        else:
+            spread = sum(w * (r - mean_rows) ** 2 for r, w in weights.items())
+            slope = max(0.0, sum(w * (r - mean_rows) * (seen[r] - mean_s) for r, w in weights.items()) / spread)
+        return mean_s - slope * mean_rows, slope
 
     def __call__(self, rows: int) -> float:
         """The expected seconds of a step of ``rows`` rows (in any unit before anything was timed)."""
-        if rows in self.seconds:
-            return self.seconds[rows]
-        seen = sorted(self.seconds, key=lambda n: (abs(n - rows), n))[:2]
-        if len(seen) < 2:
-            r0 = seen[0] if seen else 1
-            t0 = self.seconds[r0] if seen else 1.0
-            return t0 * (1 + PRIOR_ROW_COST * (rows - r0) / r0)
-        (r0, r1) = sorted(seen)
-        slope = max(0.0, (self.seconds[r1] - self.seconds[r0]) / (r1 - r0))
-        return max(self.seconds[r0] + slope * (rows - r0), 1e-9)
+        intercept, slope = self.line(rows)
+        return max(intercept + slope * rows, 1e-9)
 
 
 @dataclass
@@ -75,6 +113,7 @@ class AutoK:
     # a draft model's pass by the requests in it (none timed: free, as the n-gram lookup is)
     draft_pass: StepCost = field(default_factory=StepCost)
     drift: bool = True
+    closed: bool = False          # the last choice found that even a certain draft would lose (see ``choose``)
 
     def observe_verification(self, request_id: str, num_accepted: int, num_drafts: int) -> None:
         """The verdict on a request's drafts: the first draft's, then each later one's after an accepted one."""
@@ -117,11 +156,18 @@ class AutoK:
     def choose(self, limits: dict[str, int]) -> dict[str, int]:
         """k per request (at most its limit), maximising the step's expected tokens per second."""
         chosen = {rid: 0 for rid in limits}
+        intercept, slope = self.cost.line(len(limits))
+        cost = lambda rows: max(intercept + slope * rows, 1e-9)   # noqa: E731 (one line for the whole choice)
+        rows = tokens = float(len(limits))
+        seconds = cost(rows)
+        # Even a certain draft loses here (every row costs its share of the compute; a draft model's pass costs
+        # more than a row gives): nothing is worth proposing, watching or trying again: plain decodes.
+        self.closed = not limits or not pays(1.0, cost(rows + 1) + self.drafting_s(1, 1) - seconds, rows / seconds)
+        if self.closed:
+            return chosen
         for rid in limits:
             self.acceptance.setdefault(rid, self.first)
-        rows = tokens = float(len(limits))
         passes = drafting = 0                          # drafting passes, requests that draft
-        seconds = self.cost(int(rows))
         # (gain, request, j): the expected tokens of the j-th draft of a request
         candidates = sorted(((gain, rid, j) for rid, k in limits.items()
                              for j, gain in enumerate(self.gains(rid, k), start=1)), key=lambda c: (-c[0], c[2]))
@@ -129,8 +175,8 @@ class AutoK:
             if j != chosen[rid] + 1:
                 continue
             new_passes, new_drafting = max(passes, j), drafting + (j == 1)
-            new_seconds = self.cost(int(rows) + 1) + self.drafting_s(new_passes, new_drafting)
-            if (tokens + gain) / new_seconds <= tokens / seconds:
+            new_seconds = cost(rows + 1) + self.drafting_s(new_passes, new_drafting)
+            if not pays(gain, new_seconds - seconds, tokens / seconds):
                 break
             chosen[rid], passes, drafting, seconds = j, new_passes, new_drafting, new_seconds
             rows, tokens = rows + 1, tokens + gain

@@ -60,7 +60,7 @@ class Speculator:
                 self._draft_probs[rid] = draft.probs
         if self.auto is not None and self.config.uses_draft_model:
             self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
-        elif self.auto is not None:                # the lookup is free: guess for the idle ones too, and watch
+        elif self.auto is not None and not self.auto.closed:   # the lookup is free: guess for the idle ones, watch
             idle = [r for rid, r in ready.items() if limits[rid] == 0 and wanted[rid] > 0]
             for rid, draft in self.proposer.propose(idle, {r.request_id: 1 for r in idle}).items():
                 self._watched[rid] = (ready[rid].num_tokens, draft.token_ids[0])
@@ -76,8 +76,9 @@ class Speculator:
                 self.auto.observe_verification(rid, int(req.all_token_ids[position] == guess), 1)
 
     def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
-        """A step's forward pass and verification took ``seconds``: the automatic k learns what rows cost from
-        the steps of decodes (with or without drafts) alone."""
+        """A step took ``seconds`` without its drafting (scheduling, the forward pass, verification, the outputs
+        and the event: a verification's host work costs as surely as its rows do): the automatic k learns what
+        rows cost from the steps of decodes (with or without drafts) alone."""
         if self.auto is not None and chunks and all(c.kind == "decode" for c in chunks):
             self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds)
 
