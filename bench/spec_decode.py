@@ -19,17 +19,25 @@ none, in the "off" run); and per step the drafting time (the proposer: a draft m
 host time (everything in a step but the target's forward pass and the drafting: scheduling, the rejection
 sampler, bookkeeping, detokenizing).
 
+Under load (``--under-load``: 16 and 64 requests) a speed-up is a few percent either way, the size of the
+noise between two runs of one engine: that mode runs each batch several rounds, every engine in turn in each
+round, beside a second engine with speculation off (the control: its "speed-up" is the noise), and reports the
+median CPU speed-up over the rounds and its range (bench/out/spec_decode_load.json).
+
     python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5]
-                                [--threads 1] [--quick]
+                                [--threads 1] [--quick] [--under-load [--rounds 3]]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Optional
 
+from minipaged.bench.docs import spec_decode_load_table
 from minipaged.bench.report import BENCH_OUT as OUT
 from minipaged.bench.report import machine_line, save
 from minipaged.bench.report import markdown_table as table
@@ -88,6 +96,7 @@ class CpuClock:
 
 def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
     """Generate every prompt, ``batch`` at a time; the engine's counters say what speculation did."""
+    gc.collect()        # the garbage of the run before, collected now: not in the middle of this run's steps
     events = []
     unsubscribe = engine.subscribe(events.append)
     before = dict(engine.counters)
@@ -215,6 +224,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per workload")
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts at batch 1 (run one by one)")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens, batch 1 only (saved in bench/out/partial)")
+    ap.add_argument("--under-load", action="store_true", help="16 and 64 requests, n-gram k=3 and the automatic "
+                    "k's against off and a second engine with speculation off, in rounds (spec_decode_load.json)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn (--under-load)")
     ap.add_argument("--lesson-from", metavar="JSON", help="only write lesson 6's numbers from a saved result "
                     "(bench/out/spec_decode.json), measuring the self-draft's agreement")
     args = ap.parse_args()
@@ -223,6 +235,9 @@ def main() -> None:
         return
     if args.quick:
         args.prompts, args.batch1_prompts, args.max_tokens, args.batches = 4, 4, 64, [1]
+    if args.under_load:
+        under_load(args)
+        return
     torch.set_num_threads(args.threads)
     configs: dict[str, object] = {"off": None}
     for k in args.ngram_k:
@@ -280,6 +295,48 @@ def main() -> None:
          {"args": vars(args), "results": results}, markdown, out=OUT / "partial" if partial else OUT)
     if not partial:
         write_lesson_values(json.loads((OUT / "spec_decode.json").read_text()), args.model)
+
+
+CONTROL = "off again (a second engine)"
+
+
+def under_load(args: argparse.Namespace) -> None:
+    """16 and 64 requests: every engine in turn, ``args.rounds`` times; the median CPU speed-up and its range."""
+    torch.set_num_threads(args.threads)
+    k = min(args.ngram_k)
+    ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    configs = {"off": None, CONTROL: None, f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
+               f"ngram auto k<={max(args.ngram_k)}": {**ngram, "num_speculative_tokens": max(args.ngram_k),
+                                                      "auto_k": True},
+               f"int8 self-draft auto k<={args.k}": {"method": "int8_self_draft", "num_speculative_tokens": args.k,
+                                                    "auto_k": True}}
+    engines = {name: Engine(args.model, speculative_config=spec) for name, spec in configs.items()}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for engine in engines.values():
+        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    results = []
+    for workload, prompts in workloads(engines["off"]).items():
+        for batch in (16, 64):
+            chosen = [prompts[i % len(prompts)] for i in range(max(args.prompts, batch))]
+            rounds = [{name: run(engine, chosen, batch, params) for name, engine in engines.items()}
+                      for _ in range(args.rounds)]
+            for name in engines:
+                cpu = sorted(r["off"]["cpu_s"] / r[name]["cpu_s"] for r in rounds)
+                wall = sorted(r["off"]["wall_s"] / r[name]["wall_s"] for r in rounds)
+                produced = sum(r[name]["output_tokens"] for r in rounds)
+                forwards = sum(r[name]["output_tokens"] / r[name]["tokens_per_forward"] for r in rounds)
+                record = {"workload": workload, "batch": batch, "config": name, "rounds": args.rounds,
+                          "cpu_speedup": cpu[len(cpu) // 2], "cpu_speedup_min": cpu[0], "cpu_speedup_max": cpu[-1],
+                          "speedup": wall[len(wall) // 2], "tokens_per_forward": produced / forwards,
+                          "identical": all(r[name]["tokens"] == r["off"]["tokens"] for r in rounds),
+                          "host_ms_per_step": statistics.median(r[name]["host_ms_per_step"] for r in rounds),
+                          "draft_ms_per_step": statistics.median(r[name]["draft_ms_per_step"] for r in rounds)}
+                results.append(record)
+                print(workload, batch, name, f"CPU {record['cpu_speedup']:.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f})",
+                      flush=True)
+    markdown = (f"Speculative decoding under load, {args.model}, greedy, max_tokens={args.max_tokens}, "
+                f"{args.rounds} rounds ({machine_line()})\n\n" + spec_decode_load_table({"results": results}))
+    save("spec_decode_load", {"args": vars(args), "results": results}, markdown)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,17 @@ def spec_decode_table(r: dict[str, Any]) -> str:
                            "drafting ms / step", "host ms / step", "same greedy tokens"], rows)
 
 
+def spec_decode_load_table(r: dict[str, Any]) -> str:
+    """bench/spec_decode.py --under-load: the median CPU speed-up over the rounds, and its range."""
+    rows = [[x["workload"], x["batch"], x["config"], f"{x['tokens_per_forward']:.2f}", f"{x['cpu_speedup']:.2f}x",
+             f"{x['cpu_speedup_min']:.2f}-{x['cpu_speedup_max']:.2f}x", f"{x['speedup']:.2f}x",
+             f"{x['draft_ms_per_step']:.2f}", f"{x['host_ms_per_step']:.2f}", "yes" if x["identical"] else "**no**"]
+            for x in r["results"]]
+    return markdown_table(["workload", "requests", "speculation", "tokens / target forward", "CPU speed-up (median)",
+                           "CPU speed-up (range)", "wall speed-up (median)", "drafting ms / step", "host ms / step",
+                           "same greedy tokens"], rows)
+
+
 def chunked_prefill_table(r: dict[str, Any]) -> str:
     rows = [[x["budget"] if x["budget"] != "chunked off" else "chunked off (prefill-first)",
              f"{short(x['itl_p99_ms'] / 1000)} s", f"{short(x['ttft_long_s'])} s", x["ttft_long_steps"],
@@ -272,6 +283,7 @@ def spec_verify_cost_table(record: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
+    "spec_decode_load": spec_decode_load_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
