@@ -118,8 +118,14 @@ DEFINE_TILE(tile_int8, int8_t, load_int8)
             const int nc = batch - b0 < TILE_C ? (int)(batch - b0) : TILE_C;                                     \
             if (nr == TILE_R && nc == TILE_C)                                                                    \
                 TILE(w, scale, x, out, rows, cols, i0, b0, TILE_R, TILE_C);                                      \
+            else if (nr == TILE_R)                /* the last 1-3 token rows: still every weight row at once */  \
+                switch (nc) {                                                                                    \
+                case 1: TILE(w, scale, x, out, rows, cols, i0, b0, TILE_R, 1); break;                            \
+                case 2: TILE(w, scale, x, out, rows, cols, i0, b0, TILE_R, 2); break;                            \
+                default: TILE(w, scale, x, out, rows, cols, i0, b0, TILE_R, 3); break;                           \
+                }                                                                                                \
             else                                                                                                 \
-                for (int r = 0; r < nr; r++)      /* the ragged edges: one weight row, 1-4 token rows */         \
+                for (int r = 0; r < nr; r++)      /* the last weight rows: one at a time, 1-4 token rows */      \
                     switch (nc) {                                                                                \
                     case 1: TILE(w, scale, x, out, rows, cols, i0 + r, b0, 1, 1); break;                         \
                     case 2: TILE(w, scale, x, out, rows, cols, i0 + r, b0, 1, 2); break;                         \

@@ -189,7 +189,7 @@ class Engine:
         outcome = self._account(plan, sampled, verified, times)
         result = self._process_outputs(outcome, plan.failed, start, wait_s=0.0)
         if self.speculator is not None:    # the automatic k learns what a step of so many rows costs, all of it
-            self.speculator.observe_step(plan.chunks, result.event.duration_s - result.event.draft_s)
+            self.speculator.observe_step(plan.chunks, result.event.duration_s, result.event.draft_s)
         return result
 
     def _schedule(self) -> SchedulerOutput:

@@ -42,9 +42,10 @@ class Sampler:
         Returns one token id per request, or None for a request whose sampling failed: the engine aborts that
         one request and serves the others."""
         picked = range(len(requests)) if rows is None else rows
+        tokens: list[Optional[int]] = [None] * len(requests)
         if argmax is not None:
-            tokens: list[Optional[int]] = [argmax[i] for i in picked]
-        else:
+            tokens = [argmax[i] for i in picked]
+        elif any(req.params.greedy for req in requests):
             tokens = self.argmax(logits if rows is None else logits[list(rows)]).tolist()
         for row, req in enumerate(requests):
             if req.error is not None:            # the logits stage failed it: nothing to sample

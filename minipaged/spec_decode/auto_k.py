@@ -8,22 +8,27 @@ only if the target accepts it. Running estimates decide:
   for each later position j, the chance ``c_j`` that draft j is accepted once draft j - 1 was (drafts come in
   runs: text that quotes its input is quoted for a while). The j-th draft is used with probability
   ``a * c_2 * ... * c_j``: its expected gain in tokens.
-* **cost**: the seconds a decode step of R rows took (a running average per row count, from the engine's own
-  timings; between the counts it has seen, the line through the nearest two). On a CPU at batch one a few more
-  rows cost little (a step reads the weights once), in a batch of 64 every row costs its share of the compute:
-  the same rule then says no. A draft model's pass is timed the same way, by the number of requests in it.
+* **cost**: the seconds a decode step of R rows took, drafts included (a running average per row count, from
+  the engine's own timings of whole steps, and a line through the counts near R: ``StepCost``). On a CPU at
+  batch one a few more rows cost little (a step reads the weights once), in a batch of 64 every row costs nearly
+  its share of the compute: the same rule then says no. A draft model's pass is timed apart, by the number of
+  requests in it.
 
 The choice is the one that maximises expected tokens per second for the whole step (vLLM's dynamic speculation
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
-the order of their gain, and stop at the first that would lower tokens per second. A request whose drafts lose
-gets k = 0 (speculation off for it); a batch where every draft loses runs as plain decodes. A request that
-speculates no more keeps being watched: the n-gram lookup's guess costs nothing, so it is still made and
+the order of their gain, and stop at the first that would lower tokens per second or not beat the plain step's
+by MARGIN. A request whose drafts lose gets k = 0 (speculation off for it); a batch where every draft loses runs
+as plain decodes. A request that speculates no more keeps being watched: the n-gram lookup's guess costs little
+(a scan of its tokens, in the step's cost), so it is still made and
 checked against the token that comes (``observe_verification`` of one draft); a draft model's is not free, so
 instead the request's estimate drifts up towards certainty over the steps that follow (optimism: a draft that
 lost gets another try every few dozen steps, a draft that was never tried gets its first). Where even a draft
-that is certain to be accepted would lose (a big batch on a CPU, where a row costs about its share of the step; a
+that is certain to be accepted would lose (a big batch on a CPU, where a row costs nearly its share of the step; a
 draft model whose pass costs more than a row gives), nothing is proposed, watched or drifted: the step is a plain
-decode and costs what one costs.
+decode and costs what one costs. (When such a stretch ends, the batch having shrunk, a draft model first feeds
+itself every token it missed, in one pass: one long drafting step, the work it would otherwise have done bit by
+bit. Row costs timed at large batches say little of small ones, so a small batch may wait to speculate until a
+step of its size has been timed.)
 """
 from __future__ import annotations
 
@@ -36,22 +41,22 @@ DRIFT = 0.99                # per idle step, the part of (1 - estimate) that sta
 # Before two row counts were timed: a row beyond the first costs this share of a one-row step (optimistic, so
 # that speculation is tried and the timings decide).
 PRIOR_ROW_COST = 0.15
-# A draft is taken when it raises tokens per second by this much of what its row costs, not merely at all: the
+# A draft is taken when its tokens per second beat the plain step's by this much, not merely at all: the
 # drafts chosen are those whose estimates are highest, which are more often too high than too low (a request
 # with a few lucky guesses), and a step that verifies does host work a plain decode does not. Where a row costs
 # little (batch one on a CPU) the margin changes nothing; where it costs nearly its share of the step (a big batch)
 # it keeps speculation to the drafts that are nearly sure.
-MARGIN = 0.1
+MARGIN = 0.3
 
 
 def moved(average: float, outcome: float) -> float:
     return average + WEIGHT * (outcome - average)
 
 
-def pays(gain: float, extra_seconds: float, rate: float) -> bool:
-    """Whether ``gain`` more tokens for ``extra_seconds`` more raise a step's tokens per second (``rate``) by the
-    margin: (tokens + gain) / (seconds + extra) > rate, with the extra's cost in tokens raised by MARGIN."""
-    return gain > (1 + MARGIN) * extra_seconds * rate
+def pays(gain: float, extra_seconds: float, rate: float, plain_rate: float) -> bool:
+    """Whether ``gain`` more tokens for ``extra_seconds`` more raise a step's tokens per second (``rate`` so far:
+    (tokens + gain) / (seconds + extra) > rate), and beat the plain step's (``plain_rate``) by the margin."""
+    return gain > extra_seconds * max(rate, (1 + MARGIN) * plain_rate)
 
 
 @dataclass
@@ -86,7 +91,7 @@ class StepCost:
             near.append(farther.pop(0))
         weights = {r: min(self.timed.get(r, 1), 8) for r in near}
         total = sum(weights.values())
-        mean_rows = sum(w * r for r, w in weights.items()) / total
+        mean_rows = max(sum(w * r for r, w in weights.items()) / total, 1.0)
         mean_s = sum(w * seen[r] for r, w in weights.items()) / total
         if max(near) - min(near) < wanted:
             slope = PRIOR_ROW_COST * mean_s / mean_rows
@@ -156,13 +161,17 @@ class AutoK:
     def choose(self, limits: dict[str, int]) -> dict[str, int]:
         """k per request (at most its limit), maximising the step's expected tokens per second."""
         chosen = {rid: 0 for rid in limits}
+        if not limits:
+            self.closed = True
+            return chosen
         intercept, slope = self.cost.line(len(limits))
         cost = lambda rows: max(intercept + slope * rows, 1e-9)   # noqa: E731 (one line for the whole choice)
         rows = tokens = float(len(limits))
-        seconds = cost(rows)
+        seconds = cost(rows)                                    # the plain step
+        plain_rate = tokens / seconds
         # Even a certain draft loses here (every row costs its share of the compute; a draft model's pass costs
         # more than a row gives): nothing is worth proposing, watching or trying again: plain decodes.
-        self.closed = not limits or not pays(1.0, cost(rows + 1) + self.drafting_s(1, 1) - seconds, rows / seconds)
+        self.closed = not pays(1.0, cost(rows + 1) + self.drafting_s(1, 1) - seconds, plain_rate, plain_rate)
         if self.closed:
             return chosen
         for rid in limits:
@@ -176,7 +185,7 @@ class AutoK:
                 continue
             new_passes, new_drafting = max(passes, j), drafting + (j == 1)
             new_seconds = cost(rows + 1) + self.drafting_s(new_passes, new_drafting)
-            if not pays(gain, new_seconds - seconds, tokens / seconds):
+            if not pays(gain, new_seconds - seconds, tokens / seconds, plain_rate):
                 break
             chosen[rid], passes, drafting, seconds = j, new_passes, new_drafting, new_seconds
             rows, tokens = rows + 1, tokens + gain

@@ -75,12 +75,15 @@ class Speculator:
                 del self._watched[rid]
                 self.auto.observe_verification(rid, int(req.all_token_ids[position] == guess), 1)
 
-    def observe_step(self, chunks: Sequence[Any], seconds: float) -> None:
-        """A step took ``seconds`` without its drafting (scheduling, the forward pass, verification, the outputs
-        and the event: a verification's host work costs as surely as its rows do): the automatic k learns what
-        rows cost from the steps of decodes (with or without drafts) alone."""
+    def observe_step(self, chunks: Sequence[Any], seconds: float, draft_s: float) -> None:
+        """A step took ``seconds``, ``draft_s`` of them proposing the next step's drafts: the automatic k learns
+        what rows cost from the steps of decodes (with or without drafts) alone, all of such a step (scheduling,
+        the forward pass, verification, the outputs and the event: a verification's host work costs as surely as
+        its rows do). A draft model's passes are timed apart (``AutoK.draft_pass``); the n-gram
+        lookups stay in the step's cost, which grows with the requests that look up."""
         if self.auto is not None and chunks and all(c.kind == "decode" for c in chunks):
-            self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds)
+            drafting = draft_s if self.config.uses_draft_model else 0.0
+            self.auto.cost.observe(sum(c.num_new_tokens for c in chunks), seconds - drafting)
 
     def verify(self, req: Request, rows: torch.Tensor, draft_token_ids: Sequence[int],
                argmax: Optional[list[int]] = None) -> Optional[Verified]:

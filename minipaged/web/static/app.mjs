@@ -38,7 +38,7 @@ const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null, abort: null,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null,
   streams: 0,                                      // event streams reading now: one (two for a moment on a new key)
   settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
@@ -92,10 +92,12 @@ function authHeaders() {
  * fold steps into one picture, and a keyless one (others' text hidden) would overwrite what a keyed one shows. */
 async function connect() {
   if (view.abort) view.abort.abort();
+  clearTimeout(view.retry);                      // a reconnect planned for a stream before: this one replaces it
   const abort = new AbortController();
   view.abort = abort;
   const superseded = () => view.abort !== abort;
   view.connected = view.goodbye = false;
+  setStatus();
   let response;
   try {
     response = await fetch("v1/events", { headers: authHeaders(), cache: "no-store", signal: abort.signal });
@@ -151,7 +153,7 @@ async function connect() {
   }
   if (superseded()) return;                                             // a newer stream took over
   view.connected = false;
-  if (view.goodbye) { setStatus(); setTimeout(connect, 5000); return; }   // a restarted server is found again
+  if (view.goodbye) { setStatus(); view.retry = setTimeout(connect, 5000); return; }   // found again when back
   if (dropped) { view.drops += 1; return lost(`this page fell behind and was dropped (${dropped}); reconnecting from a fresh snapshot`, 500); }
   lost("lost the server; reconnecting");
 }
@@ -160,7 +162,7 @@ function lost(message, delay = 2000) {
   view.connected = false;
   banner(message);
   setStatus();
-  setTimeout(connect, delay);
+  view.retry = setTimeout(connect, delay);
 }
 
 function askKey() {
@@ -210,8 +212,9 @@ const isMine = (rid) => view.mine.has(rid) || view.mine.has(rid.replace(/\.\d+$/
 
 function draw() {
   if (!view.info) return;
-  const st = view.shown = foldAtCursor();
-  if (textHidden()) showOwnTextOnly(st);
+  let st = foldAtCursor();
+  if (textHidden()) st = withOwnTextOnly(st);
+  view.shown = st;
   if (presenter) followTeacher(st);
   const selected = view.selected && st.requests.has(view.selected) ? st.requests.get(view.selected) : null;
   const dim = selected && (selected.blocks.length || selected.cpu_blocks.length);
@@ -675,13 +678,17 @@ async function loadSettings(superseded = () => false) {
 
 const textHidden = () => Boolean(view.settings && view.settings.others_text === "hidden" && !view.settings.teacher);
 
-/** Others' text never reached this page (the server sent none); its own comes from what it sent and got back. */
-function showOwnTextOnly(st) {
+/** Others' text never reached this page (the server sent none); its own comes from what it sent and got back.
+ * A copy to draw: the fold itself keeps what the stream said, so that text the page may see (a key given
+ * meanwhile: its stream's first steps can come before its settings do) is never overwritten by the placeholder. */
+function withOwnTextOnly(st) {
+  const requests = new Map();
   for (const [rid, r] of st.requests) {
     const own = view.own.get(rid) || view.own.get(rid.replace(/\.\d+$/, ""));
-    r.prompt = own ? own.prompt : HIDDEN_TEXT;
-    r.text = own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : "");
+    requests.set(rid, { ...r, prompt: own ? own.prompt : HIDDEN_TEXT,
+      text: own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : "") });
   }
+  return { ...st, requests };
 }
 
 /** The presenter view: the teacher's newest request is selected as soon as the engine shows it. */
