@@ -188,9 +188,11 @@ def capture_decode_graphs(runner: ModelRunner, config: EngineConfig,
     """Capture the decode steps' CUDA graphs (kernels/backends/cuda_graphs.py) for the runner to replay; the
     time and memory it took go to the start-up messages."""
     sizes = config.capture_sizes() or default_capture_sizes(config.max_num_seqs)
+    spec = config.speculative              # verifications get their own graphs, k + 1 rows a request
     graphs = DecodeGraphs(sizes, max_blocks_per_seq=-(-config.max_model_len // config.block_size),
                           max_model_len=config.max_model_len, device=runner.device, forward=runner.forward_static,
-                          api=CudaGraphApi(runner.device))
+                          api=CudaGraphApi(runner.device),
+                          verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 1)
     line = graphs.capture()
     logger.info(line)
     if progress is not None:

@@ -177,6 +177,12 @@ def test_compiled_linear_matches_torch_and_leaves_the_rest_to_it():
     for rows in range(1, PER_ROW_ROWS + 1):
         together = linear(x[:rows], weight)
         assert all(torch.equal(together[b], linear(x[b:b + 1], weight)[0]) for b in range(rows)), rows
+    # Past them, the tiled multiply: a token row in the last, ragged group of 1-3 gets the bits it gets in a full
+    # group of four (the same sums in the same order, every weight row of a tile at once either way).
+    x, weight = torch.randn(12, 577, generator=gen), torch.randn(50, 577, generator=gen)
+    full = linear(x, weight)
+    for rows in (9, 10, 11):
+        assert torch.equal(linear(x[:rows], weight), full[:rows]), rows
     x, weight = torch.randn(PER_ROW_ROWS + 3, 64, generator=gen), torch.randn(40, 64, generator=gen)
     strided = torch.randn(64, 40, generator=gen).t()
     for args in ((x[:2].bfloat16(), weight.bfloat16()), (x[:2], strided), (x, strided), (x[:0], weight)):

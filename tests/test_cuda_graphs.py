@@ -57,7 +57,7 @@ def test_default_sizes_and_padding_to_the_next_size():
         meta = SimpleNamespace(host_seq_lens=[9] * len(queries_per_request), host_query_start_loc=starts,
                                block_tables=torch.zeros(len(queries_per_request), table_width, dtype=torch.int32))
         return SimpleNamespace(meta=meta, sampled_requests=[None] * (sampled or len(queries_per_request)),
-                               prompt_rows=list(prompt_rows))
+                               prompt_rows=list(prompt_rows), num_logits_rows=list(queries_per_request))
     # Each of these must run eagerly (None) before touching a graph: a prefill chunk, a batch too big, a
     # verification of drafts (two rows of one request), prompt log-probabilities, a table wider than the static one.
     for model_input in (step([5]), step([1] * 5), step([1, 2]), step([1], prompt_rows=[("r", 1, 1)]),
@@ -139,3 +139,43 @@ def test_command_line_flags():
     assert engine_options(args) == {"enforce_eager": True, "cuda_graphs": True, "cudagraph_capture_sizes": "1,2,8"}
     from minipaged.config import EngineConfig
     assert EngineConfig(cudagraph_capture_sizes="8, 1,2").capture_sizes() == [1, 2, 8]
+
+
+def test_verification_steps_replay_graphs_of_k_plus_one_rows_padded_in_front(tiny_model):
+    """With speculation on, steps that verify drafts replay a second set of graphs, k + 1 rows a request: a request
+    with fewer drafts is padded in front, where its padding rows sit at positions already in the cache (its context
+    length stays its own) and write no K/V. Greedy tokens are the torch backend's without speculation."""
+    pytest.importorskip("triton")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 4))] * 4 for _ in range(5)]   # they repeat
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        return [out.token_ids for out in engine.generate(prompts, params, use_tqdm=False)]
+    want = tokens(Engine(tiny_model, attention_backend="torch", block_size=4, num_blocks=64))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = Engine(tiny_model, attention_backend="triton", block_size=4, num_blocks=64, max_model_len=64,
+                    speculative_config=ngram)
+    seen = []                                               # each verification replay's rows: (slots, lengths)
+
+    def forward(view):
+        if len(view.input_ids) > len(view.host_seq_lens):
+            seen.append((view.slot_mapping.tolist(), view.seq_lens.tolist()))
+        return engine.runner.forward_static(view)
+
+    graphs = DecodeGraphs([2, 4, 8], max_blocks_per_seq=16, max_model_len=64, device=torch.device("cpu"),
+                          forward=forward, api=RerunGraphs(), verify_rows=4)
+    line = graphs.capture()
+    assert "and 3 for verifying 3 drafts a request (2, 4, 8)" in line
+    seen.clear()
+    engine.runner.graphs = graphs
+    assert tokens(engine) == want
+    assert graphs.verify_replays == len(seen) >= 1 and engine.stats()["spec_decode_num_draft_tokens"] > 0
+    padded_in_front = 0
+    for slots, lengths in seen:
+        for request in range(len(lengths)):
+            rows = slots[request * 4:(request + 1) * 4]
+            real = [s for s in rows if s >= 0]
+            assert rows == [-1] * (4 - len(real)) + real       # padding first, then the request's own rows
+            padded_in_front += 0 < len(real) < 4
+    assert padded_in_front >= 1
