@@ -21,8 +21,9 @@ sampler, bookkeeping, detokenizing).
 
 Under load (``--under-load``: 16 and 64 requests) a speed-up is a few percent either way, the size of the
 noise between two runs of one engine: that mode runs each batch several rounds, every engine in turn in each
-round, beside a second engine with speculation off (the control: its "speed-up" is the noise), and reports the
-median CPU speed-up over the rounds and its range (bench/out/spec_decode_load.json).
+round, beside a second engine with speculation off (the two "off" engines, averaged, are each round's baseline;
+each one's own "speed-up" over it shows the noise), and reports the median CPU speed-up over the rounds and its
+range (bench/out/spec_decode_load.json).
 
     python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5]
                                 [--threads 1] [--quick] [--under-load [--rounds 3]]
@@ -236,6 +237,8 @@ def main() -> None:
     if args.quick:
         args.prompts, args.batch1_prompts, args.max_tokens, args.batches = 4, 4, 64, [1]
     if args.under_load:
+        if args.only or args.quick:
+            ap.error("--under-load runs its own configurations and batches: leave out --only and --quick")
         under_load(args)
         return
     torch.set_num_threads(args.threads)
@@ -297,15 +300,17 @@ def main() -> None:
         write_lesson_values(json.loads((OUT / "spec_decode.json").read_text()), args.model)
 
 
-CONTROL = "off again (a second engine)"
+CONTROL = "off (a second engine)"
 
 
 def under_load(args: argparse.Namespace) -> None:
-    """16 and 64 requests: every engine in turn, ``args.rounds`` times; the median CPU speed-up and its range."""
+    """16 and 64 requests: every engine in turn, ``args.rounds`` times; the median CPU speed-up and its range. The
+    engines live through the whole run, as a server's would: the automatic k's estimates and step costs carry over
+    from round to round, batch to batch and workload to workload (the first round of all is the only cold one)."""
     torch.set_num_threads(args.threads)
     k = min(args.ngram_k)
     ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    configs = {"off": None, CONTROL: None, f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
+    configs = {"off": None, CONTROL: None,       # (the baseline: both) f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
                f"ngram auto k<={max(args.ngram_k)}": {**ngram, "num_speculative_tokens": max(args.ngram_k),
                                                       "auto_k": True},
                f"int8 self-draft auto k<={args.k}": {"method": "int8_self_draft", "num_speculative_tokens": args.k,
@@ -318,17 +323,24 @@ def under_load(args: argparse.Namespace) -> None:
     for workload, prompts in workloads(engines["off"]).items():
         for batch in (16, 64):
             chosen = [prompts[i % len(prompts)] for i in range(max(args.prompts, batch))]
-            rounds = [{name: run(engine, chosen, batch, params) for name, engine in engines.items()}
-                      for _ in range(args.rounds)]
+            rounds = []
+            for i in range(args.rounds):        # each round in another order: a drift in the CPU's speed hits all
+                order = list(engines)[i % len(engines):] + list(engines)[:i % len(engines)]
+                rounds.append({name: run(engines[name], chosen, batch, params) for name in order})
+            # The baseline of a round: both engines with speculation off, averaged (either alone is one sample
+            # of the noise; each of the two then reads a little over or under 1.00x)
+            base_cpu = [(r["off"]["cpu_s"] + r[CONTROL]["cpu_s"]) / 2 for r in rounds]
+            base_wall = [(r["off"]["wall_s"] + r[CONTROL]["wall_s"]) / 2 for r in rounds]
             for name in engines:
-                cpu = sorted(r["off"]["cpu_s"] / r[name]["cpu_s"] for r in rounds)
-                wall = sorted(r["off"]["wall_s"] / r[name]["wall_s"] for r in rounds)
+                cpu = sorted(b / r[name]["cpu_s"] for b, r in zip(base_cpu, rounds))
+                wall = sorted(b / r[name]["wall_s"] for b, r in zip(base_wall, rounds))
                 produced = sum(r[name]["output_tokens"] for r in rounds)
                 forwards = sum(r[name]["output_tokens"] / r[name]["tokens_per_forward"] for r in rounds)
                 record = {"workload": workload, "batch": batch, "config": name, "rounds": args.rounds,
                           "cpu_speedup": cpu[len(cpu) // 2], "cpu_speedup_min": cpu[0], "cpu_speedup_max": cpu[-1],
                           "speedup": wall[len(wall) // 2], "tokens_per_forward": produced / forwards,
                           "identical": all(r[name]["tokens"] == r["off"]["tokens"] for r in rounds),
+                          "cpu_s_rounds": [r[name]["cpu_s"] for r in rounds],
                           "host_ms_per_step": statistics.median(r[name]["host_ms_per_step"] for r in rounds),
                           "draft_ms_per_step": statistics.median(r[name]["draft_ms_per_step"] for r in rounds)}
                 results.append(record)
