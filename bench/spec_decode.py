@@ -310,7 +310,8 @@ def under_load(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     k = min(args.ngram_k)
     ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    configs = {"off": None, CONTROL: None,       # (the baseline: both) f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
+    configs = {"off": None, CONTROL: None,                        # (the baseline: both)
+               f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
                f"ngram auto k<={max(args.ngram_k)}": {**ngram, "num_speculative_tokens": max(args.ngram_k),
                                                       "auto_k": True},
                f"int8 self-draft auto k<={args.k}": {"method": "int8_self_draft", "num_speculative_tokens": args.k,
