@@ -330,6 +330,17 @@ class Checkpoint:
     variants: Optional[tuple[str, ...]] = None   # runs in which it can happen (None: any run)
 
 
+def decodes(ev: StepEvent) -> int:
+    """How many requests decoded in this step, or 0 when the step did anything else (a prefill, a chunk)."""
+    kinds = {s.kind for s in ev.scheduled}
+    return len(ev.scheduled) if kinds == {"decode"} else 0
+
+
+def decode_steps(events: list[StepEvent], batch: int) -> list[StepEvent]:
+    """The steps in which exactly ``batch`` requests decoded and nothing else ran (lessons 9 and 10 time them)."""
+    return [ev for ev in events if decodes(ev) == batch]
+
+
 def every_request_finished(scenario: "Scenario") -> Checkpoint:
     """The closing checkpoint several lessons share: every request of ``scenario`` finished with all its tokens."""
     def check(t: Trace) -> Any:

@@ -9,8 +9,8 @@ from typing import Any
 
 from minipaged.events import StepEvent
 
-from .core import (Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, build_lesson_model, every_request_finished,
-                   request, run_variant)
+from .core import (Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, build_lesson_model, decode_steps, decodes,
+                   every_request_finished, request, run_variant)
 from .texts import DOCUMENTS, QUESTIONS
 
 NUMBER = 10
@@ -32,17 +32,6 @@ SCENARIO = Scenario(
     variants={"sync": {}, "async": {"async_scheduling": True}},
 )
 PHASES = {"alone": 1, "batch": len(BATCH)}
-
-
-def decodes(ev: StepEvent) -> int:
-    """How many requests decoded in this step, or 0 when the step did anything else (a prefill, nothing)."""
-    kinds = {s.kind for s in ev.scheduled}
-    return len(ev.scheduled) if kinds == {"decode"} else 0
-
-
-def decode_steps(events: list[StepEvent], batch: int) -> list[StepEvent]:
-    """The steps in which exactly ``batch`` requests decoded and nothing else ran."""
-    return [ev for ev in events if decodes(ev) == batch]
 
 
 def schedule(run: Run) -> list[tuple]:

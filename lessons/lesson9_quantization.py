@@ -5,9 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from minipaged.events import StepEvent
-
-from .core import Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, every_request_finished, request
+from .core import (Checkpoint, QuizQuestion, Run, Scenario, Text, Trace, decode_steps, decodes,
+                   every_request_finished, request)
 from .texts import DOCUMENTS, QUESTIONS
 
 NUMBER = 9
@@ -28,17 +27,6 @@ SCENARIO = Scenario(
     ),
     variants={"fp32": {}, "int8": {"quantization": "int8"}},
 )
-
-
-def decodes(ev: StepEvent) -> int:
-    """How many requests decoded in this step, or 0 when the step did anything else (a prefill, a chunk)."""
-    kinds = {s.kind for s in ev.scheduled}
-    return len(ev.scheduled) if kinds == {"decode"} else 0
-
-
-def decode_steps(events: list[StepEvent], batch: int) -> list[StepEvent]:
-    """The steps in which exactly ``batch`` requests decoded and nothing else ran."""
-    return [ev for ev in events if decodes(ev) == batch]
 
 
 def decode_tokens_per_s(run: Run, batch: int) -> float:

@@ -38,8 +38,6 @@ class NgramProposer:
     def propose(self, requests: Sequence[Request], max_drafts: dict[str, int]) -> dict[str, Draft]:
         drafts: dict[str, Draft] = {}
         for req in requests:
-            if max_drafts[req.request_id] <= 0:          # speculation off for it this step: no lookup
-                continue
             guess = find_ngram_continuation(req.all_token_ids, self.min_n, self.max_n, max_drafts[req.request_id])
             if guess:
                 drafts[req.request_id] = Draft(guess)
