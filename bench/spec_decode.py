@@ -95,6 +95,32 @@ class CpuClock:
         return times[len(times) // 2] if times else None
 
 
+def configurations(args: argparse.Namespace) -> dict[str, Optional[dict]]:
+    """Every configuration by its name in the tables: speculative_config, or None for speculation off."""
+    ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    configs: dict[str, Optional[dict]] = {"off": None}
+    for k in args.ngram_k:
+        configs[f"ngram k={k}"] = {**ngram, "num_speculative_tokens": k}
+    configs[f"ngram auto k<={max(args.ngram_k)}"] = {**ngram, "num_speculative_tokens": max(args.ngram_k),
+                                                    "auto_k": True}
+    if args.draft_layers:
+        configs[f"self-draft {args.draft_layers}L k={args.k}"] = {
+            "method": "draft_model", "model": "self", "num_draft_layers": args.draft_layers,
+            "num_speculative_tokens": args.k}
+    configs[f"int8 self-draft k={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k}
+    configs[f"int8 self-draft auto k<={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k,
+                                                    "auto_k": True}
+    return configs
+
+
+def warmed_engines(model: str, configs: dict[str, Optional[dict]]) -> dict[str, Engine]:
+    """An engine per configuration, each run once on a short prompt first (not measured)."""
+    engines = {name: Engine(model, speculative_config=spec) for name, spec in configs.items()}
+    for engine in engines.values():
+        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    return engines
+
+
 def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
     """Generate every prompt, ``batch`` at a time; the engine's counters say what speculation did."""
     gc.collect()        # the garbage of the run before, collected now: not in the middle of this run's steps
@@ -242,25 +268,10 @@ def main() -> None:
         under_load(args)
         return
     torch.set_num_threads(args.threads)
-    configs: dict[str, object] = {"off": None}
-    for k in args.ngram_k:
-        configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                                   "prompt_lookup_max": 4}
-    configs[f"ngram auto k<={max(args.ngram_k)}"] = {"method": "ngram", "num_speculative_tokens": max(args.ngram_k),
-                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4, "auto_k": True}
-    if args.draft_layers:
-        configs[f"self-draft {args.draft_layers}L k={args.k}"] = {
-            "method": "draft_model", "model": "self", "num_draft_layers": args.draft_layers,
-            "num_speculative_tokens": args.k}
-    configs[f"int8 self-draft k={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k}
-    configs[f"int8 self-draft auto k<={args.k}"] = {"method": "int8_self_draft", "num_speculative_tokens": args.k,
-                                                    "auto_k": True}
-    configs = {name: spec for name, spec in configs.items()
+    configs = {name: spec for name, spec in configurations(args).items()
                if args.only is None or name == "off" or any(word in name for word in args.only)}
-    engines = {name: Engine(args.model, speculative_config=spec) for name, spec in configs.items()}
+    engines = warmed_engines(args.model, configs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for engine in engines.values():                       # warm-up, not measured
-        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     results, rows = [], []
     for workload, prompts in workloads(engines["off"]).items():
         for batch in args.batches:
@@ -308,18 +319,11 @@ def under_load(args: argparse.Namespace) -> None:
     engines live through the whole run, as a server's would: the automatic k's estimates and step costs carry over
     from round to round, batch to batch and workload to workload (the first round of all is the only cold one)."""
     torch.set_num_threads(args.threads)
-    k = min(args.ngram_k)
-    ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    configs = {"off": None, CONTROL: None,                        # (the baseline: both)
-               f"ngram k={k}": {**ngram, "num_speculative_tokens": k},
-               f"ngram auto k<={max(args.ngram_k)}": {**ngram, "num_speculative_tokens": max(args.ngram_k),
-                                                      "auto_k": True},
-               f"int8 self-draft auto k<={args.k}": {"method": "int8_self_draft", "num_speculative_tokens": args.k,
-                                                    "auto_k": True}}
-    engines = {name: Engine(args.model, speculative_config=spec) for name, spec in configs.items()}
+    every = configurations(args)
+    shown = [f"ngram k={min(args.ngram_k)}", f"ngram auto k<={max(args.ngram_k)}", f"int8 self-draft auto k<={args.k}"]
+    configs = {"off": None, CONTROL: None, **{name: every[name] for name in shown}}   # (the baseline: both off)
+    engines = warmed_engines(args.model, configs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for engine in engines.values():
-        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     results = []
     for workload, prompts in workloads(engines["off"]).items():
         for batch in (16, 64):
