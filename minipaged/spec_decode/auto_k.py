@@ -33,6 +33,7 @@ step of its size has been timed.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 PRIOR_ACCEPTANCE = 0.5      # the chance of a first draft before anything was seen
 PRIOR_RUN = 0.9             # the chance of draft j once draft j - 1 was accepted, before anything was seen
@@ -59,6 +60,16 @@ def pays(gain: float, extra_seconds: float, rate: float, plain_rate: float) -> b
     return gain > extra_seconds * max(rate, (1 + MARGIN) * plain_rate)
 
 
+class Line(NamedTuple):
+    """Seconds of a step by its rows, near the rows it was read at: intercept + slope * rows."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, rows: float) -> float:
+        return max(self.intercept + self.slope * rows, 1e-9)
+
+
 @dataclass
 class StepCost:
     """Seconds a decode step takes by its number of rows: running averages of the counts seen, and a line through
@@ -77,13 +88,13 @@ class StepCost:
         self.seconds[rows] = seconds if old is None else moved(old, seconds)
         self.timed[rows] = self.timed.get(rows, 0) + 1
 
-    def line(self, rows: int) -> tuple[float, float]:
-        """(intercept, slope): a step of ``x`` rows near ``rows`` takes about intercept + slope * x seconds. With
+    def line(self, rows: int) -> Line:
+        """A step of ``x`` rows near ``rows`` takes about intercept + slope * x seconds. With
         too narrow a spread of counts (or none), the slope is PRIOR_ROW_COST of a row's share of the nearest step:
         optimistic, so that drafts are tried and their steps timed."""
         seen = self.seconds
         if not seen:
-            return 1.0 - PRIOR_ROW_COST, PRIOR_ROW_COST            # 1.0 at one row, in no particular unit
+            return Line(1.0 - PRIOR_ROW_COST, PRIOR_ROW_COST)      # 1.0 at one row, in no particular unit
         wanted = max(2, rows // 8)
         near = [r for r in seen if rows // 2 <= r <= 2 * rows + 4]
         farther = sorted((r for r in seen if r not in near), key=lambda r: (abs(r - rows), r))
@@ -98,12 +109,11 @@ class StepCost:
         else:
             spread = sum(w * (r - mean_rows) ** 2 for r, w in weights.items())
             slope = max(0.0, sum(w * (r - mean_rows) * (seen[r] - mean_s) for r, w in weights.items()) / spread)
-        return mean_s - slope * mean_rows, slope
+        return Line(mean_s - slope * mean_rows, slope)
 
     def __call__(self, rows: int) -> float:
         """The expected seconds of a step of ``rows`` rows (in any unit before anything was timed)."""
-        intercept, slope = self.line(rows)
-        return max(intercept + slope * rows, 1e-9)
+        return self.line(rows)(rows)
 
 
 @dataclass
@@ -164,8 +174,7 @@ class AutoK:
         if not limits:
             self.closed = True
             return chosen
-        intercept, slope = self.cost.line(len(limits))
-        cost = lambda rows: max(intercept + slope * rows, 1e-9)   # noqa: E731 (one line for the whole choice)
+        cost = self.cost.line(len(limits))                      # read once for the whole choice
         rows = tokens = float(len(limits))
         seconds = cost(rows)                                    # the plain step
         plain_rate = tokens / seconds
