@@ -12,6 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minipaged import Engine, SamplingParams
 from minipaged.cli import main as cli_main
@@ -20,7 +22,7 @@ from minipaged.events import EngineView, StepEvent
 from minipaged.options import add_engine_arguments, engine_options
 from minipaged.spec_decode import rejection_sampler
 from minipaged.spec_decode.config import SpeculativeConfig
-from minipaged.spec_decode.ngram import find_ngram_continuation
+from minipaged.spec_decode.ngram import NgramIndex, NgramProposer, find_ngram_continuation
 from minipaged.spec_decode.proposer import Draft
 from minipaged.spec_decode import speculator as speculator_module
 from minipaged.spec_decode.rejection_sampler import greedy_verdict, verify
@@ -188,6 +190,34 @@ def test_ngram_lookup_prefers_the_longest_suffix_then_the_earliest_occurrence():
     assert find_ngram_continuation([1, 2, 3, 4], 2, 4, 3) == []                      # no match: no draft
     assert find_ngram_continuation([1, 2, 9, 1, 2], 2, 4, 5) == [9, 1, 2]            # the text ran out
     assert find_ngram_continuation([1, 2, 9, 1, 2], 3, 4, 5) == []                   # shorter than min
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=60), cuts=st.lists(st.integers(1, 7), max_size=30),
+       ns=st.sampled_from([(1, 1), (2, 4), (2, 2), (3, 5)]), k=st.integers(0, 6))
+def test_the_ngram_index_answers_what_the_scan_answers_after_every_piece_of_text(tokens, cuts, ns, k):
+    """The proposer's index, fed the text in pieces of any size (one token a decode, several when drafts are
+    accepted), proposes at every point what a scan of the whole text would (a small alphabet: many matches)."""
+    min_n, max_n = ns
+    index, seen = NgramIndex(min_n, max_n), 0
+    for cut in cuts + [len(tokens)]:
+        index.extend(tokens[seen:seen + cut])
+        seen = min(seen + cut, len(tokens))
+        assert index.continuation(k) == find_ngram_continuation(tokens[:seen], min_n, max_n, k)
+
+
+def test_the_ngram_proposer_keeps_an_index_per_request_until_it_is_forgotten():
+    from minipaged.request import Request
+    proposer = NgramProposer(2, 4)
+    a = Request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0), 0, 0.0)
+    b = Request("b", [7, 8, 9, 7, 8], SamplingParams(temperature=0), 1, 0.0)
+    drafts = proposer.propose([a, b], {"a": 2, "b": 2})
+    assert drafts["a"].token_ids == [3, 1] and drafts["b"].token_ids == [9, 7]
+    a.output_token_ids += [3, 1, 2]               # the text grew by several tokens at once (accepted drafts)
+    assert proposer.propose([a], {"a": 3})["a"].token_ids == find_ngram_continuation(a.all_token_ids, 2, 4, 3)
+    proposer.forget("a")
+    assert set(proposer._indexes) == {"b"}
 
 
 # ----------------------------------------------------------------------------------- greedy exactness
@@ -552,6 +582,29 @@ def test_auto_k_proposes_and_watches_nothing_where_even_a_certain_draft_loses(ti
     decodes = [s for e in events for s in e.scheduled if s.kind == "decode"]
     assert decodes and all(s.spec_k == 0 and not s.draft_token_ids for s in decodes)
 
+
+
+def test_auto_k_gives_the_rows_that_pay_to_requests_whose_lookup_found_a_guess():
+    """The n-gram lookup is made first and the choice is among the requests it found a guess for: a request with
+    no match must not take the one draft that pays (it would be a row reserved for a draft that never comes, and
+    the step would verify nothing); one whose guess is shorter than k gets no more k than its guess has."""
+    from minipaged.request import Request, RequestStatus
+    from minipaged.sampling import Sampler
+    from minipaged.spec_decode.auto_k import StepCost
+    from minipaged.spec_decode.speculator import Speculator
+    config = SpeculativeConfig.parse({**NGRAM, "auto_k": True})
+    speculator = Speculator(config, NgramProposer(2, 4), 1024, Sampler(0))
+    auto = speculator.auto
+    auto.cost = StepCost({2: 1.0, 3: 1.3, 4: 1.6})         # a row: 0.3 of a 2-row step; one draft of 0.9 pays
+    auto.runs = [0.2]                                        # a second draft rarely follows: one draft only
+    auto.acceptance.update({"no-match": 0.95, "match": 0.9})
+    no_match = Request("no-match", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=50), 0, 0.0)
+    match = Request("match", [7, 8, 9, 7, 8], SamplingParams(temperature=0, max_tokens=50), 1, 0.0)
+    for req in (no_match, match):
+        req.status, req.num_computed_tokens, req.output_token_ids = RequestStatus.RUNNING, req.num_tokens, []
+    speculator.propose([no_match, match])
+    assert (no_match.spec_k, no_match.spec_token_ids) == (0, [])
+    assert (match.spec_k, match.spec_token_ids) == (1, [9])
 
 class _WrongGuesses:
     """A proposer whose guesses are never the target's greedy token (one past it, from the step's logits)."""

@@ -18,10 +18,12 @@ The choice is the one that maximises expected tokens per second for the whole st
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
 the order of their gain, and stop at the first that would lower tokens per second or not beat the plain step's
 by MARGIN. A request whose drafts lose gets k = 0 (speculation off for it); a batch where every draft loses runs
-as plain decodes. A request that speculates no more keeps being watched: the n-gram lookup's guess costs little
-(a scan of its tokens, in the step's cost), so it is still made and
-checked against the token that comes (``observe_verification`` of one draft); a draft model's is not free, so
-instead the request's estimate drifts up towards certainty over the steps that follow (optimism: a draft that
+as plain decodes. The n-gram lookup costs little (a dictionary read per n-gram length, in the step's cost), so it
+is made first, for every request, and the choice is among the requests that have a guess, each up to its guess's
+length: a request with no match is a plain row, not a draft that might be. A request that speculates no more
+keeps being watched: its guess is still made and checked against the token that comes (``observe_verification``
+of one draft). A draft model's guess is not free: the k is chosen first and drafted after, and an idle request's
+estimate drifts up towards certainty over the steps that follow (optimism: a draft that
 lost gets another try every few dozen steps, a draft that was never tried gets its first). Where even a draft
 that is certain to be accepted would lose (a big batch on a CPU, where a row costs nearly its share of the step; a
 draft model whose pass costs more than a row gives), nothing is proposed, watched or drifted: the step is a plain
@@ -82,8 +84,10 @@ class StepCost:
 
     seconds: dict[int, float] = field(default_factory=dict)
     timed: dict[int, int] = field(default_factory=dict)          # how many steps each average is made of
+    _lines: dict[int, Line] = field(default_factory=dict)        # read since the last step was timed
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._lines.clear()
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else moved(old, seconds)
         self.timed[rows] = self.timed.get(rows, 0) + 1
@@ -92,6 +96,11 @@ class StepCost:
         """A step of ``x`` rows near ``rows`` takes about intercept + slope * x seconds. With
         too narrow a spread of counts (or none), the slope is PRIOR_ROW_COST of a row's share of the nearest step:
         optimistic, so that drafts are tried and their steps timed."""
+        if rows not in self._lines:
+            self._lines[rows] = self._fit(rows)
+        return self._lines[rows]
+
+    def _fit(self, rows: int) -> Line:
         seen = self.seconds
         if not seen:
             return Line(1.0 - PRIOR_ROW_COST, PRIOR_ROW_COST)      # 1.0 at one row, in no particular unit
@@ -168,21 +177,29 @@ class AutoK:
             out.append(gain)
         return out
 
+    def worth_trying(self, requests: int) -> bool:
+        """Whether a draft could pay at all in a step of ``requests`` decodes (sets ``closed``)."""
+        return self._open(self.cost.line(max(requests, 1)), requests)
+
+    def _open(self, cost: Line, requests: int) -> bool:
+        """Even a certain draft loses where every row costs its share of the compute, or where a draft model's pass
+        costs more than a row gives: then nothing is worth proposing, watching or trying again, and the step is
+        plain decodes (``closed``)."""
+        seconds = cost(requests)
+        self.closed = not requests or not pays(1.0, cost(requests + 1) + self.drafting_s(1, 1) - seconds,
+                                               requests / seconds, requests / seconds)
+        return not self.closed
+
     def choose(self, limits: dict[str, int]) -> dict[str, int]:
-        """k per request (at most its limit), maximising the step's expected tokens per second."""
+        """k per request (at most its limit; one with limit 0 is a plain row of the step), maximising the step's
+        expected tokens per second."""
         chosen = {rid: 0 for rid in limits}
-        if not limits:
-            self.closed = True
+        cost = self.cost.line(max(len(limits), 1))              # read once for the whole choice
+        if not self._open(cost, len(limits)):
             return chosen
-        cost = self.cost.line(len(limits))                      # read once for the whole choice
         rows = tokens = float(len(limits))
         seconds = cost(rows)                                    # the plain step
         plain_rate = tokens / seconds
-        # Even a certain draft loses here (every row costs its share of the compute; a draft model's pass costs
-        # more than a row gives): nothing is worth proposing, watching or trying again: plain decodes.
-        self.closed = not pays(1.0, cost(rows + 1) + self.drafting_s(1, 1) - seconds, plain_rate, plain_rate)
-        if self.closed:
-            return chosen
         for rid in limits:
             self.acceptance.setdefault(rid, self.first)
         passes = drafting = 0                          # drafting passes, requests that draft

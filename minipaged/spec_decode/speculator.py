@@ -48,23 +48,45 @@ class Speculator:
         ready = {r.request_id: r for r in requests if r.status is RequestStatus.RUNNING and not r.is_prefill}
         limits = {rid: max(0, min(k, self.max_model_len - r.num_tokens,
                                   r.params.max_tokens - len(r.output_token_ids) - 1)) for rid, r in ready.items()}
-        if self.auto is not None:
-            self._check_watched(ready)
-            wanted = limits
+        if self.auto is None:
+            self._take(ready, self.proposer.propose(list(ready.values()), limits))
+        elif self.config.uses_draft_model:        # drafting costs passes: choose k first, then draft that many
             limits = self.auto.choose(limits)
-            for rid, req in ready.items():
-                req.spec_k, req.spec_acceptance = limits[rid], self.auto.acceptance.get(rid)
-        for rid, draft in self.proposer.propose(list(ready.values()), limits).items():
+            self._show_choice(ready, limits)
+            self._take(ready, self.proposer.propose(list(ready.values()), limits))
+            self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
+        else:
+            self._look_up_then_choose(ready, limits)
+        return time.perf_counter() - begin
+
+    def _look_up_then_choose(self, ready: dict[str, Request], limits: dict[str, int]) -> None:
+        """The automatic k with a free proposer (the n-gram lookup): look up every request's guess first, then
+        choose among the requests that have one (a request with no match is a plain row, not a draft that might
+        be), each up to its guess's length. An idle request's guess is watched: checked against the token that
+        comes, what its verification would have said. Where no draft could pay, nothing is looked up."""
+        self._check_watched(ready)
+        if not self.auto.worth_trying(len(ready)):
+            self._show_choice(ready, {rid: 0 for rid in ready})
+            return
+        guesses = self.proposer.propose(list(ready.values()), limits)
+        chosen = self.auto.choose({rid: len(guesses[rid].token_ids) if rid in guesses else 0 for rid in ready})
+        self._show_choice(ready, chosen)
+        for rid, guess in guesses.items():
+            if chosen[rid] == 0:
+                self._watched[rid] = (ready[rid].num_tokens, guess.token_ids[0])
+        self._take(ready, {rid: guess.trimmed(chosen[rid]) for rid, guess in guesses.items() if chosen[rid]})
+
+    def _show_choice(self, ready: dict[str, Request], chosen: dict[str, int]) -> None:
+        """Each request's k and acceptance estimate, for the step's event (the TUI and the page show them)."""
+        for rid, req in ready.items():
+            req.spec_k, req.spec_acceptance = chosen[rid], self.auto.acceptance.get(rid)
+
+    def _take(self, ready: dict[str, Request], drafts: dict[str, Draft]) -> None:
+        """The drafts go on their requests, for the scheduler to add to their next decode."""
+        for rid, draft in drafts.items():
             ready[rid].spec_token_ids = draft.token_ids
             if draft.probs is not None:
                 self._draft_probs[rid] = draft.probs
-        if self.auto is not None and self.config.uses_draft_model:
-            self.auto.observe_drafting(getattr(self.proposer, "pass_seconds", []))
-        elif self.auto is not None and not self.auto.closed:   # the lookup is free: guess for the idle ones, watch
-            idle = [r for rid, r in ready.items() if limits[rid] == 0 and wanted[rid] > 0]
-            for rid, draft in self.proposer.propose(idle, {r.request_id: 1 for r in idle}).items():
-                self._watched[rid] = (ready[rid].num_tokens, draft.token_ids[0])
-        return time.perf_counter() - begin
 
     def _check_watched(self, ready: dict[str, Request]) -> None:
         """The guesses made for idle requests, against the tokens that came: what their verification would
