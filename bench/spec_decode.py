@@ -23,15 +23,18 @@ Under load (``--under-load``: 16 and 64 requests) a speed-up is a few percent ei
 noise between two runs of one engine: that mode runs each batch several rounds, every engine in turn in each
 round, beside a second engine with speculation off (the two "off" engines, averaged, are each round's baseline;
 each one's own "speed-up" over it shows the noise), and reports the median CPU speed-up over the rounds and its
-range (bench/out/spec_decode_load.json).
+range (bench/out/spec_decode_load.json). Two kinds of load: "one batch", N prompts given to ``generate`` at once
+(offline inference: the run ends when its last request does), and "steady", N requests kept in flight as N
+clients of a server would (a new one the step after one ends; ``--steady-prompts`` times N prompts in all).
 
     python bench/spec_decode.py [--model smollm2] [--max-tokens 96] [--batches 1 4 16 64] [--ngram-k 3 5]
-                                [--threads 1] [--quick] [--under-load [--rounds 3]]
+                                [--threads 1] [--quick] [--under-load [--rounds 3] [--steady-prompts 2]]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import time
@@ -121,8 +124,23 @@ def warmed_engines(model: str, configs: dict[str, Optional[dict]]) -> dict[str, 
     return engines
 
 
-def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
-    """Generate every prompt, ``batch`` at a time; the engine's counters say what speculation did."""
+def in_flight(engine: Engine, prompts: list[str], concurrency: int, params: SamplingParams) -> list:
+    """Every prompt, ``concurrency`` requests in flight at a time, as that many clients of a server keep them: a
+    new one is added the step after one ends. The outputs in the prompts' order."""
+    waiting, ids, outs = list(enumerate(prompts)), {}, {}
+    while waiting or len(outs) < len(ids):
+        while waiting and len(ids) - len(outs) < concurrency:
+            index, prompt = waiting.pop(0)
+            ids[engine.add_request(prompt, params)] = index
+        for delta in engine.step().outputs:
+            if delta.finished and delta.request_id in ids:
+                outs[ids[delta.request_id]] = delta.output
+    return [outs[i] for i in range(len(prompts))]
+
+
+def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams, steady: bool = False) -> dict:
+    """Generate every prompt, ``batch`` at a time (steady: ``batch`` in flight); the engine's counters say what
+    speculation did."""
     gc.collect()        # the garbage of the run before, collected now: not in the middle of this run's steps
     events = []
     unsubscribe = engine.subscribe(events.append)
@@ -131,7 +149,9 @@ def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams) 
     start = time.perf_counter()
     outs = []
     try:
-        for i in range(0, len(prompts), batch):
+        if steady:
+            outs = in_flight(engine, prompts, batch, params)
+        for i in range(0, 0 if steady else len(prompts), batch):
             outs += engine.generate(prompts[i:i + batch], params, use_tqdm=False)
     finally:
         wall = time.perf_counter() - start
@@ -254,6 +274,8 @@ def main() -> None:
     ap.add_argument("--under-load", action="store_true", help="16 and 64 requests, n-gram k=3 and the automatic "
                     "k's against off and a second engine with speculation off, in rounds (spec_decode_load.json)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn (--under-load)")
+    ap.add_argument("--steady-prompts", type=int, default=2, help="--under-load's steady rows: prompts per request "
+                    "kept in flight (0: one batch only)")
     ap.add_argument("--lesson-from", metavar="JSON", help="only write lesson 6's numbers from a saved result "
                     "(bench/out/spec_decode.json), measuring the self-draft's agreement")
     args = ap.parse_args()
@@ -325,13 +347,15 @@ def under_load(args: argparse.Namespace) -> None:
     engines = warmed_engines(args.model, configs)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = []
+    loads = [("one batch", 1)] + ([("steady", args.steady_prompts)] if args.steady_prompts else [])
     for workload, prompts in workloads(engines["off"]).items():
-        for batch in (16, 64):
-            chosen = [prompts[i % len(prompts)] for i in range(max(args.prompts, batch))]
+        for batch, (load, per_request) in itertools.product((16, 64), loads):
+            chosen = [prompts[i % len(prompts)] for i in range(max(args.prompts, batch) * per_request)]
             rounds = []
             for i in range(args.rounds):        # each round in another order: a drift in the CPU's speed hits all
                 order = list(engines)[i % len(engines):] + list(engines)[:i % len(engines)]
-                rounds.append({name: run(engines[name], chosen, batch, params) for name in order})
+                rounds.append({name: run(engines[name], chosen, batch, params, steady=load == "steady")
+                               for name in order})
             # The baseline of a round: both engines with speculation off, averaged (either alone is one sample
             # of the noise; each of the two then reads a little over or under 1.00x)
             base_cpu = [(r["off"]["cpu_s"] + r[CONTROL]["cpu_s"]) / 2 for r in rounds]
@@ -341,7 +365,8 @@ def under_load(args: argparse.Namespace) -> None:
                 wall = sorted(b / r[name]["wall_s"] for b, r in zip(base_wall, rounds))
                 produced = sum(r[name]["output_tokens"] for r in rounds)
                 forwards = sum(r[name]["output_tokens"] / r[name]["tokens_per_forward"] for r in rounds)
-                record = {"workload": workload, "batch": batch, "config": name, "rounds": args.rounds,
+                record = {"workload": workload, "batch": batch, "load": load, "prompts": len(chosen),
+                          "config": name, "rounds": args.rounds,
                           "cpu_speedup": cpu[len(cpu) // 2], "cpu_speedup_min": cpu[0], "cpu_speedup_max": cpu[-1],
                           "speedup": wall[len(wall) // 2], "tokens_per_forward": produced / forwards,
                           "identical": all(r[name]["tokens"] == r["off"]["tokens"] for r in rounds),
@@ -349,8 +374,8 @@ def under_load(args: argparse.Namespace) -> None:
                           "host_ms_per_step": statistics.median(r[name]["host_ms_per_step"] for r in rounds),
                           "draft_ms_per_step": statistics.median(r[name]["draft_ms_per_step"] for r in rounds)}
                 results.append(record)
-                print(workload, batch, name, f"CPU {record['cpu_speedup']:.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f})",
-                      flush=True)
+                print(workload, batch, load, name,
+                      f"CPU {record['cpu_speedup']:.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f})", flush=True)
     markdown = (f"Speculative decoding under load, {args.model}, greedy, max_tokens={args.max_tokens}, "
                 f"{args.rounds} rounds ({machine_line()})\n\n" + spec_decode_load_table({"results": results}))
     save("spec_decode_load", {"args": vars(args), "results": results}, markdown)

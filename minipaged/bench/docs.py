@@ -146,13 +146,22 @@ def spec_decode_table(r: dict[str, Any]) -> str:
                            "drafting ms / step", "host ms / step", "same greedy tokens"], rows)
 
 
+def load_of(x: dict[str, Any]) -> str:
+    """How an --under-load row fed its requests (runs before the steady rows had one batch only)."""
+    if x.get("load", "one batch") == "one batch":
+        return "one batch"
+    return f"steady, {x['prompts']} prompts"
+
+
 def spec_decode_load_table(r: dict[str, Any]) -> str:
     """bench/spec_decode.py --under-load: the median CPU speed-up over the rounds, and its range."""
-    rows = [[x["workload"], x["batch"], x["config"], f"{x['tokens_per_forward']:.2f}", f"{x['cpu_speedup']:.2f}x",
+    rows = [[x["workload"], x["batch"], load_of(x), x["config"], f"{x['tokens_per_forward']:.2f}",
+             f"{x['cpu_speedup']:.2f}x",
              f"{x['cpu_speedup_min']:.2f}-{x['cpu_speedup_max']:.2f}x", f"{x['speedup']:.2f}x",
              f"{x['draft_ms_per_step']:.2f}", f"{x['host_ms_per_step']:.2f}", "yes" if x["identical"] else "**no**"]
             for x in r["results"]]
-    return markdown_table(["workload", "requests", "speculation", "tokens / target forward", "CPU speed-up (median)",
+    return markdown_table(["workload", "requests", "load", "speculation", "tokens / target forward",
+                           "CPU speed-up (median)",
                            "CPU speed-up (range)", "wall speed-up (median)", "drafting ms / step", "host ms / step",
                            "same greedy tokens"], rows)
 
