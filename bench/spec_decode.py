@@ -334,6 +334,24 @@ def main() -> None:
 
 
 CONTROL = "off (a second engine)"
+ITSELF = " (its speculator out)"
+
+
+def run_as(engines: dict[str, Engine], name: str, prompts: list[str], batch: int, params: SamplingParams,
+           steady: bool) -> dict:
+    """``run`` on the engine of that name; "<name> (its speculator out)": on that engine with speculation off
+    for the run (no request is in flight between runs, so nothing waits for a verification). Every run starts
+    with an empty prefix cache: an engine that runs twice a round would otherwise find its second run's prompts
+    already computed."""
+    engine = engines[name.removesuffix(ITSELF)]
+    engine.reset_prefix_cache()
+    if not name.endswith(ITSELF):
+        return run(engine, prompts, batch, params, steady)
+    speculator, engine.speculator = engine.speculator, None
+    try:
+        return run(engine, prompts, batch, params, steady)
+    finally:
+        engine.speculator = speculator
 
 
 def under_load(args: argparse.Namespace) -> None:
@@ -348,13 +366,19 @@ def under_load(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = []
     loads = [("one batch", 1)] + ([("steady", args.steady_prompts)] if args.steady_prompts else [])
+    for engine in engines.values():     # a round not counted: an engine's first full run is a quarter slower
+        run(engine, next(iter(workloads(engine).values()))[:16], 16, params)
     for workload, prompts in workloads(engines["off"]).items():
         for batch, (load, per_request) in itertools.product((16, 64), loads):
             chosen = [prompts[i % len(prompts)] for i in range(max(args.prompts, batch) * per_request)]
             rounds = []
+            # Each automatic k's engine also runs with its speculator taken out: two engines of one configuration
+            # can differ by a percent or two, run after run (where their weights and caches lie in memory), so
+            # the fairest baseline of an engine is itself.
+            runs = list(engines) + [f"{name}{ITSELF}" for name in shown if "auto" in name]
             for i in range(args.rounds):        # each round in another order: a drift in the CPU's speed hits all
-                order = list(engines)[i % len(engines):] + list(engines)[:i % len(engines)]
-                rounds.append({name: run(engines[name], chosen, batch, params, steady=load == "steady")
+                order = runs[i % len(runs):] + runs[:i % len(runs)]
+                rounds.append({name: run_as(engines, name, chosen, batch, params, steady=load == "steady")
                                for name in order})
             # The baseline of a round: both engines with speculation off, averaged (either alone is one sample
             # of the noise; each of the two then reads a little over or under 1.00x)
@@ -373,6 +397,12 @@ def under_load(args: argparse.Namespace) -> None:
                           "cpu_s_rounds": [r[name]["cpu_s"] for r in rounds],
                           "host_ms_per_step": statistics.median(r[name]["host_ms_per_step"] for r in rounds),
                           "draft_ms_per_step": statistics.median(r[name]["draft_ms_per_step"] for r in rounds)}
+                if f"{name}{ITSELF}" in rounds[0]:
+                    own = sorted(r[f"{name}{ITSELF}"]["cpu_s"] / r[name]["cpu_s"] for r in rounds)
+                    record.update(cpu_speedup_itself=own[len(own) // 2], cpu_speedup_itself_min=own[0],
+                                  cpu_speedup_itself_max=own[-1],
+                                  identical_itself=all(r[f"{name}{ITSELF}"]["tokens"] == r["off"]["tokens"]
+                                                       for r in rounds))
                 results.append(record)
                 print(workload, batch, load, name,
                       f"CPU {record['cpu_speedup']:.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f})", flush=True)
