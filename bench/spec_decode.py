@@ -128,13 +128,19 @@ def in_flight(engine: Engine, prompts: list[str], concurrency: int, params: Samp
     """Every prompt, ``concurrency`` requests in flight at a time, as that many clients of a server keep them: a
     new one is added the step after one ends. The outputs in the prompts' order."""
     waiting, ids, outs = list(enumerate(prompts)), {}, {}
-    while waiting or len(outs) < len(ids):
-        while waiting and len(ids) - len(outs) < concurrency:
-            index, prompt = waiting.pop(0)
-            ids[engine.add_request(prompt, params)] = index
-        for delta in engine.step().outputs:
-            if delta.finished and delta.request_id in ids:
-                outs[ids[delta.request_id]] = delta.output
+    try:
+        while waiting or len(outs) < len(ids):
+            while waiting and len(ids) - len(outs) < concurrency:
+                index, prompt = waiting.pop(0)
+                ids[engine.add_request(prompt, params)] = index
+            for delta in engine.step().outputs:
+                if delta.finished and delta.request_id in ids:
+                    outs[ids[delta.request_id]] = delta.output
+    except BaseException:
+        for rid, index in ids.items():       # interrupted: the engine is left clean, as generate() leaves it
+            if index not in outs:
+                engine.abort(rid)
+        raise
     return [outs[i] for i in range(len(prompts))]
 
 

@@ -84,7 +84,8 @@ class StepCost:
 
     seconds: dict[int, float] = field(default_factory=dict)
     timed: dict[int, int] = field(default_factory=dict)          # how many steps each average is made of
-    _lines: dict[int, Line] = field(default_factory=dict)        # read since the last step was timed
+    # the lines fitted since the last step was timed (a cache: not an argument, not compared)
+    _lines: dict[int, Line] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def observe(self, rows: int, seconds: float) -> None:
         self._lines.clear()
