@@ -18,7 +18,7 @@ The choice is the one that maximises expected tokens per second for the whole st
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
 the order of their gain, and stop at the first that would lower tokens per second or not beat the plain step's
 by MARGIN. A request whose drafts lose gets k = 0 (speculation off for it); a batch where every draft loses runs
-as plain decodes. The n-gram lookup costs little (a dictionary read per n-gram length, in the step's cost), so it
+as plain decodes. The n-gram lookup costs little (a scan in C for the suffix's first token, in the step's cost), so it
 is made first, for every request, and the choice is among the requests that have a guess, each up to its guess's
 length: a request with no match is a plain row, not a draft that might be. A request that speculates no more
 keeps being watched: its guess is still made and checked against the token that comes (``observe_verification``
