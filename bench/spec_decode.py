@@ -153,12 +153,12 @@ def run(engine: Engine, prompts: list[str], batch: int, params: SamplingParams, 
     before = dict(engine.counters)
     clock = CpuClock(engine)
     start = time.perf_counter()
-    outs = []
     try:
         if steady:
             outs = in_flight(engine, prompts, batch, params)
-        for i in range(0, 0 if steady else len(prompts), batch):
-            outs += engine.generate(prompts[i:i + batch], params, use_tqdm=False)
+        else:
+            outs = [out for i in range(0, len(prompts), batch)
+                    for out in engine.generate(prompts[i:i + batch], params, use_tqdm=False)]
     finally:
         wall = time.perf_counter() - start
         unsubscribe()
@@ -351,9 +351,9 @@ def run_as(engines: dict[str, Engine], name: str, prompts: list[str], batch: int
     already computed."""
     engine = engines[name.removesuffix(ITSELF)]
     engine.reset_prefix_cache()
-    if not name.endswith(ITSELF):
-        return run(engine, prompts, batch, params, steady)
-    speculator, engine.speculator = engine.speculator, None
+    speculator = engine.speculator
+    if name.endswith(ITSELF):
+        engine.speculator = None
     try:
         return run(engine, prompts, batch, params, steady)
     finally:

@@ -18,13 +18,13 @@ The choice is the one that maximises expected tokens per second for the whole st
 lengths reason alike): start from one token a request at the cost of a plain decode step, then take drafts in
 the order of their gain, and stop at the first that would lower tokens per second or not beat the plain step's
 by MARGIN. A request whose drafts lose gets k = 0 (speculation off for it); a batch where every draft loses runs
-as plain decodes. The n-gram lookup costs little (a scan in C for the suffix's first token, in the step's cost), so it
-is made first, for every request, and the choice is among the requests that have a guess, each up to its guess's
-length: a request with no match is a plain row, not a draft that might be. A request that speculates no more
-keeps being watched: its guess is still made and checked against the token that comes (``observe_verification``
-of one draft). A draft model's guess is not free: the k is chosen first and drafted after, and an idle request's
-estimate drifts up towards certainty over the steps that follow (optimism: a draft that
-lost gets another try every few dozen steps, a draft that was never tried gets its first). Where even a draft
+as plain decodes. The n-gram lookup costs little (a scan in C for the suffix's first token, in the step's
+cost), so it is made first, for every request, and the choice is among the requests that have a guess, each up
+to its guess's length: a request with no match is a plain row, not a draft that might be. A request that
+speculates no more keeps being watched: its guess is still made and checked against the token that comes
+(``observe_verification`` of one draft). A draft model's guess is not free: the k is chosen first and drafted
+after, and an idle request's estimate drifts up towards certainty over the steps that follow (optimism: a draft
+that lost gets another try every few dozen steps, a draft that was never tried gets its first). Where even a draft
 that is certain to be accepted would lose (a big batch on a CPU, where a row costs nearly its share of the step; a
 draft model whose pass costs more than a row gives), nothing is proposed, watched or drifted: the step is a plain
 decode and costs what one costs. (When such a stretch ends, the batch having shrunk, a draft model first feeds
