@@ -19,11 +19,11 @@ Each step is split by wrapping the engine's parts (the engine is not changed for
     update          Scheduler.update_from_output  tokens appended, stop checks, num_computed_tokens
     detokenize      OutputProcessor.process_tokens  text of the new tokens, stop strings, stream deltas
     outputs         OutputProcessor.drain         the step's RequestDeltas (clients) and the event's text
-    event           Engine._emit                  the StepEvent (with its parts below) and the counters
-      event_count_step         EngineCounters.count_step: the running totals
-      event_stats              Engine.stats(): gauges and totals, built as a new dict
-      event_kv_changes         KVCacheManager.drain_changes
-      event_records            the per-chunk records (step_records.scheduled_record): timed apart, by building
+    event           StepRecorder.record           the StepEvent (with its parts below)
+      event_count_step         EngineCounters.count_step: the running totals (the core counts, each step)
+      event_stats              EngineCore.stats(): gauges and totals, built as a new dict
+      event_kv_changes         KVRecorder.fold: the block pool's change log folded into the event's changes
+      event_records            the per-chunk records (StepRecorder._scheduled): timed apart, by building
                                them again from the step's plan after the step (a wrapper per call would cost
                                more than the call)
     logits_release  freeing the step's logits [rows, vocab] (50 MB at 256 x 49,152 in fp32: glibc gives it back
@@ -61,7 +61,6 @@ from minipaged import Engine, SamplingParams
 from minipaged.bench.report import BENCH_OUT, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.model.testing import build_tiny_model
-from minipaged.step_records import scheduled_record
 
 PARTS = ("schedule", "prepare_inputs", "forward", "argmax", "sample", "update", "detokenize", "outputs", "event",
          "event_count_step", "event_stats", "event_kv_changes", "event_records", "logits_release")
@@ -161,10 +160,10 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
             clock.wrap(engine.scheduler, "update_from_output", "update"),
             clock.wrap(engine.outputs, "process_tokens", "detokenize"),
             clock.wrap(engine.outputs, "drain", "outputs"),
-            clock.wrap(engine, "_emit", "event"),
-            clock.wrap(engine._counters, "count_step", "event_count_step"),
-            clock.wrap(engine, "stats", "event_stats"),
-            clock.wrap(engine.kv, "drain_changes", "event_kv_changes")]
+            clock.wrap(engine.recorder, "record", "event"),
+            clock.wrap(engine.core.counters, "count_step", "event_count_step"),
+            clock.wrap(engine.core, "stats", "event_stats"),
+            clock.wrap(engine.recorder.kv, "fold", "event_kv_changes")]
     per_step: list[dict[str, dict[str, float]]] = []
     profiler = cProfile.Profile() if profile else None
     try:
@@ -179,7 +178,7 @@ def measure(engine: Engine, num_requests: int, steps: int, warmup: int = 5, prom
             if profiler:
                 profiler.disable()
             with clock.timing("event_records"):
-                tuple(scheduled_record(chunk, None, engine.tokenizer.decode) for chunk in plans[-1].chunks)
+                tuple(engine.recorder._scheduled(chunk, None, {}) for chunk in plans[-1].chunks)
             plans.clear()
             if len(event.scheduled) != num_requests or any(s.kind != "decode" for s in event.scheduled):
                 raise RuntimeError("not a steady decode step: the bench's set-up is wrong")

@@ -1,8 +1,10 @@
 """Assembling an engine: everything ``Engine.__init__`` needs, built in the order the parts depend on each
-other (config -> device -> model -> backend -> KV pools -> scheduler, runner, sampler, speculator -> info).
+other (config -> device -> model -> backend -> KV pools -> scheduler, runner, sampler, speculator -> the
+engine core -> the front end's processors -> the observers' recorder -> info).
 
 Kept out of engine.py so that the engine reads as what it does per request and per step; this is the one
-place to look for how the parts are chosen and wired together.
+place to look for how the parts are chosen and wired together: the core and the front end import none of the
+parts they are given (policies, backends, the speculator, the recorder).
 """
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .block_manager import CpuBlockPool, KVCacheManager
 from .config import ConfigError, EngineConfig
+from .engine_core import EngineCore
 from .events import EngineInfo
+from .execute_step import ModelExecutor
 from .input_processor import InputProcessor
+from .kv_cache_manager import KVCacheManager
 from .logits.stage import LogitsStage
 from .kernels import Backend, select_backend
 from .kernels.backends.cuda_graphs import CudaGraphApi, DecodeGraphs, default_capture_sizes
+from .kernels.devices import use_in_this_thread
 from .kernels.int8 import quantization_problem
 from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
                      return_freed_memory_to_the_os)
@@ -39,6 +44,8 @@ from .scheduler import Scheduler
 from .spec_decode.config import INT8_SELF_DRAFT
 from .spec_decode.draft_model import load_draft_model
 from .spec_decode.speculator import Speculator, build_speculator
+from .step_recorder import StepRecorder
+from .swap import CpuBlockPool
 
 logger = logging.getLogger("minipaged")
 
@@ -48,6 +55,12 @@ class EngineParts:
     """The engine's parts; ``Engine`` keeps each as an attribute of the same name."""
 
     config: EngineConfig
+    info: EngineInfo                      # what does not change during a run (every event's header)
+    inputs: InputProcessor                # the front end: requests in (validate, tokenise, fit checks)
+    core: EngineCore                      # scheduler, KV cache, executor: one EngineCoreOutputs a step
+    outputs: OutputProcessor              # the front end: tokens out (text, stop strings, deltas, outputs)
+    recorder: StepRecorder                # the observers' window: one StepEvent a step
+    # The core's parts, for those who study or test them (the engine itself talks to the core):
     device: torch.device
     layout: ParallelLayout
     model: CompactLlama
@@ -59,14 +72,11 @@ class EngineParts:
     cpu_kv_cache: Optional[torch.Tensor]
     kv: KVCacheManager
     cpu_pool: CpuBlockPool
-    inputs: InputProcessor
     scheduler: Scheduler
     runner: ModelRunner
     sampler: Sampler
-    outputs: OutputProcessor
     logits: LogitsStage
     speculator: Optional[Speculator]
-    info: EngineInfo
 
 
 def build_engine_parts(model_name: str, options: dict[str, Any],
@@ -123,14 +133,16 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     cpu_blocks = num_cpu_blocks(config, bytes_per_block)
     kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, backend=backend)
     cpu_kv_cache = model.allocate_kv_cache(cpu_blocks, config.block_size, "cpu") if cpu_blocks else None
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                        load_policy("eviction_policy", config.eviction_policy))
+    kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                        free_queue=load_policy("eviction_policy", config.eviction_policy))
     cpu_pool = CpuBlockPool(cpu_blocks)
 
     inputs = InputProcessor(model_name, tokenizer, model.embed.shape[0], config.max_model_len, kv.blocks_needed,
                             num_blocks)
     lookahead = spec.num_speculative_tokens if draft_model is not None else 0
-    scheduler = Scheduler(config, kv, cpu_pool, loaded.eos_token_ids, lookahead)
+    scheduler = Scheduler(config, kv, cpu_pool, loaded.eos_token_ids, lookahead,
+                          order=load_policy("scheduling_policy", config.scheduling_policy)(),
+                          victim_policy=load_policy("preemption_victim", config.preemption_victim)())
     if layout.world_size == 1:
         runner = ModelRunner(model, kv_cache, config.block_size, backend)
         if graphs_wanted(config):
@@ -146,6 +158,9 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         spec, draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=backend,
         block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler,
         target_kv_cache=kv_cache)
+    core = EngineCore(config, scheduler, kv, cpu_pool, ModelExecutor(runner, logits, sampler, speculator), logits,
+                      speculator, cpu_kv_cache, lambda: use_in_this_thread(device))
+    recorder = StepRecorder(core, config, model.embed.shape[0], tokenizer.decode)
 
     info = EngineInfo(
         model=model_name, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks, block_size=config.block_size,
@@ -174,8 +189,9 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         load_progress(weights_line(model, layout))
         load_progress("Attention: " + backend.describe())
         load_progress(async_scheduling_line(config.async_scheduling))
-    return EngineParts(config, device, layout, model, loaded, tokenizer, backend, draft_model, kv_cache,
-                       cpu_kv_cache, kv, cpu_pool, inputs, scheduler, runner, sampler, outputs, logits, speculator, info)
+    return EngineParts(config, info, inputs, core, outputs, recorder, device, layout, model, loaded, tokenizer,
+                       backend, draft_model, kv_cache, cpu_kv_cache, kv, cpu_pool, scheduler, runner, sampler, logits,
+                       speculator)
 
 
 def graphs_wanted(config: EngineConfig) -> bool:

@@ -88,7 +88,8 @@ class RequestArrival:
 @dataclass(frozen=True)
 class PrefixLookup:
     """What the prefix cache answered when a request was admitted: how many of its full blocks hit, and why
-    the first one that did not hit missed (``KVCacheManager.explain_lookup`` in minipaged/block_manager.py).
+    the first one that did not hit missed (``KVRecorder`` in minipaged/kv_recorder.py, from the block pool's
+    change log).
 
     ``reason`` is one of:
 

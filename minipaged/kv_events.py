@@ -10,7 +10,8 @@ minipaged (``minipaged serve --kv-events-config``, ``serve/kv_publisher.py``):
   * ``BlockRemoved``: a cached block was evicted (its prefix is gone);
   * ``AllBlocksCleared``: the whole prefix cache was reset.
 
-The block pool (``block_manager``) appends them when asked to (``KVCacheManager.kv_events`` is a list, not
+The KV recorder (``kv_recorder``) derives them from the block pool's change log when asked to
+(``KVRecorder.kv_events`` is a list, not
 None); the publisher drains them once per step. Hashes go out as vLLM sends them by default: the last 64
 bits of the block's SHA-256, as an unsigned integer. This module is plain data: no torch, no ZMQ.
 """

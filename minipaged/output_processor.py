@@ -3,8 +3,9 @@
 The scheduler decides everything a token alone decides (EOS, stop token ids, lengths). What needs *text*
 happens here, after each step (as in vLLM v1's ``OutputProcessor``):
   * each request's text grows by an ``IncrementalDetokenizer`` (constant work per token);
-  * stop strings are searched for in the new text only; a hit cuts the text before the stop string and
-    asks the engine to finish the request (it also overrides a length finish in the same token);
+  * stop strings are searched for in the new text only; a hit cuts the text before the stop string (and the
+    tokens after the one that completed it) and asks the engine core to finish the request, as vLLM v1's
+    front end sends an abort (it also overrides a length finish in the same token);
   * clients get their text as deltas. Until a request finishes, the last ``len(longest stop) - 1``
     characters are held back: they may be the start of a stop string, which the final text leaves out;
   * ``n > 1`` samples of one prompt run as separate requests (``id.0`` ... ``id.n-1``, named by the input
@@ -12,8 +13,9 @@ happens here, after each step (as in vLLM v1's ``OutputProcessor``):
     per sample that changed, and one ``RequestOutput`` once the last of them finishes.
 
 ``drain()`` ends a step: it returns the step's ``RequestDelta``s (the engine's outputs, for clients) and what
-observers are shown of the same change (text and log-probabilities per sample, for the ``StepEvent``).
-Nobody else spells the sample-id scheme or keeps per-request output state.
+observers are shown of the same change (tokens, text and log-probabilities per sample, for the ``StepEvent``).
+Nobody else spells the sample-id scheme or keeps per-request output state. It reads requests, never writes them:
+what a client sees (tokens, text, finish reason) is kept here.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .detokenizer import IncrementalDetokenizer
-from .events import RequestFinish
 from .outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput,
                       SampleDelta, TokenLogprobs)
 from .request import Request, RequestStatus, fail_request
@@ -51,6 +52,7 @@ class DrainedStep:
     """A step's outputs for clients, and the same change as observers see it (keyed by sample id)."""
 
     deltas: tuple[RequestDelta, ...]
+    token_ids: dict[str, list[int]]            # sample id -> its new tokens (StepEvent.new_token_ids)
     text: dict[str, str]                       # sample id -> its new text (StepEvent.new_text)
     logprobs: dict[str, list[float]]           # sample id -> each new token's log-probability (new_logprobs)
 
@@ -61,6 +63,8 @@ class RequestState:
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)   # the output tokens, none after a stop string's
+    stop_string: Optional[str] = None  # the stop string that ended it (it wins over a length finish)
     text: str = ""                     # the output text, cut before a stop string once one is found
     num_streamed_chars: int = 0        # text[:this] has gone out in deltas
     token_times: list[float] = field(default_factory=list)
@@ -71,6 +75,14 @@ class RequestState:
     @property
     def first_token_time(self) -> Optional[float]:
         return self.token_times[0] if self.token_times else None
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stop_string is not None else self.request.status.value
+
+    @property
+    def stop_reason(self) -> Optional[str | int]:
+        return self.stop_string if self.stop_string is not None else self.request.stop_reason
 
 
 class OutputProcessor:
@@ -116,12 +128,11 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ each step
     def process_tokens(self, new_token_ids: dict[str, list[int]], now: float,
-                       logprobs: Optional[dict[str, list[TokenLogprobs]]] = None) -> list[tuple[Request, str, int]]:
+                       logprobs: Optional[dict[str, list[TokenLogprobs]]] = None) -> list[tuple[Request, str]]:
         """Grow each request's text by its new tokens (and log-probabilities, for those that asked); returns
-        the requests a stop string ends, with it and how many of the new tokens came after the one that
-        completed it (speculative decoding appends several tokens a step; those after a stop must go, as if
-        generated one at a time)."""
-        stopped: list[tuple[Request, str, int]] = []
+        the requests a stop string ends, with it. Tokens that came after the one completing it (speculative
+        decoding appends several a step) are left out, as if generated one at a time."""
+        stopped: list[tuple[Request, str]] = []
         logprobs = logprobs or {}
         for rid, tokens in new_token_ids.items():
             state = self._states[rid]
@@ -132,7 +143,8 @@ class OutputProcessor:
                 self._failed.append(state.request)
                 continue
             if stop is not None:
-                stopped.append((state.request, *stop))
+                state.stop_string = stop
+                stopped.append((state.request, stop))
         return stopped
 
     def take_failed(self) -> list[Request]:
@@ -142,14 +154,15 @@ class OutputProcessor:
         return failed
 
     def _add_tokens(self, state: RequestState, tokens: list[int], now: float,
-                    token_logprobs: Optional[list[TokenLogprobs]]) -> Optional[tuple[str, int]]:
-        """One request's new tokens: its text, and (stop string, tokens after it) if a stop string ends it."""
+                    token_logprobs: Optional[list[TokenLogprobs]]) -> Optional[str]:
+        """One request's new tokens: its text, and the stop string if one ends it."""
         req = state.request
         change = self._change(state)
         if len(tokens) == 1 and not req.params.stop and token_logprobs is None:
             # The usual step: one token, no stop string to look for, no log-probabilities to keep. What the
             # loop below does then, without its work: nothing is held back, so the new text goes out whole.
             state.token_times.append(now)
+            state.token_ids.append(tokens[0])
             change.token_ids.append(tokens[0])
             piece = state.detokenizer.add_tokens(tokens)
             if piece:
@@ -161,6 +174,7 @@ class OutputProcessor:
         token_logprobs = token_logprobs or ()
         for i, token in enumerate(tokens):
             state.token_times.append(now)
+            state.token_ids.append(token)
             change.token_ids.append(token)
             if i < len(token_logprobs):
                 position = self.position_logprobs(token_logprobs[i])
@@ -170,7 +184,7 @@ class OutputProcessor:
             state.text += state.detokenizer.add_tokens([token])
             stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
             if stop is not None:
-                return stop, len(tokens) - 1 - i
+                return stop
         if not req.is_finished:
             self._stream(state, finished=False)
         return None
@@ -217,23 +231,17 @@ class OutputProcessor:
         if delta:
             self._change(state).text += delta
 
-    def finish(self, req: Request, now: float, deliver: bool = True) -> RequestFinish:
+    def finish(self, req: Request, now: float, deliver: bool = True) -> RequestState:
         """Record a finished (or aborted) sample: flush its held-back text, and once all samples of its
         request are done, build the caller's ``RequestOutput``. ``deliver=False`` (the caller aborted it, so
-        nobody waits for it): its delta and output are not delivered. Returns the event's record of it."""
+        nobody waits for it): its delta and output are not delivered. Returns its state (observers' record)."""
         state = self._states[req.request_id]
         first_finish = state.finished_time is None
         state.finished_time = now
         self._stream(state, finished=True)
-        self._change(state).finish_reason = req.status.value
+        self._change(state).finish_reason = state.finish_reason
         if not deliver:
             self._withheld.add(req.request_id)
-        times = state.token_times
-        itls = [b - a for a, b in zip(times, times[1:])]
-        record = RequestFinish(
-            req.request_id, req.status.value, req.num_prompt_tokens, len(req.output_token_ids),
-            max(req.num_cached_tokens, 0), None if not times else times[0] - req.arrival_time,
-            now - req.arrival_time, sum(itls) / len(itls) if itls else None)
         parent = req.parent_id or req.request_id
         self._num_running[parent] -= first_finish       # a count, not a walk over the samples: aborting
         if self._num_running[parent] == 0:              # n samples stays O(n), not O(n^2)
@@ -245,7 +253,7 @@ class OutputProcessor:
             for s in samples:
                 del self._states[s.request.request_id]
             del self._children[parent], self._num_running[parent]
-        return record
+        return state
 
     def drain(self) -> DrainedStep:
         """End the step: each request's delta (what its samples got, its output if it finished), and the
@@ -271,7 +279,8 @@ class OutputProcessor:
                 parent_samples.sort(key=lambda d: d.index)
             deltas.append(RequestDelta(parent, tuple(parent_samples), prompt_logprobs, output))
         return DrainedStep(
-            tuple(deltas), {sid: c.text for sid, c in changes.items() if c.text},
+            tuple(deltas), {sid: c.token_ids for sid, c in changes.items() if c.token_ids},
+            {sid: c.text for sid, c in changes.items() if c.text},
             {sid: [position[token].logprob for position, token in zip(c.logprobs, c.token_ids)]
              for sid, c in changes.items() if c.logprobs})
 
@@ -287,9 +296,9 @@ class OutputProcessor:
         first = samples[0].request
         return RequestOutput(
             request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
-            outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.request.output_token_ids),
-                                      s.request.status.value, s.request.stop_reason, list(s.token_times),
-                                      s.logprobs[:len(s.request.output_token_ids)]
+            outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.token_ids),
+                                      s.finish_reason, s.stop_reason, list(s.token_times),
+                                      s.logprobs[:len(s.token_ids)]
                                       if s.request.params.logprobs is not None else None, s.request.error)
                      for s in samples],
             prompt_logprobs=samples[0].prompt_logprobs if first.params.prompt_logprobs is not None else None,

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .config import is_int, is_number
+from .validation import is_int, is_number
 
 logger = logging.getLogger("minipaged")
 

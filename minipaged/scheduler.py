@@ -36,6 +36,10 @@ Token accounting (vLLM v1's ``update_from_output``)
   * After the forward pass, ``update_from_output`` is the one place that advances ``num_computed_tokens``,
     appends sampled tokens and finishes requests whose token says stop (EOS, a stop token id, max_tokens,
     max_model_len).
+  * A request ends one way, ``finish_requests``, whoever ends it: a token here, the front end (a stop string
+    found in the text, an abort), a grammar or a policy that failed. Its blocks are freed at once, and its id
+    goes out with the next ``SchedulerOutput`` (``finished_req_ids``), so that whoever keeps per-request state
+    for the forward pass (sampler, logits stage, speculator) drops it there, as vLLM v1's workers do.
 
 Speculative decoding
   * A decode that has draft tokens (``Request.spec_token_ids``, guessed after the last step) schedules them
@@ -61,13 +65,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from .block_manager import CpuBlockPool, KVCacheManager
-from .config import EngineConfig
-from .events import PrefixLookup
-from .policies import load_policy
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:                      # the builder hands the parts in: the scheduler imports none of them
+    from .config import EngineConfig
+    from .kv_cache_manager import KVCacheManager
+    from .policies import RequestOrder, VictimPolicy
+    from .swap import CpuBlockPool
 
 logger = logging.getLogger("minipaged.scheduler")
 MAX_SKIPPED_PER_STEP = 256   # waiting requests one step looks past (long or siblings' prompt not ready) at most
@@ -90,7 +96,7 @@ class ScheduledChunk:
     cached_prefix_end: int = 0      # positions below this sit in cache-hit blocks: never rewrite their KV
     samples: bool = False           # True when every known token has KV after this chunk
     spec_token_ids: tuple[int, ...] = ()   # draft tokens, the chunk's last tokens (speculative decoding)
-    prefix_lookup: Optional[PrefixLookup] = None   # admitted this step: what the prefix cache said, and why
+    admitted: bool = False          # admitted this step after a prefix-cache lookup (observers explain it)
 
     @property
     def end(self) -> int:
@@ -134,6 +140,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block) copies
     swapped_in: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)    # aborted because a policy raised deciding about them
+    finished_req_ids: set[str] = field(default_factory=set)   # ended since the last schedule: drop their state
 
     @property
     def num_batched_tokens(self) -> int:
@@ -142,7 +149,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool,
-                 eos_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0) -> None:
+                 eos_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0, *, order: RequestOrder,
+                 victim_policy: VictimPolicy) -> None:
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens   # slots a draft model writes its guesses into
         self.kv = kv
@@ -152,8 +160,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
-        self.order = load_policy("scheduling_policy", config.scheduling_policy)()
-        self.victim_policy = load_policy("preemption_victim", config.preemption_victim)()
+        self.num_finished = 0
+        self.finished_req_ids: set[str] = set()      # ended since the last schedule (SchedulerOutput carries them)
+        self.order = order                           # which waiting request is admitted next (--scheduling-policy)
+        self.victim_policy = victim_policy           # which running request is preempted (--preemption-victim)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -162,43 +172,41 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
-        """Take a finished or aborted request out of whichever queue holds it and free its memory at once
-        (continuous batching: the next step can give the blocks to someone else)."""
-        req.status = status
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.swapped:
-            self.swapped.remove(req)
-            self.cpu_pool.release(req.request_id)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.kv.free(req)
-
-    def finish_requests(self, reqs: Sequence[Request], status: RequestStatus) -> None:
-        """``finish_request`` for many at once (the n samples of an aborted request): each queue is filtered
-        once, so the work is one pass per queue plus the requests', never a queue scan per request."""
+    def finish_requests(self, reqs: Sequence[Request], status: RequestStatus,
+                        stop_reason: Optional[str | int] = None) -> list[Request]:
+        """The one way a request ends (a token, a stop string, an abort, a failure): out of whichever queue
+        holds it, its memory freed at once (continuous batching: the next step can give the blocks to someone
+        else), its id kept for the next ``SchedulerOutput``. Requests already finished are left as they are;
+        returns the ones this call ended. Each queue is filtered once (the n samples of an aborted request),
+        never scanned once per request."""
+        reqs = [r for r in reqs if not r.is_finished]
         gone = {id(r) for r in reqs}
         states = {r.status for r in reqs}
         if RequestStatus.WAITING in states:             # rebuilt as the same kind of queue, order kept
             self.waiting = type(self.waiting)(r for r in self.waiting if id(r) not in gone)
         if RequestStatus.RUNNING in states:
             self.running = type(self.running)(r for r in self.running if id(r) not in gone)
+        if RequestStatus.SWAPPED in states:
+            self.swapped = [r for r in self.swapped if id(r) not in gone]
         for req in reqs:
             if req.status is RequestStatus.SWAPPED:
-                self.finish_request(req, status)      # rare, and the CPU pool must release its blocks
-                continue
+                self.cpu_pool.release(req.request_id)
             req.status = status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
             self.kv.free(req)
+            self.finished_req_ids.add(req.request_id)
+        self.num_finished += len(reqs)
+        return reqs
 
     def _chunk(self, req: Request, start: int, num_new: int, num_cached: int = 0,
-               cached_prefix_end: int = 0, spec_token_ids: Sequence[int] = (),
-               prefix_lookup: Optional[PrefixLookup] = None) -> ScheduledChunk:
+               cached_prefix_end: int = 0, spec_token_ids: Sequence[int] = (), admitted: bool = False
+               ) -> ScheduledChunk:
         """The runner's share of a grant: the tokens, the block table now, and whether it samples."""
         return ScheduledChunk(req, start, num_new, tuple(self.kv.blocks_of(req.request_id)), num_cached,
                               cached_prefix_end, samples=start + num_new - len(spec_token_ids) == req.num_tokens,
                               spec_token_ids=tuple(spec_token_ids) if spec_token_ids else (),
-                              prefix_lookup=prefix_lookup)
+                              admitted=admitted)
 
     def _allocate(self, req: Request, num_new: int, start: Optional[int] = None,
                   cached_blocks: Sequence[int] = ()) -> bool:
@@ -241,6 +249,7 @@ class Scheduler:
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -289,7 +298,7 @@ class Scheduler:
                      type(policy).__name__, type(error).__name__, error, req.request_id)
         req.error = req.error or (f"the {option} policy {type(policy).__name__} raised {type(error).__name__}: "
                                   f"{error}")
-        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
         out.failed.append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -405,8 +414,6 @@ class Scheduler:
                 self._take_waiting(req)                    # shorter ones behind it go first
                 skipped.append(req)
                 continue
-            # Explained before the allocation publishes the request's own blocks (they would then be found).
-            lookup = self.kv.explain_lookup(req, len(cached_blocks)) if looked else None
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
@@ -422,7 +429,7 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_cached, num_new, num_cached,
                                           cached_prefix_end=len(cached_blocks) * self.kv.block_size,
-                                          prefix_lookup=lookup))
+                                          admitted=looked))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))        # back where they were: first in the order still
         return budget
@@ -454,59 +461,45 @@ class Scheduler:
         alone is aborted). Drafts the target rejected hold KV for tokens that are not the request's, so
         ``num_computed_tokens`` rolls back over them; their slots stay allocated and get overwritten.
         Each token is appended and checked against the stop conditions that a token decides (EOS, stop ids,
-        lengths); tokens after a stop are dropped. Stop *strings* need text: the output processor finds them
-        afterwards and ends the request through ``finish_on_stop_string``. A request that finished while the
-        forward pass ran (async scheduling: a stop string found in the previous step's text, an abort) is skipped.
+        lengths); tokens after a stop are dropped. Stop *strings* need text: the front end finds them
+        afterwards and ends the request through ``finish_requests``. A request that finished while the forward
+        pass ran (async output processing: a stop string found in the previous step's text, an abort) is skipped.
         """
         self.kv.mark_forward_done()
         update = StepUpdate()
         for chunk in out.chunks:
             req = chunk.request
             if req.is_finished:
-                continue      # async scheduling: a stop string or an abort ended it while this step ran; its
-                              # token is dropped as if never generated (its blocks are freed already)
+                continue      # a stop string or an abort ended it while this step ran (async output processing):
+                              # its token is dropped as if never generated (its blocks are freed already)
             req.num_computed_tokens = chunk.end
             if req.request_id not in sampled:
                 continue                                   # a chunk in the middle of a prompt: nothing sampled
             tokens = sampled[req.request_id]
             status: Optional[RequestStatus] = RequestStatus.FINISHED_ABORTED if tokens is None else None
+            stop_reason = None
             if tokens and not chunk.spec_token_ids:        # one sampled token (no drafts): nothing to roll back
                 update.new_token_ids[req.request_id] = tokens
-                status = self._append_token(req, tokens[0])
+                status, stop_reason = self._append_token(req, tokens[0])
             elif tokens:
                 num_rejected = len(chunk.spec_token_ids) - (len(tokens) - 1)
                 req.num_computed_tokens -= num_rejected
                 appended = update.new_token_ids[req.request_id] = []
                 for token in tokens:
-                    status = self._append_token(req, token)
+                    status, stop_reason = self._append_token(req, token)
                     appended.append(token)
                     if status is not None:
                         break
             if status is not None:
-                self.finish_request(req, status)
-                update.finished.append(req)
+                update.finished.extend(self.finish_requests([req], status, stop_reason))
         return update
 
-    def finish_on_stop_string(self, req: Request, stop: str, surplus: int, update: StepUpdate) -> None:
-        """The output processor found ``stop`` in ``req``'s text: the request ends there. The ``surplus``
-        tokens that came after the one completing it (accepted drafts of the same step) never happened, as if
-        generated one at a time. A request a token already finished this step keeps its blocks freed and
-        takes the stop string as its reason."""
-        if surplus:
-            del req.output_token_ids[-surplus:]
-            del update.new_token_ids[req.request_id][-surplus:]
-        if not req.is_finished:
-            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            update.finished.append(req)
-        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-
-    def _append_token(self, req: Request, token: int) -> Optional[RequestStatus]:
-        """Append a sampled token; the finished status if it ends the request, else None."""
+    def _append_token(self, req: Request, token: int) -> tuple[Optional[RequestStatus], Optional[int]]:
+        """Append a sampled token; the finished status (and the stop token) if it ends the request."""
         req.output_token_ids.append(token)
         params = req.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED, token
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

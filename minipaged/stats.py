@@ -5,34 +5,38 @@ the block manager and the scheduler each time. ``minipaged.metrics`` exports bot
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Optional
 
-from .block_manager import CpuBlockPool, KVCacheManager
-from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode.rejection_sampler import Verified
+if TYPE_CHECKING:
+    from .kv_cache_manager import KVCacheManager
+    from .scheduler import Scheduler, SchedulerOutput
+    from .spec_decode.rejection_sampler import Verified
+    from .swap import CpuBlockPool
 
 
 class EngineCounters:
     def __init__(self) -> None:
         self.totals: dict[str, float] = {
             "steps": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "preemptions_recompute": 0,
-            "preemptions_swap": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0, "requests_finished": 0,
+            "preemptions_swap": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0,
             "forward_seconds": 0.0, "step_seconds": 0.0,
             # speculative decoding, as vLLM counts it: verifications with drafts, drafts, accepted drafts
             "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
 
-    def count_step(self, plan: SchedulerOutput, num_generated: int, model_s: float, step_s: float,
+    def count_step(self, plan: Optional[SchedulerOutput], num_generated: int, model_s: float, step_s: float,
                    verified: Mapping[str, Verified] = {}) -> None:
         t = self.totals
         t["steps"] += 1
+        t["forward_seconds"] += model_s
+        t["step_seconds"] += step_s
+        if plan is None:                 # (async output processing's first step: nothing had run yet)
+            return
         t["prompt_tokens_computed"] += sum(c.num_new_tokens for c in plan.chunks if c.kind == "prefill")
         t["generation_tokens"] += num_generated
         for p in plan.preempted:
             t[f"preemptions_{p.mode}"] += 1
         t["blocks_swapped_out"] += len(plan.swap_out)
         t["blocks_swapped_in"] += len(plan.swap_in)
-        t["forward_seconds"] += model_s
-        t["step_seconds"] += step_s
         for verdict in verified.values():
             t["spec_decode_num_drafts"] += 1
             t["spec_decode_num_draft_tokens"] += verdict.num_draft_tokens
@@ -40,9 +44,6 @@ class EngineCounters:
             for position in range(verdict.num_accepted):    # acceptance by draft position (0: the first guess)
                 key = f"spec_decode_num_accepted_tokens_pos_{position}"
                 t[key] = t.get(key, 0) + 1
-
-    def count_finish(self) -> None:
-        self.totals["requests_finished"] += 1
 
     def add_step_seconds(self, seconds: float) -> float:
         """A step's time, known only once its event is built (after ``count_step``); returns the new total."""
@@ -60,4 +61,4 @@ class EngineCounters:
             "requests_swapped": len(scheduler.swapped),
             "prefix_cache_queries": st.queries, "prefix_cache_hits": st.hits,
             "prefix_cache_hit_rate": st.hits / st.queries if st.queries else 0.0, "blocks_evicted": st.evictions,
-            **self.totals}
+            "requests_finished": scheduler.num_finished, **self.totals}

@@ -1,4 +1,4 @@
-"""Async scheduling (``async_scheduling=True``, minipaged/async_scheduling.py): step N's forward pass runs in the
+"""Async scheduling (``async_scheduling=True``, minipaged/engine_core.py): step N's forward pass runs in the
 model thread while the engine thread processes step N-1's outputs.
 
 It must change nothing a client can see but the timing: greedy tokens, text and finish reasons are the engine's
@@ -110,12 +110,15 @@ def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factor
             view.apply(event)
             step += 1
             assert event.step == step
-            for block in engine.kv.blocks:
+            for block in engine.kv.pool.blocks:
                 assert len(view.block_owners[block.block_id]) == block.ref_cnt
                 assert view.block_cached[block.block_id] == (block.block_hash is not None)
             engine.kv.check_invariants()
             assert step < 2000
         assert_all_free(engine)
+        # The last finished ids go out with the next scheduler output; the executor drops their state there.
+        assert engine.scheduler.finished_req_ids or not engine.logits._processors
+        engine.step()
         assert not engine.sampler._generators and not engine.logits._processors
     check()
 
@@ -312,7 +315,7 @@ def test_the_model_thread_is_put_on_the_engines_device(tiny_engine_factory, monk
     """CUDA keeps the current device per thread (a new one starts on device 0, where Triton would launch): the
     model thread is set to the engine's device before its first forward pass."""
     seen = []
-    monkeypatch.setattr("minipaged.async_scheduling.use_in_this_thread",
+    monkeypatch.setattr("minipaged.engine_builder.use_in_this_thread",
                         lambda device: seen.append((device, threading.current_thread().name)))
     engine = tiny_engine_factory(async_scheduling=True)
     engine.generate([[1, 2, 3]], GREEDY)

@@ -6,7 +6,9 @@ import itertools
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minipaged.block_manager import ROOT_HASH, CpuBlockPool, KVCacheManager, hash_block_tokens
+from minipaged.block_pool import ROOT_HASH, hash_block_tokens
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.swap import CpuBlockPool
 from minipaged.policies import LRUFreeBlockQueue, MRUFreeBlockQueue
 from minipaged.request import Request, SamplingParams
 
@@ -21,7 +23,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=True)
+        self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=True, free_queue=LRUFreeBlockQueue)
         self.cpu = CpuBlockPool(6)
         self.live: dict[str, Request] = {}
         self.swapped: dict[str, Request] = {}
@@ -84,15 +86,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_cache(self):
         self.kv.reset_prefix_cache()
-        assert not self.kv.hash_to_block
+        assert not self.kv.pool.hash_to_block
 
     @invariant()
     def books_balance(self):
         self.kv.check_invariants()
         # the counts every step's event reads are kept as blocks move (O(1)); here they are recounted
-        free = list(self.kv.free_queue)
+        free = list(self.kv.pool.free_queue)
         assert self.kv.num_free_blocks == len(free)
-        assert self.kv.num_cached_free_blocks == sum(1 for b in free if self.kv.blocks[b].block_hash is not None)
+        assert self.kv.num_cached_free_blocks == sum(1 for b in free if self.kv.pool.blocks[b].block_hash is not None)
         for rid, req in self.live.items():
             assert len(self.kv.blocks_of(rid)) == self.kv.blocks_needed(req.num_computed_tokens)
         used_cpu = sum(len(self.cpu.blocks_of(r)) for r in self.swapped)
@@ -119,11 +121,11 @@ def test_hash_chains_the_parent():
 
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru_deepest_first():
-    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True, free_queue=LRUFreeBlockQueue)
     first = Request("a", [1, 2, 3, 4, 5], PARAMS, 0, 0.0)
     assert kv.allocate_slots(first, 5)
     a_blocks = kv.blocks_of("a")
-    a_hashes = [kv.blocks[b].block_hash for b in a_blocks[:2]]
+    a_hashes = [kv.pool.blocks[b].block_hash for b in a_blocks[:2]]
     kv.free(first)
     assert kv.num_free_blocks == 4 and kv.num_cached_free_blocks == 2  # content kept, still reusable
     again = Request("b", [1, 2, 3, 4, 9], PARAMS, 1, 0.0)
@@ -140,6 +142,6 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru_deepest_first():
     other = Request("c", [7, 7, 7, 7, 7, 7], PARAMS, 2, 0.0)
     assert kv.allocate_slots(other, 6)
     assert kv.stats.evictions == 1
-    assert kv.hash_to_block.get(a_hashes[0]) == a_blocks[0]  # the shallow block survived
-    assert a_hashes[1] not in kv.hash_to_block               # the deeper one was evicted
+    assert kv.pool.hash_to_block.get(a_hashes[0]) == a_blocks[0]  # the shallow block survived
+    assert a_hashes[1] not in kv.pool.hash_to_block               # the deeper one was evicted
     kv.check_invariants()

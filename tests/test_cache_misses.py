@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged import SamplingParams
-from minipaged.block_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
+from minipaged.block_pool import ROOT_HASH, hash_block_tokens
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.kv_recorder import KVRecorder
+from minipaged.policies import LRUFreeBlockQueue
 from minipaged.events import (EngineView, PrefixLookup, StepEvent, describe_prefix_lookup, read_trace,
                               write_trace_event, write_trace_header)
 from minipaged.prefix_misses import MissRecord, common_prefix
@@ -167,33 +170,36 @@ def request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, list(tokens), Params(max_tokens=1), 0, 0.0)
 
 
-def admit(kv: KVCacheManager, req: Request) -> PrefixLookup:
-    """The scheduler's order: look up, explain, then allocate (which publishes the request's own blocks)."""
+def admit(kv: KVCacheManager, recorder: KVRecorder, req: Request) -> PrefixLookup:
+    """The scheduler's order: look up, then allocate (which publishes the request's own blocks); the recorder
+    reads the change log in order, so it explains the lookup against the cache as it was before the allocation.
+    Each call is one engine step (one fold of the log)."""
     hits, num_cached = kv.find_cached_prefix(req)
-    lookup = kv.explain_lookup(req, len(hits))
     assert kv.allocate_slots(req, req.num_tokens - num_cached, num_cached, hits)
-    return lookup
+    _changes, lookups = recorder.fold(kv.take_log())
+    return lookups[req.request_id]
 
 
 def test_a_reset_is_named_and_a_forgotten_eviction_is_not_called_never(monkeypatch):
-    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv = KVCacheManager(num_blocks=4, block_size=2, free_queue=LRUFreeBlockQueue)
+    recorder = KVRecorder(kv.num_blocks, kv.block_size)
     a = request("a", [1, 2, 3, 4])
-    admit(kv, a)
+    admit(kv, recorder, a)                                           # step 1
     kv.free(a)
-    kv.drain_changes()                                               # step 2 begins
-    kv.reset_prefix_cache()
-    assert admit(kv, request("a2", [1, 2, 3, 4])) == PrefixLookup(2, 0, "reset", evicted_step=2)
+    kv.reset_prefix_cache()                                          # in step 2
+    assert admit(kv, recorder, request("a2", [1, 2, 3, 4])) == PrefixLookup(2, 0, "reset", evicted_step=2)
 
     monkeypatch.setattr("minipaged.prefix_misses.MIN_EVICTIONS_KEPT", 2)
-    kv = KVCacheManager(num_blocks=2, block_size=2)
-    assert kv.misses.capacity == 2
+    kv = KVCacheManager(num_blocks=2, block_size=2, free_queue=LRUFreeBlockQueue)
+    recorder = KVRecorder(kv.num_blocks, kv.block_size)
+    assert recorder.misses.capacity == 2
     for i, tokens in enumerate(([1, 2], [3, 4], [5, 6], [7, 8])):    # three evictions: the first is forgotten
         r = request(f"r{i}", tokens + [9])
-        admit(kv, r)
+        admit(kv, recorder, r)
         kv.free(r)
-    assert kv.stats.evictions == 3 and kv.misses.forgot_an_eviction
-    assert admit(kv, request("new", [11, 12])) == PrefixLookup(1, 0, "unrecorded")
-    assert admit(kv, request("old", [1, 2])) == PrefixLookup(1, 0, "unrecorded")   # evicted long ago
+    assert kv.stats.evictions == 3 and recorder.misses.forgot_an_eviction
+    assert admit(kv, recorder, request("new", [11, 12])) == PrefixLookup(1, 0, "unrecorded")
+    assert admit(kv, recorder, request("old", [1, 2])) == PrefixLookup(1, 0, "unrecorded")   # evicted long ago
 
 
 @settings(max_examples=60, deadline=None)

@@ -13,6 +13,7 @@ import pathlib
 
 import torch
 
+from minipaged.block_pool import Released, Taken
 from minipaged import SamplingParams
 from minipaged.events import KVChanges
 from minipaged.kernels.backends import TORCH_BACKEND
@@ -41,10 +42,10 @@ def test_the_runner_builds_slots_and_tables_from_the_chunks_alone():
     assert batch.logits_indices.tolist() == [0] and batch.sampled_requests == [decode]
 
 
-def test_the_runner_module_does_not_import_the_block_manager():
+def test_the_runner_module_does_not_import_the_kv_cache_manager():
     tree = ast.parse((PACKAGE / "runner.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not any(m and "block_manager" in m for m in imported)
+    assert not any(m and ("kv_cache_manager" in m or "block_pool" in m) for m in imported)
 
 
 def test_only_the_scheduler_writes_num_computed_tokens():
@@ -94,32 +95,37 @@ def request_field_writes(path: pathlib.Path) -> list[str]:
 
 
 def test_the_engine_writes_no_request_field():
-    """Token bookkeeping (appending, trimming after a stop string, finishing) is the scheduler's: the engine
-    and its builder only read requests. The check itself catches each kind of write."""
-    for name in ("engine.py", "engine_builder.py", "execute_step.py", "step_records.py"):
+    """Token bookkeeping (appending, finishing) is the scheduler's: the engine, its core, the front end's output
+    processor, the observers' recorder and the builder only read requests. The check itself catches each kind
+    of write."""
+    for name in ("engine.py", "engine_builder.py", "engine_core.py", "execute_step.py", "step_recorder.py",
+                 "output_processor.py", "kv_recorder.py"):
         assert request_field_writes(PACKAGE / name) == []
     scheduler_writes = " ".join(request_field_writes(PACKAGE / "scheduler.py"))
     for write in ("status", "stop_reason", "output_token_ids", "num_computed_tokens"):
         assert write in scheduler_writes
 
 
-def test_each_step_drains_one_kv_change_record_that_the_event_carries(tiny_engine_factory):
+def test_each_step_folds_the_block_pools_change_log_once_into_the_event(tiny_engine_factory):
+    """The core writes one append-only log; the recorder (outside the core) reads it once a step, whole."""
     engine = tiny_engine_factory(num_blocks=64)
-    drained = []
-    original = engine.kv.drain_changes
+    folded = []
+    original = engine.recorder.kv.fold
 
-    def counting_drain():
-        changes = original()
-        drained.append(changes)
-        return changes
-    engine.kv.drain_changes = counting_drain
+    def counting_fold(log):
+        folded.append(list(log))
+        result = original(log)
+        return result
+    engine.recorder.kv.fold = counting_fold
     engine.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=3))
     events = []
     while engine.has_unfinished_requests():
         events.append(engine.step().event)
-    assert len(events) == 3 and len(drained) == 3            # a prefill, then two decodes
-    assert all(isinstance(ev.kv, KVChanges) and ev.kv is changes for ev, changes in zip(events, drained))
+        assert engine.kv.pool.log == []                      # taken whole: nothing left behind for the next step
+    assert len(events) == 3 and len(folded) == 3             # a prefill, then two decodes
+    assert all(isinstance(ev.kv, KVChanges) for ev in events)
     assert events[0].kv.allocated and events[-1].kv.freed_on_finish       # taken at step 1, let go at the end
+    assert any(isinstance(entry, Taken) for entry in folded[0]) and any(isinstance(e, Released) for e in folded[-1])
 
 
 def test_prefix_cache_queries_are_counted_only_when_caching_is_on(tiny_engine_factory):
@@ -137,12 +143,12 @@ def test_a_steps_duration_includes_building_its_event(tiny_engine_factory):
     duration_s, and the counters' step_seconds, include them."""
     import time
     engine = tiny_engine_factory(num_blocks=64)
-    stats = engine.stats
+    stats = engine.core.stats
 
     def slow_stats():
         time.sleep(0.05)
         return stats()
-    engine.stats = slow_stats
+    engine.core.stats = slow_stats
     engine.add_request(list(range(10)), SamplingParams(temperature=0, max_tokens=2))
     event = engine.step().event
     assert event.duration_s >= 0.05 and event.counters["step_seconds"] >= 0.05
@@ -169,8 +175,8 @@ def test_clients_read_tokens_from_the_steps_outputs_never_from_its_event():
     processor (``engine.outputs``) from outside the engine, and the old side doors are gone."""
     for name in CLIENT_MODULES:
         reads = attribute_reads(PACKAGE / name)
-        # (the engine reads the scheduler's own StepUpdate.new_token_ids: that is where tokens come from)
-        assert not [r for r in reads if r[0] in PER_REQUEST_EVENT_FIELDS and r[1] != "update"], name
+        # (the engine reads the core's EngineCoreOutputs.new_token_ids: that is where tokens come from)
+        assert not [r for r in reads if r[0] in PER_REQUEST_EVENT_FIELDS and r[1] != "core_out"], name
         if name != "engine.py":
             assert not [r for r in reads if r[0] == "outputs" and r[1].endswith("engine")], name
     everything = [r for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tui").rglob("*.py"),

@@ -14,7 +14,7 @@ from minipaged.lessons.labs import all_labs, check_file, find_lab
 # The engine's own implementation under the name each stub gives it: the reference, loaded as a student's file.
 REFERENCE_FILES = {
     1: "from minipaged.policies import LRUFreeBlockQueue as LRUQueue\n",
-    2: "from minipaged.block_manager import hash_block_tokens\n",
+    2: "from minipaged.block_pool import hash_block_tokens\n",
     3: "from minipaged.policies import PriorityOrder as MyPriority\n",
     4: "from minipaged.lessons.labs.lab4_rejection_sampler import engine_verify as verify\n",
 }
@@ -211,7 +211,7 @@ COUNTING = {
     # lab 1: the queue made from the stub alone (not the engine's class), so watch needs nothing the stub lacks
     1: "FILLED_STUB_1",
     2: """
-        from minipaged.block_manager import hash_block_tokens as engine_hash
+        from minipaged.block_pool import hash_block_tokens as engine_hash
         CALLS = []
         def hash_block_tokens(parent_hash, token_ids, extra_keys=()):
             CALLS.append(1)

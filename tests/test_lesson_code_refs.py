@@ -155,7 +155,7 @@ SCHEDULER = "[minipaged/scheduler.py](../minipaged/scheduler.py)"
 
 @pytest.mark.parametrize("bullet, words", [
     (f"{SCHEDULER}: `no_such_function` admits", "`no_such_function` is not defined in ../minipaged/scheduler.py"),
-    (f"{SCHEDULER}: `Scheduler.allocate_slots`", "`Scheduler.allocate_slots` is not defined"),     # block_manager's
+    (f"{SCHEDULER}: `Scheduler.allocate_slots`", "`Scheduler.allocate_slots` is not defined"),     # the KV cache manager's
     (f"{SCHEDULER}: the chunk, `num_new = everything`", "`num_new = everything` does not appear verbatim"),
     ("[minipaged/request.py](../minipaged/request.py): `static` batching", "never reads or compares with it"),
     (f"{SCHEDULER}: `--no-prefix-caching`", "`--no-prefix-caching` is neither"),
@@ -172,8 +172,8 @@ def test_a_stale_reference_is_reported(bullet, words):
 
 
 def test_good_references_of_every_kind_pass():
-    markdown = (f"{HEADING}\n\n- [minipaged/block_manager.py](../minipaged/block_manager.py): "
-                "`KVCacheManager.allocate_slots`, `KVBlock`,\n  `hits`, `num_blocks`\n"
+    markdown = (f"{HEADING}\n\n- [minipaged/kv_cache_manager.py](../minipaged/kv_cache_manager.py): "
+                "`KVCacheManager.allocate_slots`, `PrefixCacheStats`,\n  `hits`, `num_blocks`\n"
                 "- [minipaged/scheduler.py](../minipaged/scheduler.py): `num_new = budget`, `policy` `static`\n"
                 "- [kernels/](../kernels/): `paged_attention_reference`\n")
     assert check_lesson(markdown, "fake.md") == []

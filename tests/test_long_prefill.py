@@ -12,7 +12,9 @@ import random
 import pytest
 
 from minipaged import SamplingParams
-from minipaged.block_manager import CpuBlockPool, KVCacheManager
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.policies import FCFS, LRUFreeBlockQueue, Newest
+from minipaged.swap import CpuBlockPool
 from minipaged.config import LONG_PREFILL_CPU, ConfigError, EngineConfig
 from minipaged.request import Request
 from minipaged.scheduler import Scheduler
@@ -29,8 +31,8 @@ class Bench:
         config = EngineConfig(model="unit", block_size=BLOCK, num_blocks=4096, **options)
         config.validate()
         config.finalize(model_max_len=32768)
-        self.kv = KVCacheManager(4096, BLOCK)
-        self.scheduler = Scheduler(config, self.kv, CpuBlockPool(0))
+        self.kv = KVCacheManager(4096, BLOCK, free_queue=LRUFreeBlockQueue)
+        self.scheduler = Scheduler(config, self.kv, CpuBlockPool(0), order=FCFS(), victim_policy=Newest())
         self.count = 0
 
     def add(self, num_tokens: int, n: int = 1, max_tokens: int = 4, seed: int = 0) -> list[Request]:

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from minipaged import SamplingParams
-from minipaged.block_manager import KVCacheManager
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.kv_recorder import KVRecorder
 from minipaged.config import ConfigError
 from minipaged.policies import LRUFreeBlockQueue, MRUFreeBlockQueue, PolicyError, load_policy
 from minipaged.request import Request
@@ -93,7 +94,7 @@ def test_lru_evicts_the_block_freed_longest_ago_and_mru_the_newest():
         taker = Request("t", [9] * 8, GREEDY, 2, 0.0)
         assert kv.allocate_slots(taker, 6, 0)              # 3 blocks: the 2 uncached ones, then one cached
         kv.check_invariants()
-        return kv.drain_changes().evicted
+        return KVRecorder(kv.num_blocks, kv.block_size).fold(kv.take_log())[0].evicted
 
     lru, mru = evicted_after(LRUFreeBlockQueue), evicted_after(MRUFreeBlockQueue)
     assert len(lru) == len(mru) == 1

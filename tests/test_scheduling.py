@@ -181,7 +181,7 @@ def test_budget_respected_and_decodes_never_starved(tiny_engine_factory, budget,
         if event.swapped:
             assert not scheduled & waiting, "a waiting request was admitted while another sat swapped out"
         # the observer's view, built from events alone, agrees with the block manager
-        for block in engine.kv.blocks:
+        for block in engine.kv.pool.blocks:
             assert len(view.block_owners[block.block_id]) == block.ref_cnt
             assert view.block_cached[block.block_id] == (block.block_hash is not None)
         engine.kv.check_invariants()                     # kept counts (free, cached and free) equal a recount

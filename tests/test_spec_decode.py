@@ -353,7 +353,7 @@ def test_events_carry_drafts_and_verdicts_and_replay_the_same(tiny_engine_factor
                 assert new[:s.num_accepted] == list(s.draft_token_ids[:s.num_accepted])
             if s.request_id in running:        # the view, from events alone, knows how much KV is real
                 assert view.requests[s.request_id].num_computed == running[s.request_id].num_computed_tokens
-        for block in engine.kv.blocks:
+        for block in engine.kv.pool.blocks:
             assert len(view.block_owners[block.block_id]) == block.ref_cnt
             assert view.block_cached[block.block_id] == (block.block_hash is not None)
     drafted = sum(len(s.draft_token_ids) for e in events for s in e.scheduled)

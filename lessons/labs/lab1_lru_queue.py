@@ -9,7 +9,7 @@ import random
 import time
 from typing import Any
 
-from minipaged.block_manager import KVCacheManager
+from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.policies import LRUFreeBlockQueue
 from minipaged.request import Request, SamplingParams
 

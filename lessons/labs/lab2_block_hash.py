@@ -1,14 +1,16 @@
 """Lab 2: the prefix cache's block hash chain.
 
 The student writes ``hash_block_tokens(parent_hash, token_ids, extra_keys)``, the engine's own being
-``minipaged.block_manager.hash_block_tokens``; the checks call it alone, then plug it into a real
+``minipaged.block_pool.hash_block_tokens``; the checks call it alone, then plug it into a real
 ``KVCacheManager`` and look at which blocks are shared.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from minipaged.block_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
+from minipaged.block_pool import ROOT_HASH, hash_block_tokens
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.policies import LRUFreeBlockQueue
 from minipaged.request import Request, SamplingParams
 
 from .core import Lab, LabFailure, expect
@@ -73,7 +75,8 @@ def extra_keys_count(fn: Any) -> None:
 
 def shares_exactly_the_equal_prefixes(fn: Any) -> None:
     """inside the engine's KVCacheManager, only requests with an equal prefix share blocks"""
-    kv = KVCacheManager(num_blocks=16, block_size=2, enable_caching=True, hash_tokens=fn)
+    kv = KVCacheManager(num_blocks=16, block_size=2, enable_caching=True, free_queue=LRUFreeBlockQueue,
+                        hash_tokens=fn)
     params = SamplingParams(max_tokens=4)
 
     def admit(name: str, tokens: list[int]) -> int:

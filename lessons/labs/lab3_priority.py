@@ -10,9 +10,10 @@ import dataclasses
 import random
 from typing import Any, Sequence
 
-from minipaged.block_manager import CpuBlockPool, KVCacheManager
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.swap import CpuBlockPool
 from minipaged.config import EngineConfig
-from minipaged.policies import PriorityOrder
+from minipaged.policies import LRUFreeBlockQueue, Newest, PriorityOrder
 from minipaged.request import Request, SamplingParams
 from minipaged.scheduler import Scheduler
 from minipaged.workloads import Workload
@@ -42,8 +43,8 @@ class OneSeatEngine:
     def __init__(self, order: Any) -> None:
         config = EngineConfig(model="lab", num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
         config.finalize(model_max_len=256)
-        self.scheduler = Scheduler(config, KVCacheManager(64, 4), CpuBlockPool(0))
-        self.scheduler.order = order
+        self.scheduler = Scheduler(config, KVCacheManager(64, 4, free_queue=LRUFreeBlockQueue), CpuBlockPool(0), order=order,
+                                   victim_policy=Newest())
         self.admitted: list[str] = []
         self.count = 0
 

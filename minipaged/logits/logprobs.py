@@ -6,7 +6,8 @@ model's rows. The numbers leave here as plain Python values; the output processo
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,3 +30,25 @@ def token_logprobs(logprob_rows: torch.Tensor, token_ids: Sequence[int], num_top
     top_values, top_ids = torch.topk(rows, num_top, dim=-1) if num_top else (rows[:, :0], ids[:, None][:, :0])
     return [TokenLogprobs(int(t), float(lp), int(r), tuple(zip(ti.tolist(), tv.tolist())))
             for t, lp, r, ti, tv in zip(ids.tolist(), chosen.tolist(), ranks.tolist(), top_ids, top_values)]
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], first: int,
+                    num_top: int) -> list[TokenLogprobs]:
+    """Rows scoring prompt tokens ``first, first + 1, ...`` (row i is the position before each)."""
+    return token_logprobs(log_softmax_rows(logits), prompt_token_ids[first:first + logits.shape[0]], num_top)
+
+
+@dataclass
+class StageResult:
+    """What the stage took from a step's rows: the raw log-probabilities asked for (rows and top N, paired with
+    the tokens once they are sampled: ``sampled_logprobs``) and the grammar constraints (tokens allowed)."""
+
+    raw_logprobs: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    constrained: dict[str, int] = field(default_factory=dict)
+
+
+def sampled_logprobs(raw: dict[str, tuple[torch.Tensor, int]],
+                     sampled: dict[str, Optional[list[int]]]) -> dict[str, list[TokenLogprobs]]:
+    """The raw log-probabilities of each request's new tokens (row j scored the j-th new token)."""
+    return {rid: token_logprobs(lp, sampled[rid], num_top)
+            for rid, (lp, num_top) in raw.items() if sampled.get(rid)}

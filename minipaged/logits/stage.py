@@ -5,8 +5,8 @@ is queued) and applies them to that request's rows of logits in place, so the sa
 sampler both see the processed distribution. A step in which no scheduled request has a processor or asks
 for log-probabilities does nothing here at all: the default path costs one dictionary check per request.
 
-Before processing, it keeps the raw log-probabilities of the rows whose requests asked for them; once the
-step's tokens are known, ``take_logprobs`` pairs each new token with its row.
+Before processing, it takes the raw log-probabilities of the rows whose requests asked for them and returns
+them with the step's structured-output constraints (``StageResult``): nothing of a step stays behind here.
 
 One request's failure is that request's alone: a processor that raises, or constraints that leave no token
 allowed, mark that request failed (``Request.error``: the client gets the message) and the step goes on for
@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..request import Request, RequestStatus, SamplingParams, check_token_ids, fail_request
-from .logprobs import TokenLogprobs, log_softmax_rows, token_logprobs
+from .logprobs import StageResult, log_softmax_rows
 from .processors import BadWordTable, LogitsProcessor, build_processors
 from .structured import GrammarJob, GrammarMask, StructuredOutputCompiler
 
@@ -36,8 +36,6 @@ class LogitsStage:
         self.compiler = StructuredOutputCompiler(tokenizer, vocab_size)
         self._processors: dict[str, list[LogitsProcessor]] = {}     # request id -> its processors
         self._users: set[str] = set()           # requests with processors or asking for log-probabilities
-        self._raw_logprobs: dict[str, tuple[torch.Tensor, int]] = {}   # this step's rows and top N, until taken
-        self._constrained: dict[str, int] = {}      # this step: request id -> tokens its grammar allowed (first row)
         self._waiting: dict[str, tuple[Request, GrammarJob, float]] = {}   # for their grammar: (req, job, since)
         self._bad_words: tuple[Any, Optional[BadWordTable]] = (None, None)   # the last params' table (n samples)
 
@@ -94,6 +92,9 @@ class LogitsStage:
                  return_when=FIRST_COMPLETED)
         now, done = time.monotonic(), []
         for rid, (req, job, since) in list(self._waiting.items()):
+            if req.is_finished:                # aborted while its grammar compiled: nothing to queue
+                del self._waiting[rid]
+                continue
             compiled, error = self.compiler.outcome(job, since, now)
             if compiled is None and error is None:
                 continue
@@ -107,10 +108,9 @@ class LogitsStage:
         return done
 
     def forget(self, request_id: str) -> None:
+        """Drop an ended request's processors (the executor calls it on the scheduler output's finished ids)."""
         self._processors.pop(request_id, None)
-        self._raw_logprobs.pop(request_id, None)
         self._users.discard(request_id)
-        self._waiting.pop(request_id, None)
 
     def needed_by(self, requests: Sequence[Request]) -> bool:
         """Whether any of this step's requests has work here; with none in the engine, one set check."""
@@ -119,18 +119,19 @@ class LogitsStage:
     # ------------------------------------------------------------------ each step
     @torch.inference_mode()              # the forward pass's logits are inference tensors: edit them in that mode
     def process(self, requests: Sequence[Request], rows: Sequence[torch.Tensor],
-                drafts: dict[str, Sequence[int]]) -> None:
-        """Keep the raw log-probabilities asked for, then edit each request's rows in place. ``rows[i]`` is
+                drafts: dict[str, Sequence[int]]) -> StageResult:
+        """Take the raw log-probabilities asked for, then edit each request's rows in place. ``rows[i]`` is
         request i's [1 + drafts, vocab] block of logits; its row j follows the output plus drafts[:j]. A request
         whose processing raises, or whose first row has no token left allowed, is marked failed (``req.error``)."""
+        result = StageResult()
         for req, block in zip(requests, rows):
             if req.params.logprobs is not None:
-                self._raw_logprobs[req.request_id] = (log_softmax_rows(block), req.params.logprobs)
+                result.raw_logprobs[req.request_id] = (log_softmax_rows(block), req.params.logprobs)
             processors = self._processors.get(req.request_id)
             if not processors:
                 continue
             try:
-                self._apply(req, processors, block, list(drafts.get(req.request_id, ())))
+                self._apply(req, processors, block, list(drafts.get(req.request_id, ())), result.constrained)
             except Exception as exc:             # one request's processor: that request fails, not the step
                 fail_request(req, f"processing this request's logits failed ({type(exc).__name__}: {exc}).")
                 continue
@@ -139,9 +140,10 @@ class LogitsStage:
                                   f"the request's constraints ({', '.join(type(p).__name__ for p in processors)}) "
                                   f"exclude every token; loosen allowed_token_ids, bad_words, logit_bias or the "
                                   f"structured output.")
+        return result
 
     def _apply(self, req: Request, processors: list[LogitsProcessor], block: torch.Tensor,
-               draft: list[int]) -> None:
+               draft: list[int], constrained: dict[str, int]) -> None:
         grammar = processors[-1] if isinstance(processors[-1], GrammarMask) else None
         if grammar is not None:
             grammar.num_allowed = None
@@ -150,24 +152,4 @@ class LogitsStage:
             for processor in processors:
                 processor.apply(block[j], req.prompt_token_ids, history)
             if grammar is not None and j == 0 and grammar.num_allowed is not None:
-                self._constrained[req.request_id] = grammar.num_allowed
-
-    def drain_constrained(self) -> dict[str, int]:
-        """Requests whose next token a structured-output mask constrained since the last call, and how many
-        tokens it allowed (for the StepEvent)."""
-        constrained, self._constrained = self._constrained, {}
-        return constrained
-
-    def take_logprobs(self, new_token_ids: dict[str, list[int]]) -> dict[str, list[TokenLogprobs]]:
-        """The raw log-probabilities of each request's new tokens (row j scored the j-th new token)."""
-        if not self._raw_logprobs:
-            return {}
-        rows, self._raw_logprobs = self._raw_logprobs, {}
-        return {rid: token_logprobs(lp, new_token_ids[rid], num_top)
-                for rid, (lp, num_top) in rows.items() if new_token_ids.get(rid)}
-
-
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], first: int,
-                    num_top: int) -> list[TokenLogprobs]:
-    """Rows scoring prompt tokens ``first, first + 1, ...`` (row i is the position before each)."""
-    return token_logprobs(log_softmax_rows(logits), prompt_token_ids[first:first + logits.shape[0]], num_top)
+                constrained[req.request_id] = grammar.num_allowed

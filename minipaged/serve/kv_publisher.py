@@ -97,7 +97,7 @@ class ZmqKVEventPublisher:
                                       f"{config.endpoint} ({exc}); choose another endpoint.") from None
         self._topic = config.topic.encode("utf-8")
         self._seq = 0
-        self._kv = engine.kv
+        self._kv = engine.recorder.kv             # the observer that folds the block pool's change log
         self._kv.kv_events = []
         self._unsubscribe = engine.subscribe(self._after_step)
 
