@@ -25,6 +25,7 @@ Quantization = Literal["int8"]
 # How the cpu backend picks each compiled op (kernels/backends/calibration.py): race it against torch here
 # (cached), or take every op from one side without measuring.
 CpuOps = Literal["measure", "compiled", "torch"]
+GRAMMAR_TIMEOUT_S = 30.0        # a grammar still compiling (in the background) after this long fails its request
 
 
 # Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
@@ -156,6 +157,10 @@ class EngineConfig:
     async_scheduling: bool = field(default=False, metadata={
         "help": "process a step's outputs (text, stop strings, events) while the next step's forward pass runs "
                 "in a thread; outputs come one step later", "negatable": True, "shown_default": "off"})
+    # Structured outputs compile in the background (minipaged/logits/structured.py); a request waits meanwhile.
+    grammar_timeout: float = field(default=GRAMMAR_TIMEOUT_S, metadata={
+        "help": "a request whose structured-outputs grammar is still compiling (in the background) after this "
+                "many seconds fails with a message that says so"})
     distributed_timeout: float = field(default=120.0, metadata={
         "help": "seconds a step may wait for another rank before the engine stops with an error"})
 
@@ -219,8 +224,9 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
-        if not is_number(self.distributed_timeout) or self.distributed_timeout <= 0:
-            raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}.")
+        for name in ("distributed_timeout", "grammar_timeout"):
+            if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}.")
         one_of("dtype", Dtype, optional=True)
         for name in ("cuda_graphs", "enforce_eager", "compiled_decode", "triton_fused_ops"):
             if not isinstance(getattr(self, name), bool) and not (name == "triton_fused_ops" and

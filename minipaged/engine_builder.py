@@ -143,7 +143,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
             config.distributed_timeout))
     sampler = Sampler(config.seed, backend.argmax)
     outputs = OutputProcessor(tokenizer)
-    logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids)
+    logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids, config.grammar_timeout)
     speculator: Optional[Speculator] = None if spec is None else build_speculator(
         spec, draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=backend,
         block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler,

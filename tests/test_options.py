@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minipaged.cli import main, make_parser
-from minipaged.config import EngineConfig
+from minipaged.config import ConfigError, EngineConfig
 from minipaged.options import EngineFlag, as_command_line, as_flag, engine_flags, engine_options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,3 +150,34 @@ def test_speculation_without_a_count_names_the_flag_to_add(flags, capsys):
     err = capsys.readouterr().err
     assert f"--speculative-method {flags[1]} needs --num-speculative-tokens" in err
     assert "speculative_config" not in err
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "serve"])
+def test_the_former_environment_switches_are_flags_of_every_command(command):
+    parse = make_parser().parse_args
+    typed = [command, "--cpu-ops", "torch", "--no-compiled-decode", "--no-triton-fused-ops", "--grammar-timeout", "2"]
+    assert engine_options(parse(typed)) == {"cpu_ops": "torch", "compiled_decode": False, "triton_fused_ops": False,
+                                            "grammar_timeout": 2.0}
+    assert engine_options(parse([command, "--triton-fused-ops"])) == {"triton_fused_ops": True}
+    with pytest.raises(SystemExit):
+        parse([command, "--cpu-ops", "fast"])
+
+
+def test_server_limits_are_serve_flags_spelled_once(capsys):
+    """Each ServerLimits field is a flag of its name with dashes whose help is the field's."""
+    from minipaged.serve import server_settings
+    from minipaged.serve.limits import ServerLimits
+    args = make_parser().parse_args(["serve", "--max-n", "3", "--max-prompt-logprobs", "5"])
+    settings = server_settings(args)
+    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for limit in fields(ServerLimits):
+        assert f"{ServerLimits.flag(limit.name)} " in text and limit.metadata["help"] in text, limit.name
+
+
+def test_the_grammar_timeout_option_reaches_the_logits_stage(tiny_engine_factory):
+    assert tiny_engine_factory(grammar_timeout=0.5).logits.compiler.timeout_s == 0.5
+    with pytest.raises(ConfigError, match="grammar_timeout must be a positive number of seconds"):
+        tiny_engine_factory(grammar_timeout=0)

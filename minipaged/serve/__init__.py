@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from typing import Optional
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
@@ -30,10 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,
                    help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
-    for name in limit_names():
-        default = getattr(DEFAULTS.limits, name)
-        g.add_argument(ServerLimits.flag(name), dest=name, type=type(default), default=default,
-                       help=ServerLimits.HELP[name])
+    for limit in fields(ServerLimits):
+        g.add_argument(ServerLimits.flag(limit.name), dest=limit.name, type=type(limit.default),
+                       default=limit.default, help=limit.metadata["help"])
     g.add_argument("--max-client-samples", type=int, default=None,
                    help="the most samples (n counts) one client (address) may have in the engine at once; more get "
                         "429 with Retry-After (default: half of --max-waiting-requests, at least --max-n)")
@@ -95,7 +95,7 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
     for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", *limit_names()):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
-            flag = ServerLimits.FLAGS.get(name, f"--{name.replace('_', '-')}")
+            flag = ServerLimits.flag(name)         # (every server flag here is its name with dashes)
             return f"{flag} must be {'positive' if isinstance(value, float) else 'at least 1'}, not {value}."
     for name in ("page_prompt_rate", "page_max_tokens"):
         value = getattr(args, name, None)
