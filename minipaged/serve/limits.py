@@ -6,9 +6,12 @@ Plain data without pydantic or FastAPI, so that building the CLI parser does not
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
+# When the engine thread hands a step's tokens to the HTTP thread (async_engine.py): just before the next step's
+# model call (the cpu backend's, which lets go of the GIL), or when the step ends (to measure what that is worth).
+HandOff = Literal["model-call", "step-end"]
 
 
 def limit(default: int, help_text: str) -> Any:
@@ -93,6 +96,7 @@ class ServerSettings:
                                                      # the flag's default is half of max_waiting_requests)
     max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
     page: PageSettings = field(default_factory=PageSettings)   # the teacher's controls over the page
+    hand_off: HandOff = "model-call"         # --hand-off: when the engine thread hands tokens over
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags
