@@ -179,8 +179,8 @@ def main() -> None:
     # the backend runs it as one compiled call (kernels/cpu_decode_layers.c): what that call saves.
     loop_engine = None
     if getattr(backend, "_decode_layers", None) is not None:
-        loop_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False)
-        loop_engine.backend._decode_layers = None
+        loop_engine = Engine(args.model, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+                             compiled_decode=False)
     rows, record = [], {"context": args.context, "attention_backend": backend.name,
                         "backend": backend.describe(why=False),
                         "batches": {}}

@@ -90,17 +90,17 @@ def measure(url: str, prompts_file: Path, args: argparse.Namespace, label: str, 
 
 def run_minipaged(server: str, prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
     """``server``: minipaged-fp32, minipaged-int8, or minipaged-fp32-hand-off-after-step (fp32 with
-    MINIPAGED_HAND_OFF=0: tokens handed to the HTTP thread after each step, as before the hand-off point, to
+    ``--hand-off step-end``: tokens handed to the HTTP thread after each step, as before the hand-off point, to
     measure what that point is worth in the same run)."""
     port = free_port()
     quantization = server.removeprefix("minipaged-").removesuffix(AFTER_STEP)
     flags = ["--threads", "1", "--served-model-name", SERVED_NAME] + (["--quantization", quantization]
                                                                      if quantization != "fp32" else [])
-    env = {**os.environ, "MINIPAGED_HAND_OFF": "0"} if server.endswith(AFTER_STEP) else None
+    flags += ["--hand-off", "step-end"] if server.endswith(AFTER_STEP) else []
     label = server
     print(f"\n=== {label}", flush=True)
     with running(minipaged_serve_command("smollm2", port, flags), port, what=label,
-                 log_path=str(work / f"{label}.log"), timeout_s=300, env=env) as url:
+                 log_path=str(work / f"{label}.log"), timeout_s=300) as url:
         warm_up(url, SERVED_NAME)
         return measure(url, prompts_file, args, label, work)
 

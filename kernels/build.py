@@ -6,9 +6,9 @@ cpu_layer_ops.py, cpu_argmax.py, cpu_decode_layers.py) only ask ``load_kernel``.
 Why C and ctypes, not a torch C++ extension: the kernels need no torch headers, so the machine's C compiler
 builds them in well under a second (a torch extension takes a minute), and the shared library lands in
 minipaged's cache folder (``$MINIPAGED_CACHE``, else the user cache dir) keyed by the sources, the flags and
-the CPU, so it is built once per machine. Without a working C compiler (or with ``MINIPAGED_CPU_KERNEL=0``)
-``cpu_kernel_available`` is False, says why in ``cpu_kernel_problem``, and the engine uses the torch backend:
-same results, slower decodes.
+the CPU, so it is built once per machine. Without a working C compiler ``cpu_kernel_available`` is False, says
+why in ``cpu_kernel_problem``, and the engine uses the torch backend: same results, slower decodes. To leave the
+compiled kernels out on purpose, choose that backend: ``attention_backend="torch"`` (``--attention-backend torch``).
 """
 from __future__ import annotations
 
@@ -114,8 +114,6 @@ def _compile(compiler: str, head_dim: int, target: Path) -> Path:
 @functools.lru_cache(maxsize=None)
 def load_kernel(head_dim: int) -> ctypes.CDLL:
     """The compiled kernel for ``head_dim``, built on first use; raises CpuKernelUnavailable."""
-    if os.environ.get("MINIPAGED_CPU_KERNEL", "1") == "0":
-        raise CpuKernelUnavailable("MINIPAGED_CPU_KERNEL=0 turns the compiled CPU kernel off")
     path = _build(head_dim)
     try:
         library = ctypes.CDLL(str(path))

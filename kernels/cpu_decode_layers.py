@@ -5,11 +5,11 @@ instead of about ten per layer.
 
 Measured on the CI machine (SmolLM2, one request, one thread, quiet): Python's loop over the compiled kernels
 spent about 2 ms of a 16.7 ms fp32 step between the kernels (their wrappers, ctypes, small tensors); the file's
-test checks that the two give the same logits, bit for bit.
+test checks that the two give the same logits, bit for bit. The engine option ``compiled_decode=False``
+(``--no-compiled-decode``) keeps every step on the Python loop (to compare the two: bench/decode_floor.py).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -22,8 +22,6 @@ from .cpu_paged_attention import check_plan_once
 from .int8 import INT8_PER_ROW_ROWS, Int8Weight, stored_tensor
 
 PROFILER_NAME = "minipaged::decode_layers"
-# MINIPAGED_COMPILED_DECODE=0 keeps every step on the Python loop (to compare the two: bench/decode_floor.py).
-ENABLED = os.environ.get("MINIPAGED_COMPILED_DECODE", "1") != "0"
 WIDENING, FIXED_POINT = 1, 2            # the C file's int8_loop values (0: float32 weights)
 
 

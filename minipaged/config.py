@@ -22,6 +22,10 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # The backends' names, the one list of them (kernels/backends/ reads it; each name is a Backend's ``name``).
 AttentionBackend = Literal["triton", "cpu", "torch"]
 Quantization = Literal["int8"]
+# How the cpu backend picks each compiled op (kernels/backends/calibration.py): race it against torch here
+# (cached), or take every op from one side without measuring.
+CpuOps = Literal["measure", "compiled", "torch"]
+GRAMMAR_TIMEOUT_S = 30.0        # a grammar still compiling (in the background) after this long fails its request
 
 
 # Options that size the same thing another way: num_blocks wins over a memory budget, num_cpu_blocks over
@@ -114,6 +118,20 @@ class EngineConfig:
         "help": "attention code: triton (CUDA), cpu (compiled C kernels: decode attention, and matmuls for steps of "
                 "1-7 tokens), torch (plain torch ops)",
         "shown_default": "triton on CUDA, cpu where it builds, else torch"})
+    # Switches of the backends' own code paths (kernels/backends/). None: the backend's default, which the test
+    # suite's conftest sets otherwise so that CI exercises every compiled and fused op whatever the machine.
+    cpu_ops: Optional[CpuOps] = field(default=None, metadata={
+        "help": "cpu backend: measure each compiled op against torch's on this machine the first time (cached) "
+                "and take the faster, or take every op compiled, or every op torch's (no measuring)",
+        "shown_default": "measure"})
+    compiled_decode: bool = field(default=True, metadata={
+        "help": "cpu backend: run decode steps of 1-7 rows through Python's layer loop instead of one compiled "
+                "call of the whole loop (kernels/cpu_decode_layers.c; to compare the two: bench/decode_floor.py)",
+        "shown_default": "one compiled call"})
+    triton_fused_ops: Optional[bool] = field(default=None, metadata={
+        "help": "triton backend: the fused layer ops (kernels/triton_layer_ops.py: norm with residual add, RoPE "
+                "with the K/V write, SiLU-and-mul, argmax) instead of torch's; not yet checked on a GPU",
+        "shown_default": "off"})
     # CUDA graphs for decode steps (kernels/backends/cuda_graphs.py). vLLM captures them by default and has
     # --enforce-eager to turn them off; here they stay opt-in until a GPU run has shown them exact (issue 37).
     cuda_graphs: bool = field(default=False, metadata={
@@ -139,6 +157,10 @@ class EngineConfig:
     async_scheduling: bool = field(default=False, metadata={
         "help": "process a step's outputs (text, stop strings, events) while the next step's forward pass runs "
                 "in a thread; outputs come one step later", "negatable": True, "shown_default": "off"})
+    # Structured outputs compile in the background (minipaged/logits/structured.py); a request waits meanwhile.
+    grammar_timeout: float = field(default=GRAMMAR_TIMEOUT_S, metadata={
+        "help": "a request whose structured-outputs grammar is still compiling (in the background) after this "
+                "many seconds fails with a message that says so"})
     distributed_timeout: float = field(default=120.0, metadata={
         "help": "seconds a step may wait for another rank before the engine stops with an error"})
 
@@ -187,6 +209,7 @@ class EngineConfig:
         one_of("policy", Policy)
         one_of("preemption_mode", PreemptionMode)
         one_of("attention_backend", AttentionBackend, optional=True)
+        one_of("cpu_ops", CpuOps, optional=True)
         for name in ("scheduling_policy", "preemption_victim", "eviction_policy"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a policy name or 'path/to/file.py:ClassName', got "
@@ -201,11 +224,13 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
-        if not is_number(self.distributed_timeout) or self.distributed_timeout <= 0:
-            raise ConfigError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}.")
+        for name in ("distributed_timeout", "grammar_timeout"):
+            if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}.")
         one_of("dtype", Dtype, optional=True)
-        for name in ("cuda_graphs", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
+        for name in ("cuda_graphs", "enforce_eager", "compiled_decode", "triton_fused_ops"):
+            if not isinstance(getattr(self, name), bool) and not (name == "triton_fused_ops" and
+                                                                   self.triton_fused_ops is None):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.cuda_graphs and not self.enforce_eager and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ConfigError("cuda_graphs does not combine with tensor or pipeline parallelism yet (each rank would "

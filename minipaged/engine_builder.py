@@ -106,7 +106,9 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     if problem := sliding_window_problem(loaded.config, config.max_model_len, model_name):
         raise ConfigError(problem)          # before any worker starts or any KV memory is taken
     try:
-        backend = select_backend(device, DTYPES[dtype_name], model.shapes(), config.attention_backend)
+        backend = select_backend(device, DTYPES[dtype_name], model.shapes(), config.attention_backend,
+                                 cpu_ops=config.cpu_ops, compiled_decode=config.compiled_decode,
+                                 triton_fused_ops=config.triton_fused_ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if graphs_wanted(config) and (problem := backend.cuda_graphs_problem(device)):
@@ -153,7 +155,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
             config.distributed_timeout))
     sampler = Sampler(config.seed, backend.argmax)
     outputs = OutputProcessor(tokenizer)
-    logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids)
+    logits = LogitsStage(tokenizer, model.embed.shape[0], loaded.eos_token_ids, config.grammar_timeout)
     speculator: Optional[Speculator] = None if spec is None else build_speculator(
         spec, draft_model, num_blocks=num_blocks, block_size=config.block_size, backend=backend,
         block_table_of=kv.blocks_of, max_model_len=config.max_model_len, sampler=sampler,

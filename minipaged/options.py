@@ -7,7 +7,7 @@ command: the name gives the flag (``max_num_seqs`` -> ``--max-num-seqs``), the t
 the default the help shows. Adding a field with ``metadata={"help": ...}`` to ``EngineConfig`` is all it
 takes for a new flag to appear on every command; ``metadata={"flag": False}`` keeps a field off the command
 line. A bool that defaults to True becomes a switch that turns it off: ``enable_prefix_caching`` ->
-``--no-prefix-caching``.
+``--no-prefix-caching``; an ``Optional[bool]`` (None: the code's own default) gets both ``--x`` and ``--no-x``.
 
 Engine flags parse to None unless typed, so code can tell "left unset" from "set to the default": a
 workload's or a lesson's own options give way only to flags the user typed.
@@ -80,6 +80,9 @@ def _flag_of(f: Field, hints: dict[str, Any]) -> EngineFlag:
         return EngineFlag(f.name, flag.replace("_", "-"), f.metadata["help"], shown, switch_to=not default,
                           negatable=f.metadata.get("negatable", False))
     value_type, choices = _value_type(hints[f.name])
+    if value_type is bool:                 # Optional[bool], None by default: --name and --no-name both say
+        return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, switch_to=True,
+                          negatable=True)
     value_type = f.metadata.get("cli_type", value_type)    # a dict field is typed as JSON text
     return EngineFlag(f.name, "--" + f.name.replace("_", "-"), f.metadata["help"], shown, value_type, choices,
                       aliases=tuple(f.metadata.get("aliases", ())))

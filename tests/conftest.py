@@ -8,13 +8,23 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach for the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Every compiled CPU op, whatever this machine measures faster: tests check them all (the choice by measurement
-# is tests/test_cpu_calibration.py's, with a fake clock).
-os.environ.setdefault("MINIPAGED_CPU_OPS", "compiled")
-# The triton backend's fused layer ops (off by default until a GPU run has shown them exact): tests check them.
-os.environ.setdefault("MINIPAGED_TRITON_FUSED", "1")
 
+from minipaged.kernels.backends import calibration, triton_backend  # noqa: E402
 from minipaged.model.testing import build_tiny_llama  # noqa: E402
+
+# The suite's defaults for the backends' switches left unset (cpu_ops=None, triton_fused_ops=None): every compiled
+# CPU op, whatever this machine measures faster, and the triton backend's fused layer ops (off for users until a
+# GPU run has shown them exact): tests check them all. The choice by measurement is tests/test_cpu_calibration.py's,
+# with a fake clock. Servers the tests start get the same with --cpu-ops compiled (tests/serve_util.py).
+
+
+@pytest.fixture(autouse=True, scope="session")
+def suite_backend_defaults():
+    """Set the backends' defaults for the whole suite, and put the users' defaults back at its end."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "DEFAULT_CPU_OPS", calibration.COMPILED)
+        patch.setattr(triton_backend, "FUSED_BY_DEFAULT", True)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,17 @@ import httpx
 from minipaged.bench.servers import (START_TIMEOUT_S, free_port, minipaged_serve_command, running,  # noqa: F401
                                      stop_process, wait_for_answer)
 
+# What every server the tests start runs with: one thread, and every compiled CPU op (the suite's default in
+# process too: conftest.py), so that a server's tokens match an engine's built in the test.
+SUITE_FLAGS = ("--threads", "1", "--cpu-ops", "compiled")
+
 
 @contextmanager
 def running_server(model: str, *flags: str, log_path: str) -> Iterator[str]:
     """Start ``minipaged serve --model MODEL FLAGS``; yields its base URL once /health answers."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = minipaged_serve_command(model, port, ["--threads", "1", *flags])
+    command = minipaged_serve_command(model, port, [*SUITE_FLAGS, *flags])
     with running(command, port, what="the server", log_path=log_path, env=env) as url:
         yield url
 
@@ -65,7 +69,7 @@ def server_process(model: str, *flags: str, log_path: str) -> Iterator[tuple[str
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(minipaged_serve_command(model, port, ["--threads", "1", *flags]), stdout=log,
+        proc = subprocess.Popen(minipaged_serve_command(model, port, [*SUITE_FLAGS, *flags]), stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -36,8 +36,8 @@ class FakeTimer:
 
 @pytest.fixture
 def measuring(monkeypatch, tmp_path):
-    """Calibrate (not the suite's MINIPAGED_CPU_OPS=compiled), into an empty cache folder."""
-    monkeypatch.setenv("MINIPAGED_CPU_OPS", "measure")
+    """Calibrate (not the suite's default cpu_ops='compiled': conftest.py), into an empty cache folder."""
+    monkeypatch.setattr(calibration, "DEFAULT_CPU_OPS", calibration.MEASURE)
     monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
 
     def use(timer: FakeTimer) -> FakeTimer:
@@ -215,11 +215,21 @@ def test_the_real_clock_gives_a_verdict_for_every_op(measuring):
     assert all(t > 0 for by_option in medians.values() for t in by_option.values())
 
 
-def test_a_wrong_override_is_refused(monkeypatch):
+def test_a_wrong_override_is_refused(tiny_model):
+    from minipaged.config import ConfigError
     from minipaged.kernels import ModelShapes
-    monkeypatch.setenv("MINIPAGED_CPU_OPS", "fast")
-    with pytest.raises(ValueError, match="MINIPAGED_CPU_OPS must be 'measure', 'compiled' or 'torch'"):
-        calibration.calibrated_choice(ModelShapes(64, 4, 2, 16, 96, 300), 16)
+    with pytest.raises(ValueError, match="cpu_ops must be 'measure', 'compiled' or 'torch'"):
+        calibration.calibrated_choice(ModelShapes(64, 4, 2, 16, 96, 300), 16, cpu_ops="fast")
+    with pytest.raises(ConfigError, match="cpu_ops must be 'measure' or 'compiled' or 'torch'"):
+        Engine(tiny_model, cpu_ops="fast")
+
+
+@pytest.mark.parametrize("cpu_ops", ["torch", "compiled"])
+def test_the_cpu_ops_option_reaches_the_backend(tiny_model, cpu_ops):
+    """--cpu-ops takes every op from one side without measuring, whatever the suite's default."""
+    engine = Engine(tiny_model, attention_backend="cpu", cpu_ops=cpu_ops, num_blocks=16, block_size=4)
+    assert engine.backend.choice == (ALL_TORCH if cpu_ops == "torch" else CpuChoice())
+    assert f"cpu_ops='{cpu_ops}'" in engine.backend.describe()
 
 
 def test_a_race_stops_early_when_it_runs_long(monkeypatch):

@@ -4,6 +4,8 @@ logits bit for bit, fp32 and int8), run for every decode step it covers, and lea
 families whose layers it does not have, a profiler recording) to the loop."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -176,3 +178,12 @@ def test_the_backend_hands_off_once_a_step_just_before_the_compiled_call(tiny_mo
     assert [kind for kind, _ in steps] == ["prefill", "decode", "decode", "decode"], order
     assert steps[0][1] == ["hand off"]
     assert all(calls == ["hand off", "compiled call"] for kind, calls in steps[1:]), order
+
+
+def test_the_no_compiled_decode_option_keeps_decode_steps_on_the_loop(tiny_model_untied):
+    """--no-compiled-decode (compiled_decode=False) reaches the cpu backend, and its copy in a parallel worker."""
+    engine = Engine(tiny_model_untied, compiled_decode=False, block_size=4, num_blocks=32)
+    assert engine.backend.name == "cpu" and engine.backend._decode_layers is None
+    assert "the layer loop as one call" not in engine.backend.describe()
+    copy = pickle.loads(pickle.dumps(engine.backend))               # as a tensor-parallel worker gets it
+    assert copy._decode_layers is None and not copy.compiled_decode

@@ -229,7 +229,8 @@ from tests.test_model_vs_transformers import run_and_capture_logits
 worst = {}
 for path in sys.argv[1:]:
     prompts = random_prompts(random.Random(2), 2, 3, 9)
-    logits = [run_and_capture_logits(Engine(path, block_size=4, num_blocks=32, attention_backend=backend), prompts,
+    logits = [run_and_capture_logits(Engine(path, block_size=4, num_blocks=32, attention_backend=backend,
+                                            triton_fused_ops=True), prompts,
                                      max_tokens=2)[1] for backend in ("triton", "torch")]
     worst[path] = max(float((torch.stack(logits[0][r]) - torch.stack(logits[1][r])).abs().max()) for r in logits[1])
 print(json.dumps(worst))

@@ -3,6 +3,7 @@ them through minipaged.options, never through the CLI module."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from minipaged.cli import main, make_parser
-from minipaged.config import EngineConfig
+from minipaged.config import ConfigError, EngineConfig
 from minipaged.options import EngineFlag, as_command_line, as_flag, engine_flags, engine_options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,3 +151,58 @@ def test_speculation_without_a_count_names_the_flag_to_add(flags, capsys):
     err = capsys.readouterr().err
     assert f"--speculative-method {flags[1]} needs --num-speculative-tokens" in err
     assert "speculative_config" not in err
+
+
+# The engine's switches are options (issue 46, item 6); these MINIPAGED_ names are not switches of the engine: the
+# cache folder, where plot writes its pictures, the parallel launcher's device, and two test harnesses' inputs.
+NOT_ENGINE_SWITCHES = {"MINIPAGED_CACHE", "MINIPAGED_PICTURES", "MINIPAGED_DEVICE", "MINIPAGED_FOLD_CASES",
+                       "MINIPAGED_SPEC_CASES"}
+
+
+def test_no_engine_switch_is_an_environment_variable():
+    """Every switch of the engine is an EngineConfig field (a flag of every command) or a server option: no
+    MINIPAGED_ variable outside the allow-list is read by the code, set by the tests, or named by the docs."""
+    folders = ["minipaged", "kernels", "tui", "lessons", "bench", "tests", "docs"]
+    files = [path for folder in folders for path in (ROOT / folder).rglob("*")
+             if path.suffix in (".py", ".md", ".in", ".mjs", ".js", ".toml") and ".venv" not in path.parts]
+    files += [ROOT / "README.md", ROOT / "Makefile"]
+    found = {}
+    for path in files:
+        for name in re.findall(r"\bMINIPAGED_[A-Z0-9_]+", path.read_text(encoding="utf-8", errors="replace")):
+            if name not in NOT_ENGINE_SWITCHES and path != Path(__file__):
+                found.setdefault(name, str(path.relative_to(ROOT)))
+    assert not found, f"environment switches left (make each an option): {found}"
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "serve"])
+def test_the_former_environment_switches_are_flags_of_every_command(command):
+    parse = make_parser().parse_args
+    typed = [command, "--cpu-ops", "torch", "--no-compiled-decode", "--no-triton-fused-ops", "--grammar-timeout", "2"]
+    assert engine_options(parse(typed)) == {"cpu_ops": "torch", "compiled_decode": False, "triton_fused_ops": False,
+                                            "grammar_timeout": 2.0}
+    assert engine_options(parse([command, "--triton-fused-ops"])) == {"triton_fused_ops": True}
+    with pytest.raises(SystemExit):
+        parse([command, "--cpu-ops", "fast"])
+
+
+def test_server_limits_and_the_hand_off_are_serve_flags_spelled_once(capsys):
+    """Each ServerLimits field is a flag of its name with dashes whose help is the field's; --hand-off sets when
+    the engine thread hands tokens over."""
+    from minipaged.serve import server_settings
+    from minipaged.serve.limits import ServerLimits
+    args = make_parser().parse_args(["serve", "--max-n", "3", "--max-prompt-logprobs", "5"])
+    settings = server_settings(args)
+    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5) and settings.hand_off == "model-call"
+    assert server_settings(make_parser().parse_args(["serve", "--hand-off", "step-end"])).hand_off == "step-end"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for limit in fields(ServerLimits):
+        assert f"{ServerLimits.flag(limit.name)} " in text and limit.metadata["help"] in text, limit.name
+    assert "--hand-off {model-call,step-end}" in text
+
+
+def test_the_grammar_timeout_option_reaches_the_logits_stage(tiny_engine_factory):
+    assert tiny_engine_factory(grammar_timeout=0.5).logits.compiler.timeout_s == 0.5
+    with pytest.raises(ConfigError, match="grammar_timeout must be a positive number of seconds"):
+        tiny_engine_factory(grammar_timeout=0)

@@ -251,7 +251,7 @@ def test_emulated_layouts_give_the_tokens_of_one_rank(tiny_model_untied, layout)
 def test_the_cli_stops_its_workers_and_exits_clean(tiny_model):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "minipaged", "generate", "--model", tiny_model, "-tp", "2",
-                             "--threads", "1", "--max-tokens", "4", "--no-chat", "hello"],
+                             "--threads", "1", "--cpu-ops", "compiled", "--max-tokens", "4", "--no-chat", "hello"],
                             capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tp=2: 2 heads, 1 KV head per rank" in result.stderr

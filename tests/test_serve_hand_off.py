@@ -41,14 +41,14 @@ class _NotedQueue(queue.SimpleQueue):
 
 def serve_one_request(engine: Engine, in_loop: Callable[[StepEvent], None] = lambda _event: None,
                       on_update: Callable[[RequestDelta], None] = lambda _update: None,
-                      ) -> tuple[list[int], list[tuple[bool, int]]]:
+                      hand_off_at_model_call: bool = True) -> tuple[list[int], list[tuple[bool, int]]]:
     """Stream one request through an AsyncEngine; its tokens, and for every outbox the engine thread handed over
     (each wakes the event loop once): (was it inside a hand-off, how many steps had ended). ``in_loop`` is
     subscribed on the event loop; ``on_update`` sees each RequestDelta as the request gets it."""
     inside_hand_off = [False]
     # Hooks run in the order they were added: the AsyncEngine's hand-off runs between these two.
     engine.before_model_call(lambda: inside_hand_off.__setitem__(0, True))
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, hand_off_at_model_call=hand_off_at_model_call)
     engine.before_model_call(lambda: inside_hand_off.__setitem__(0, False))
     async_engine.subscribe_in_loop(in_loop)
     steps = [0]
@@ -101,10 +101,14 @@ def test_tokens_go_to_the_event_loop_inside_the_next_steps_hand_off(tiny_model_u
     assert inside[-1] is False and wake_ups[-1][1] == MAX_TOKENS    # the last tokens: after the last step
 
 
-def test_a_backend_without_a_hand_off_gets_its_tokens_handed_over_after_each_step(tiny_model_untied):
-    """The torch backend never runs the model-call hook: every step's tokens go to the loop when the step ends."""
-    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend="torch")
-    tokens, wake_ups = serve_one_request(engine)
+@pytest.mark.parametrize("backend, hand_off_at_model_call", [("torch", True), ("cpu", False)],
+                         ids=["torch-backend", "serve-hand-off-step-end"])
+def test_a_backend_without_a_hand_off_gets_its_tokens_handed_over_after_each_step(tiny_model_untied, backend,
+                                                                                   hand_off_at_model_call):
+    """The torch backend never runs the model-call hook, and ``minipaged serve --hand-off step-end`` does not use
+    the cpu backend's: every step's tokens go to the loop when the step ends."""
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64, attention_backend=backend)
+    tokens, wake_ups = serve_one_request(engine, hand_off_at_model_call=hand_off_at_model_call)
     assert len(tokens) == MAX_TOKENS
     step_wake_ups = [(inside, steps) for inside, steps in wake_ups if steps > 0]
     assert step_wake_ups == [(False, n) for n in range(1, MAX_TOKENS + 1)], wake_ups

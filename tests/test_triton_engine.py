@@ -72,10 +72,21 @@ def test_asking_for_triton_on_a_cpu_without_the_interpreter_says_what_to_do(tiny
 
 
 def test_the_fused_layer_ops_are_off_unless_asked_for(monkeypatch):
-    """No GPU has run the fused kernels yet: a user gets torch's layer ops unless MINIPAGED_TRITON_FUSED=1."""
+    """No GPU has run the fused kernels yet: a user gets torch's layer ops unless --triton-fused-ops (the suite
+    makes them its default: conftest.py)."""
     pytest.importorskip("triton")
-    from minipaged.kernels.backends.triton_backend import FUSED_ENV, TritonBackend
+    from minipaged.kernels.backends import triton_backend
+    from minipaged.kernels.backends.triton_backend import FUSED_FLAG, TritonBackend
     from minipaged.kernels.torch_ops import TORCH_LAYER_OPS
-    monkeypatch.delenv(FUSED_ENV, raising=False)
+    monkeypatch.setattr(triton_backend, "FUSED_BY_DEFAULT", False)       # a user's default
     backend = TritonBackend()
-    assert backend.layer_ops is TORCH_LAYER_OPS and FUSED_ENV in backend.describe()
+    assert backend.layer_ops is TORCH_LAYER_OPS and FUSED_FLAG in backend.describe()
+    assert TritonBackend(fused=True).layer_ops is not TORCH_LAYER_OPS
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_triton_fused_ops_option_reaches_the_backend(tiny_model, fused):
+    """--triton-fused-ops / --no-triton-fused-ops win over the backend's default (the suite's is on)."""
+    from minipaged.kernels.torch_ops import TORCH_LAYER_OPS
+    engine = Engine(tiny_model, attention_backend="triton", triton_fused_ops=fused, num_blocks=16, block_size=4)
+    assert engine.backend.fused is fused and (engine.backend.layer_ops is not TORCH_LAYER_OPS) is fused

@@ -37,17 +37,22 @@ def triton_available() -> bool:
     return True
 
 
-def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None) -> CpuBackend:
-    """The cpu backend for a model of ``shapes``, each op from the side that measured faster here."""
-    choice, source = calibrated_choice(shapes, shapes.head_dim, timer)
-    return CpuBackend(shapes.head_dim, choice, source)
+def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None, cpu_ops: Optional[str] = None,
+                    compiled_decode: bool = True) -> CpuBackend:
+    """The cpu backend for a model of ``shapes``, each op from the side that measured faster here (or from the
+    side ``cpu_ops`` names)."""
+    choice, source = calibrated_choice(shapes, shapes.head_dim, timer, cpu_ops)
+    return CpuBackend(shapes.head_dim, choice, source, compiled_decode)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, shapes: ModelShapes, asked: Optional[str] = None,
-                   timer: Optional[Timer] = None) -> Backend:
+                   timer: Optional[Timer] = None, *, cpu_ops: Optional[str] = None, compiled_decode: bool = True,
+                   triton_fused_ops: Optional[bool] = None) -> Backend:
     """The backend of an engine on ``device`` with ``dtype`` weights: ``asked`` when given (checked, with a
     message that says what to do instead), else Triton on CUDA when installed, the compiled kernels on a CPU
-    in float32 when they build here, torch otherwise. Raises ValueError."""
+    in float32 when they build here, torch otherwise. The keyword options are the engine's switches of one
+    backend's code paths (``EngineConfig``'s fields of the same names), ignored by the others. Raises
+    ValueError."""
     device = torch.device(device)
     problem = lambda: cpu_kernel_problem(shapes.head_dim)      # noqa: E731  (builds the kernels: ask only when needed)
     if asked not in (None, *BACKEND_NAMES):
@@ -59,7 +64,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, shapes: ModelShapes
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend runs on CUDA (this engine is on {device}), or on the CPU "
                              "in Triton's interpreter (TRITON_INTERPRET=1, slow); use attention_backend='torch'")
-        return TritonBackend()
+        return TritonBackend(triton_fused_ops)
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if asked == "cpu":
         if not cpu_float32:
@@ -69,7 +74,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, shapes: ModelShapes
             raise ValueError(f"the cpu attention backend is unavailable here: {problem()}; "
                              "use attention_backend='torch'")
     if asked == "cpu" or (asked is None and cpu_float32 and problem() is None):
-        return cpu_backend_for(shapes, timer)
+        return cpu_backend_for(shapes, timer, cpu_ops, compiled_decode)
     if asked is None and cpu_float32:
         return TorchBackend(note=f"the compiled CPU kernel is unavailable: {problem()}")
     return TorchBackend()

@@ -7,8 +7,9 @@ compiled op only where it won. The race is short (a handful of interleaved repet
 well under 3 s for SmolLM2), and its verdict (a ``CpuChoice``) is cached in minipaged's cache folder
 (``$MINIPAGED_CACHE`` or the user cache dir) under a key made of the CPU, the compiled library's build
 (sources, compiler, flags), torch's version, the thread count and the shapes: a change of any of them measures
-again. ``MINIPAGED_CPU_OPS=compiled`` (or ``torch``) skips the race and takes every op from one side (the test
-suite uses ``compiled``, so that every compiled op is exercised whatever the machine).
+again. The engine option ``cpu_ops="compiled"`` (or ``"torch"``; ``--cpu-ops`` on the command line) skips the race
+and takes every op from one side; the test suite makes ``compiled`` its default (``DEFAULT_CPU_OPS``, set by
+tests/conftest.py), so that every compiled op is exercised whatever the machine.
 
 The weights are read from a buffer larger than the processor's caches, window after window, as a decode step
 reads 30 layers' weights from memory: timing one small matrix over and over would measure it in cache.
@@ -40,6 +41,10 @@ STREAM_BYTES = 64 * 2**20                   # more than a last-level cache: weig
 REPEATS = 5
 RACE_BUDGET_S = 0.5                         # per op: see race()
 LARGE_BATCH_SLACK = 1.1                     # a layout may cost many-row steps at most this much more
+
+MEASURE = "measure"
+# What cpu_ops=None means (minipaged.config.CpuOps): measure. The test suite's conftest sets COMPILED instead.
+DEFAULT_CPU_OPS = MEASURE
 
 # (op, option, run) -> seconds that one call of ``run`` took. The real one is a wall clock; tests pass a fake.
 Timer = Callable[[str, str, Callable[[], Any]], float]
@@ -305,16 +310,18 @@ def cache_folder() -> Path:
     return cache_root() / "calibration"
 
 
-def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer] = None) -> tuple[CpuChoice, str]:
+def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer] = None,
+                      cpu_ops: Optional[str] = None) -> tuple[CpuChoice, str]:
     """The verdict for these shapes on this machine (cached, else measured now with ``timer``, by default the
-    wall clock) and where it came from."""
-    forced = os.environ.get("MINIPAGED_CPU_OPS", "measure")
+    wall clock) and where it came from; ``cpu_ops`` (the engine option, None: ``DEFAULT_CPU_OPS``) may take
+    every op from one side instead, without measuring."""
+    forced = DEFAULT_CPU_OPS if cpu_ops is None else cpu_ops
     if forced == COMPILED:
-        return CpuChoice(), "every op compiled: MINIPAGED_CPU_OPS=compiled"
+        return CpuChoice(), "every op compiled: cpu_ops='compiled'"
     if forced == TORCH:
-        return ALL_TORCH, "every op torch's: MINIPAGED_CPU_OPS=torch"
-    if forced != "measure":
-        raise ValueError(f"MINIPAGED_CPU_OPS must be 'measure', 'compiled' or 'torch', got {forced!r}")
+        return ALL_TORCH, "every op torch's: cpu_ops='torch'"
+    if forced != MEASURE:
+        raise ValueError(f"cpu_ops must be 'measure', 'compiled' or 'torch', got {forced!r}")
     path = cache_folder() / f"{calibration_key(shapes, head_dim)}.json"
     try:
         return CpuChoice(**json.loads(path.read_text())["choice"]), f"measured on this machine earlier: {path}"

@@ -62,9 +62,11 @@ class ChosenLayerOps:
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, head_dim: int, choice: CpuChoice = CpuChoice(), source: str = "") -> None:
+    def __init__(self, head_dim: int, choice: CpuChoice = CpuChoice(), source: str = "",
+                 compiled_decode: bool = True) -> None:
         super().__init__()
         self.head_dim, self.choice, self.source = head_dim, choice, source
+        self.compiled_decode = compiled_decode      # the engine option: False keeps decode steps on Python's loop
         compiled_ops = cpu_layer_ops(head_dim)        # raises CpuKernelUnavailable where it cannot be built
         every_op_compiled = all(getattr(choice, name) == COMPILED for name in LAYER_OPS)
         self.layer_ops = compiled_ops if every_op_compiled else ChosenLayerOps(compiled_ops, choice)
@@ -77,15 +79,16 @@ class CpuBackend(TorchBackend):
         # verdict; int8's are always compiled for a few rows).
         replays_choice = every_op_compiled and choice.decode_attention == COMPILED
         self._decode_layers = (cpu_decode_layers.CompiledDecodeLayers(head_dim)
-                               if replays_choice and cpu_decode_layers.ENABLED else None)
+                               if replays_choice and compiled_decode else None)
 
     def __reduce__(self) -> tuple:
         # Sent to tensor-parallel workers inside each step's metadata: rebuilt there from the verdict.
-        return (CpuBackend, (self.head_dim, self.choice, self.source))
+        return (CpuBackend, (self.head_dim, self.choice, self.source, self.compiled_decode))
 
     def for_shapes(self, shapes: ModelShapes) -> "CpuBackend":
         """The same verdict, with the library built for ``shapes``' head size (a draft model's may differ)."""
-        return self if shapes.head_dim == self.head_dim else CpuBackend(shapes.head_dim, self.choice, self.source)
+        return self if shapes.head_dim == self.head_dim else CpuBackend(shapes.head_dim, self.choice, self.source,
+                                                                          self.compiled_decode)
 
     def plan(self, block_tables: torch.Tensor, block_size: int, host_seq_lens: list[int],
              host_query_start_loc: list[int]) -> TorchAttentionPlan:

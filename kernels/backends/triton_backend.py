@@ -5,11 +5,11 @@ interpreter (``TRITON_INTERPRET=1``) the same kernels run on CPU tensors, slowly
 is tested on this backend without a GPU (tests/test_triton_engine.py).
 
 The fused layer ops have run only in the interpreter so far: until ``make gpu-check`` shows them exact on a GPU
-they are off by default (torch's ops, as the measured GPU runs used), and ``MINIPAGED_TRITON_FUSED=1`` turns them
-on (the tests set it, so the interpreter checks them in CI)."""
+they are off by default (torch's ops, as the measured GPU runs used), and the engine option ``triton_fused_ops``
+(``--triton-fused-ops``) turns them on; the test suite makes them its default (``FUSED_BY_DEFAULT``, set by
+tests/conftest.py), so the interpreter checks them in CI."""
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
@@ -24,7 +24,8 @@ def _write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
     write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)   # it skips -1 slots itself
 
 
-FUSED_ENV = "MINIPAGED_TRITON_FUSED"     # "1": the fused layer ops (kernels/triton_layer_ops.py); else torch's
+FUSED_FLAG = "--triton-fused-ops"        # the engine option that turns the fused layer ops on
+FUSED_BY_DEFAULT = False                 # what fused=None means; the test suite's conftest sets True
 
 
 class TritonBackend(TorchBackend):
@@ -32,7 +33,7 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, fused: Optional[bool] = None) -> None:
         super().__init__()
-        self.fused = os.environ.get(FUSED_ENV, "0") == "1" if fused is None else fused
+        self.fused = FUSED_BY_DEFAULT if fused is None else fused
         self._argmax = super().argmax
         if self.fused:
             from ..triton_layer_ops import TritonLayerOps, triton_argmax     # Triton is imported only when used
@@ -75,5 +76,5 @@ class TritonBackend(TorchBackend):
 
     def describe(self, why: bool = True) -> str:
         ops = ("fused layer ops (kernels/triton_layer_ops.py)" if self.fused else
-               f"torch's layer ops ({FUSED_ENV}=1: the fused ones, not yet checked on a GPU)")
+               f"torch's layer ops ({FUSED_FLAG}: the fused ones, not yet checked on a GPU)")
         return f"triton, Triton kernels for attention (kernels/triton_paged_attention.py), {ops}, torch matmuls"

@@ -25,15 +25,17 @@ import torch
 from ..request import Request, RequestStatus, SamplingParams, check_token_ids, fail_request
 from .logprobs import StageResult, log_softmax_rows
 from .processors import BadWordTable, LogitsProcessor, build_processors
-from .structured import GrammarJob, GrammarMask, StructuredOutputCompiler
+from .structured import GRAMMAR_TIMEOUT_S, GrammarJob, GrammarMask, StructuredOutputCompiler
 
 
 class LogitsStage:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 grammar_timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
+        """``grammar_timeout_s``: the engine option ``grammar_timeout``, how long a grammar may compile."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.compiler = StructuredOutputCompiler(tokenizer, vocab_size)
+        self.compiler = StructuredOutputCompiler(tokenizer, vocab_size, grammar_timeout_s)
         self._processors: dict[str, list[LogitsProcessor]] = {}     # request id -> its processors
         self._users: set[str] = set()           # requests with processors or asking for log-probabilities
         self._waiting: dict[str, tuple[Request, GrammarJob, float]] = {}   # for their grammar: (req, job, since)

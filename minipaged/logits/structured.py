@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..config import GRAMMAR_TIMEOUT_S      # the engine option grammar_timeout's default
 from ..request import InvalidRequestError, StructuredOutputsParams
 from .processors import LogitsProcessor
 
@@ -47,7 +48,6 @@ def regex_literal(text: str) -> str:
     return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
-GRAMMAR_TIMEOUT_S = 30.0        # a grammar still compiling after this long fails its request (serve flag)
 CACHE_SIZE = 64                 # compiled grammars kept (a schema a class sends again compiles once)
 COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compiled pieces, bounded (it is unbounded by default)
 
@@ -152,7 +152,7 @@ class StructuredOutputCompiler:
         elapsed = (time.monotonic() if now is None else now) - since
         if elapsed > self.timeout_s:
             return None, (f"compiling the structured outputs grammar took longer than {self.timeout_s:g} s "
-                          f"(minipaged serve --grammar-timeout); simplify the schema, regex, grammar or choices.")
+                          f"(--grammar-timeout); simplify the schema, regex, grammar or choices.")
         return None, None
 
 

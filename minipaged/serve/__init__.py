@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from dataclasses import fields
+from typing import Optional, get_args
 
 from minipaged.options import add_engine_arguments, build_engine, engine_options
 
-from .limits import DEFAULTS, PageSettings, ServerLimits, ServerSettings, limit_names
+from .limits import DEFAULTS, HandOff, PageSettings, ServerLimits, ServerSettings, limit_names
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
@@ -30,10 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,
                    help="answer 503 with Retry-After when this many samples (n counts) already wait for admission")
-    for name in limit_names():
-        default = getattr(DEFAULTS.limits, name)
-        g.add_argument(ServerLimits.flag(name), dest=name, type=type(default), default=default,
-                       help=ServerLimits.HELP[name])
+    for limit in fields(ServerLimits):
+        g.add_argument(ServerLimits.flag(limit.name), dest=limit.name, type=type(limit.default),
+                       default=limit.default, help=limit.metadata["help"])
     g.add_argument("--max-client-samples", type=int, default=None,
                    help="the most samples (n counts) one client (address) may have in the engine at once; more get "
                         "429 with Retry-After (default: half of --max-waiting-requests, at least --max-n)")
@@ -54,6 +54,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
                         "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
+    g.add_argument("--hand-off", choices=get_args(HandOff), default=DEFAULTS.hand_off,
+                   help="when the engine thread hands a step's tokens to the HTTP thread: just before the next "
+                        "step's model call, which lets go of Python's lock (the cpu backend's), or when the step "
+                        "ends (to measure what the first is worth: bench/peer_llamacpp.py)")
     add_page_arguments(parser)
     add_engine_arguments(parser)
 
@@ -95,7 +99,7 @@ def flag_problem(args: argparse.Namespace) -> Optional[str]:
     for name in ("max_waiting_requests", "max_client_samples", "max_client_prompt_tokens", *limit_names()):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
-            flag = ServerLimits.FLAGS.get(name, f"--{name.replace('_', '-')}")
+            flag = ServerLimits.flag(name)         # (every server flag here is its name with dashes)
             return f"{flag} must be {'positive' if isinstance(value, float) else 'at least 1'}, not {value}."
     for name in ("page_prompt_rate", "page_max_tokens"):
         value = getattr(args, name, None)
@@ -126,7 +130,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
                           allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
                           max_client_samples=client_samples(args),
-                          max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args))
+                          max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args),
+                          hand_off=args.hand_off)
 
 
 def client_samples(args: argparse.Namespace) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -53,9 +52,6 @@ Prepare = Callable[[Any], tuple[Prompt, SamplingParams]]   # runs in the engine 
 PROMPT_WAIT_S = 10.0            # how long a prompt look-up waits for the engine thread (which may be stuck)
 RECENT_PROMPTS = 64             # finished requests whose whole prompt is still given on demand (a page shows them)
 IDLE_POLL_S = 0.05              # how long an idle engine thread waits for a command before looking again
-# MINIPAGED_HAND_OFF=0 hands each step's tokens over when the step ends (to compare: bench/peer_llamacpp.py's
-# minipaged-fp32-hand-off-after-step server).
-HAND_OFF_AT_MODEL_CALL = os.environ.get("MINIPAGED_HAND_OFF", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,9 @@ class AsyncEngine:
     """Drives one ``Engine`` from a background thread for asyncio callers."""
 
     def __init__(self, engine: Any, max_waiting_requests: Optional[int] = None,
-                 quotas: Optional[ClientQuotas] = None) -> None:
+                 quotas: Optional[ClientQuotas] = None, hand_off_at_model_call: bool = True) -> None:
+        """``hand_off_at_model_call`` False (``minipaged serve --hand-off step-end``) hands each step's tokens over
+        when the step ends instead, to measure what the hand-off point is worth (bench/peer_llamacpp.py)."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.quotas = quotas or ClientQuotas()           # per client (fair_share.CLIENT); no limit by default
@@ -107,7 +105,7 @@ class AsyncEngine:
         self._handed_off = False                        # engine thread only: the hook ran during this step
         self._unsubscribe = engine.subscribe(self._on_event)
         # Removed on stop: the engine may be driven directly again.
-        self._remove_hook = engine.before_model_call(self._hand_off) if HAND_OFF_AT_MODEL_CALL else (lambda: None)
+        self._remove_hook = engine.before_model_call(self._hand_off) if hand_off_at_model_call else (lambda: None)
 
     # ------------------------------------------------------------------ life cycle (event-loop side)
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

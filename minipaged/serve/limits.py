@@ -6,57 +6,54 @@ Plain data without pydantic or FastAPI, so that building the CLI parser does not
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Literal, Optional
 
 WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
+# When the engine thread hands a step's tokens to the HTTP thread (async_engine.py): just before the next step's
+# model call (the cpu backend's, which lets go of the GIL), or when the step ends (to measure what that is worth).
+HandOff = Literal["model-call", "step-end"]
+
+
+def limit(default: int, help_text: str) -> Any:
+    """One request limit: its default and its flag's help, spelled once (the flag is the name with dashes)."""
+    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for; each has a ``minipaged serve`` flag (``flag``) that the refusal names."""
+    """What one request may ask for. Each field is a ``minipaged serve`` flag of the same name with dashes
+    (``max_n`` -> ``--max-n``), its help the field's, which a refusal names (``flag``)."""
 
-    max_n: int = 128                    # samples per request (vLLM-like servers cap n near this)
-    max_prompts: int = 64               # prompts in one completions request
-    max_stop_strings: int = 16          # OpenAI allows 4; each one is searched for after every token
-    max_stop_length: int = 256          # characters; a stream holds back this many minus one
-    max_body_bytes: int = 8 * 2**20     # a 128k-token prompt as JSON token ids is under 1 MiB
+    # samples per request (vLLM-like servers cap n near this)
+    max_n: int = limit(128, "the most samples (n) one request may ask for")
+    max_prompts: int = limit(64, "the most prompts one completions request may carry")
+    # OpenAI allows 4; each one is searched for after every token
+    max_stop_strings: int = limit(16, "the most stop strings one request may give")
+    # a stream holds back this many characters minus one
+    max_stop_length: int = limit(256, "the longest stop string, in characters")
+    # a 128k-token prompt as JSON token ids is under 1 MiB
+    max_body_bytes: int = limit(8 * 2**20, "the largest request body; larger ones get 413")
     # The logits stage's inputs: each is a table built once per request and consulted every step.
-    max_token_ids: int = 1024           # stop_token_ids and logit_bias entries (OpenAI caps logit_bias at 300)
-    max_allowed_token_ids: int = 1 << 17   # allowed_token_ids: a whole vocabulary (SmolLM2: 49,152) fits
-    max_bad_words: int = 256            # each is tokenised twice (as written, with a space) when it arrives
-    max_choices: int = 1024             # structured outputs' choice: compiling costs ~1 ms a choice on SmolLM2
-    max_word_length: int = 256          # characters in one bad word or one choice
-    max_grammar_bytes: int = 65536      # a JSON schema (as JSON), a regex or an EBNF grammar
-    grammar_timeout_s: float = 30.0     # a grammar still compiling (in the background) after this fails
+    # (OpenAI caps logit_bias at 300)
+    max_token_ids: int = limit(1024, "the most entries in stop_token_ids, and in logit_bias")
+    # a whole vocabulary (SmolLM2: 49,152) fits
+    max_allowed_token_ids: int = limit(1 << 17, "the most entries in allowed_token_ids")
+    # each is tokenised twice (as written, with a space) when it arrives
+    max_bad_words: int = limit(256, "the most bad_words one request may give")
+    # structured outputs' choice: compiling costs ~1 ms a choice on SmolLM2 (how long it may take: the engine
+    # option --grammar-timeout)
+    max_choices: int = limit(1024, "the most choices in structured_outputs.choice")
+    max_word_length: int = limit(256, "the longest bad word or choice, in characters")
+    max_grammar_bytes: int = limit(65536, "the largest JSON schema (as JSON text), regex or grammar, in bytes")
     # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each decoded into text on the engine thread
     # (the LM head over the prompt's rows costs like prefill, and is chunked with it).
-    max_prompt_logprobs: int = 16_384
-
-    FLAGS = {"max_n": "--max-n", "max_prompts": "--max-prompts", "max_stop_strings": "--max-stop-strings",
-             "max_stop_length": "--max-stop-length", "max_body_bytes": "--max-body-bytes",
-             "max_token_ids": "--max-token-ids", "max_allowed_token_ids": "--max-allowed-token-ids",
-             "max_bad_words": "--max-bad-words", "max_choices": "--max-choices",
-             "max_word_length": "--max-word-length", "max_grammar_bytes": "--max-grammar-bytes",
-             "grammar_timeout_s": "--grammar-timeout", "max_prompt_logprobs": "--max-prompt-logprobs"}
-    HELP = {"max_n": "the most samples (n) one request may ask for",
-            "max_prompts": "the most prompts one completions request may carry",
-            "max_stop_strings": "the most stop strings one request may give",
-            "max_stop_length": "the longest stop string, in characters",
-            "max_body_bytes": "the largest request body; larger ones get 413",
-            "max_token_ids": "the most entries in stop_token_ids, and in logit_bias",
-            "max_allowed_token_ids": "the most entries in allowed_token_ids",
-            "max_bad_words": "the most bad_words one request may give",
-            "max_choices": "the most choices in structured_outputs.choice",
-            "max_word_length": "the longest bad word or choice, in characters",
-            "max_grammar_bytes": "the largest JSON schema (as JSON text), regex or grammar, in bytes",
-            "grammar_timeout_s": "a request whose grammar is still compiling (in the background) after this "
-                                 "many seconds fails with a message that says so",
-            "max_prompt_logprobs": "the most prompt log-probability entries one prompt may ask for: prompt tokens "
-                                   "x (prompt_logprobs + 1), echo with logprobs included"}
+    max_prompt_logprobs: int = limit(16_384, "the most prompt log-probability entries one prompt may ask for: "
+                                             "prompt tokens x (prompt_logprobs + 1), echo with logprobs included")
 
     @staticmethod
     def flag(name: str) -> str:
-        return ServerLimits.FLAGS[name]
+        """The ``minipaged serve`` flag that sets limit ``name``."""
+        return "--" + name.replace("_", "-")
 
 
 def limit_names() -> list[str]:
@@ -99,6 +96,7 @@ class ServerSettings:
                                                      # the flag's default is half of max_waiting_requests)
     max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
     page: PageSettings = field(default_factory=PageSettings)   # the teacher's controls over the page
+    hand_off: HandOff = "model-call"         # --hand-off: when the engine thread hands tokens over
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags
