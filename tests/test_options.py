@@ -192,8 +192,8 @@ def test_server_limits_and_the_hand_off_are_serve_flags_spelled_once(capsys):
     from minipaged.serve.limits import ServerLimits
     args = make_parser().parse_args(["serve", "--max-n", "3", "--max-prompt-logprobs", "5"])
     settings = server_settings(args)
-    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5) and settings.hand_off == "model-call"
-    assert server_settings(make_parser().parse_args(["serve", "--hand-off", "step-end"])).hand_off == "step-end"
+    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5) and settings.hand_off_point == "model-call"
+    assert server_settings(make_parser().parse_args(["serve", "--hand-off", "step-end"])).hand_off_point == "step-end"
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())

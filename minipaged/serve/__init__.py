@@ -54,7 +54,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
                         "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
-    g.add_argument("--hand-off", choices=get_args(HandOff), default=DEFAULTS.hand_off,
+    g.add_argument("--hand-off", dest="hand_off_point", choices=get_args(HandOff), default=DEFAULTS.hand_off_point,
                    help="when the engine thread hands a step's tokens to the HTTP thread: just before the next "
                         "step's model call, which lets go of Python's lock (the cpu backend's), or when the step "
                         "ends (to measure what the first is worth: bench/peer_llamacpp.py)")
@@ -131,7 +131,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
                           max_client_samples=client_samples(args),
                           max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args),
-                          hand_off=args.hand_off)
+                          hand_off_point=args.hand_off_point)
 
 
 def client_samples(args: argparse.Namespace) -> int:

@@ -80,7 +80,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
     async_engine = AsyncEngine(engine, settings.max_waiting_requests,
                                ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens),
-                               hand_off_at_model_call=settings.hand_off == "model-call")
+                               hand_off_at_model_call=settings.hand_off_point == "model-call")
     # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
     # a client that got its answer finds it counted.
     metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)

@@ -96,7 +96,7 @@ class ServerSettings:
                                                      # the flag's default is half of max_waiting_requests)
     max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
     page: PageSettings = field(default_factory=PageSettings)   # the teacher's controls over the page
-    hand_off: HandOff = "model-call"         # --hand-off: when the engine thread hands tokens over
+    hand_off_point: HandOff = "model-call"       # --hand-off: when the engine thread hands tokens over
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags
