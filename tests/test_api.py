@@ -8,7 +8,8 @@ import pytest
 
 from minipaged import ConfigError, Engine, SamplingParams, StepEvent
 from minipaged.cli import main
-from minipaged.events import EngineView, read_trace, write_trace_event, write_trace_header
+from minipaged.event_view import EngineView
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 from minipaged.model import ModelNotAvailableError, UnsupportedModelError
 
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from minipaged import SamplingParams
-from minipaged.events import StepEvent, busy_label, busy_seconds, read_trace, write_trace_event, write_trace_header
+from minipaged.event_view import busy_label, busy_seconds
+from minipaged.events import StepEvent
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 from minipaged.kernels.backends.forward_timer import CudaForwardTimer, ForwardTimer
 from minipaged.tui.state import WatchState
 

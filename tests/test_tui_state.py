@@ -11,7 +11,8 @@ import pytest
 from rich.console import Console
 
 from minipaged.events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
-                              StepEvent, read_trace)
+                              StepEvent)
+from minipaged.trace import read_trace
 from minipaged.outputs import StepResult
 from minipaged.request import InvalidRequestError, SamplingParams
 from minipaged.tui.driver import LiveRun
