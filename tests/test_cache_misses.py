@@ -20,9 +20,9 @@ from minipaged import SamplingParams
 from minipaged.block_manager import ROOT_HASH, KVCacheManager, hash_block_tokens
 from minipaged.event_view import EngineView
 from minipaged.events import PrefixLookup, StepEvent, describe_prefix_lookup
-from minipaged.trace import read_trace, write_trace_event, write_trace_header
 from minipaged.prefix_misses import MissRecord, common_prefix
 from minipaged.request import Request, SamplingParams as Params
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 
 BS = 4
 needs_chromium = pytest.mark.skipif(find_chromium() is None,

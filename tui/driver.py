@@ -12,8 +12,8 @@ from collections import deque
 from typing import IO, Any, Callable, Optional
 
 from minipaged.events import EngineInfo, StepEvent
-from minipaged.trace import write_trace_event, write_trace_header
 from minipaged.request import InvalidRequestError
+from minipaged.trace import write_trace_event, write_trace_header
 from minipaged.workloads import Arrival, Workload, format_prompt
 
 Progress = Callable[[str], None]
