@@ -29,9 +29,10 @@ from minipaged.bench.requests import random_token_prompts
 from minipaged.bench.floor import matmul_floor_ms, random_weights_like
 from minipaged import Engine, SamplingParams
 from minipaged.cli import main as minipaged_main
-from minipaged.events import StepEvent, read_trace
+from minipaged.events import StepEvent
 from minipaged.kernels import Backend
 from minipaged.kernels.backends import TORCH_BACKEND
+from minipaged.trace import read_trace
 
 
 def overhead_share(engine: Engine, batch: int = 32, steps: int = 40) -> tuple[float, float]:

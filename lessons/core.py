@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from minipaged import placeholders
-from minipaged.events import EngineInfo, EngineView, StepEvent
+from minipaged.event_view import EngineView
+from minipaged.events import EngineInfo, StepEvent
 from minipaged.request import SamplingParams
 
 HERE = Path(__file__).resolve().parent

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 
-from .events import LatencyFold, StepEvent
+from .event_view import LatencyFold
+from .events import StepEvent
 
 PREFIX = "minipaged:"
 VLLM_PREFIX = "vllm:"

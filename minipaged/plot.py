@@ -224,7 +224,7 @@ def run_plot(args: Any) -> int:
     """``minipaged plot``: read the trace, draw it, say where it went (errors: exit 2, one line)."""
     import sys
 
-    from .events import read_trace
+    from .trace import read_trace
 
     try:
         size = parse_size(args.size)

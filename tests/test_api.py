@@ -8,8 +8,9 @@ import pytest
 
 from minipaged import ConfigError, Engine, SamplingParams, StepEvent
 from minipaged.cli import main
-from minipaged.events import EngineView, read_trace, write_trace_event, write_trace_header
+from minipaged.event_view import EngineView
 from minipaged.model import ModelNotAvailableError, UnsupportedModelError
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 
 
 def test_tinyllama_offline_names_the_embedded_default(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged import SamplingParams
-from minipaged.events import EngineView
+from minipaged.event_view import EngineView
 from minipaged.validation import ConfigError
 from tests.conftest import random_prompts, step_until_done
 from tests.test_scheduling import GREEDY, shared_prefix_workload

@@ -12,7 +12,7 @@ import pytest
 from minipaged.bench.report import check_plot_possible
 from minipaged.bench.requests import BenchError, LengthRange, make_requests
 from minipaged.cli import main
-from minipaged.events import read_trace
+from minipaged.trace import read_trace
 
 TINY = ["--block-size", "4", "--num-blocks", "256"]
 

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from minipaged import SamplingParams
-from minipaged.events import StepEvent, busy_label, busy_seconds, read_trace, write_trace_event, write_trace_header
+from minipaged.event_view import busy_label, busy_seconds
+from minipaged.events import StepEvent
 from minipaged.kernels.backends.forward_timer import CudaForwardTimer, ForwardTimer
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 from minipaged.tui.state import WatchState
 
 PROMPTS = [[3 + i] * (6 + 3 * i) for i in range(6)]

@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 
 from minipaged import SamplingParams
 from minipaged.block_pool import ROOT_HASH, hash_block_tokens
+from minipaged.event_view import EngineView
+from minipaged.events import PrefixLookup, StepEvent, describe_prefix_lookup
 from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.kv_recorder import KVRecorder
 from minipaged.policies import LRUFreeBlockQueue
-from minipaged.events import (EngineView, PrefixLookup, StepEvent, describe_prefix_lookup, read_trace,
-                              write_trace_event, write_trace_header)
 from minipaged.prefix_misses import MissRecord, common_prefix
 from minipaged.request import Request, SamplingParams as Params
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 
 BS = 4
 needs_chromium = pytest.mark.skipif(find_chromium() is None,

@@ -16,7 +16,7 @@ import pytest
 from pilot_util import run_async, wait_for
 
 from minipaged import Engine
-from minipaged.events import read_trace
+from minipaged.trace import read_trace
 from minipaged.tui.app import WatchApp
 from minipaged.tui.compare import CompareRun, parse_variant
 from minipaged.tui.compare_app import CompareApp, CompareColumn

@@ -9,8 +9,8 @@ from pilot_util import run_async, wait_for
 from textual.app import App, ComposeResult
 
 from minipaged.cli import make_parser
-from minipaged.events import read_trace
 from minipaged.lessons import get_lesson, run_variant
+from minipaged.trace import read_trace
 from minipaged.tui.app import WatchApp
 from minipaged.tui.lesson_panel import LessonPanel, build_lesson_run
 

@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Run in a fresh interpreter where ``import triton`` fails, as on a machine that never installed it.
@@ -40,3 +42,23 @@ def test_the_engine_runs_without_triton(tiny_model):
                           timeout=300, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ok without triton" in done.stdout
+
+
+# Thin clients (``watch --attach``, ``export-html``, a trace read in a notebook) take the event schema, the trace
+# reader and writer and the fold of events into a view, and nothing that computes: each of these modules must
+# import in an interpreter where torch and transformers cannot be imported at all.
+THIN_MODULES = ("minipaged.events", "minipaged.trace", "minipaged.event_view")
+WITHOUT_TORCH = """
+import importlib, sys
+for heavy in ("torch", "transformers", "triton"):
+    sys.modules[heavy] = None           # every import of them raises ImportError
+importlib.import_module(sys.argv[1])
+print("ok without torch")
+"""
+
+
+@pytest.mark.parametrize("module", THIN_MODULES)
+def test_the_event_modules_import_without_torch_or_transformers(module):
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, module], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ok without torch" in done.stdout

@@ -195,7 +195,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(engine):
 
 
 def test_events_carry_probabilities_and_mask_sizes_for_the_tui(engine):
-    from minipaged.events import EngineView, StepEvent
+    from minipaged.event_view import EngineView
+    from minipaged.events import StepEvent
     from minipaged.tui.state import describe_event
     from minipaged.tui.widgets.output import coloured_output, probability_colour
 
@@ -233,7 +234,7 @@ def test_the_watch_app_colours_a_selected_requests_output_by_probability(engine,
     drawn in probability colours, and the event log has the mask line."""
     import asyncio
 
-    from minipaged.events import read_trace, write_trace_event, write_trace_header
+    from minipaged.trace import read_trace, write_trace_event, write_trace_header
     from minipaged.tui.app import WatchApp
     from minipaged.tui.widgets.event_log import EventLog
     from minipaged.tui.widgets.output import PROBABILITY_COLOURS, OutputPanel

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from minipaged.cli import main
-from minipaged.events import read_trace, write_trace_event, write_trace_header
 from minipaged.plot import STATE_COLOURS, STATES, TOKEN_KINDS, build_timeline, draw_run
 from minipaged.request import SamplingParams
+from minipaged.trace import read_trace, write_trace_event, write_trace_header
 from pilot_util import run_async, wait_for
 from test_bench import png_size
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged import InvalidRequestError, SamplingParams
-from minipaged.events import EngineView
+from minipaged.event_view import EngineView
 from minipaged.policies import policy_names
 from tests.conftest import random_prompts, step_until_done
 

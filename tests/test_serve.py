@@ -359,7 +359,8 @@ def read_events(url: str, until_step: list, into: list, ready: threading.Event) 
 
 
 def test_a_late_watcher_sees_the_same_block_map_as_an_early_one(client, server, model_name):
-    from minipaged.events import EngineInfo, EngineView, StepEvent
+    from minipaged.event_view import EngineView
+    from minipaged.events import EngineInfo, StepEvent
 
     wait_until_idle(server)
     start_step = httpx.get(server + "/health").json()["steps"]

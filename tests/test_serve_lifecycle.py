@@ -94,7 +94,7 @@ def stub_events(info_json: str, snapshot_json: str, goodbye: bool) -> bytes:
 def stub_server(info, comes_back: bool) -> Iterator[tuple[str, list]]:
     """A stub of the event stream: the first connection ends after the snapshot of step 5 without goodbye; the
     second brings the snapshot of step 9 and says goodbye (the server came back), or ends without it too."""
-    from minipaged.events import EngineView
+    from minipaged.event_view import EngineView
     from minipaged.serve.async_engine import snapshot_event
 
     info_json = json.dumps({"type": "engine", **info.__dict__})

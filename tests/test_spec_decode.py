@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from minipaged import Engine, SamplingParams
 from minipaged.cli import main as cli_main
 from minipaged.config import ConfigError
-from minipaged.events import EngineView, StepEvent
+from minipaged.event_view import EngineView
+from minipaged.events import StepEvent
 from minipaged.options import add_engine_arguments, engine_options
 from minipaged.spec_decode import rejection_sampler
 from minipaged.spec_decode.config import SpeculativeConfig

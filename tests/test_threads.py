@@ -60,7 +60,7 @@ def test_the_header_names_the_thread_count_and_old_traces_still_load():
     import dataclasses
     from pathlib import Path
 
-    from minipaged.events import read_trace
+    from minipaged.trace import read_trace
     from minipaged.tui.app import WatchApp
 
     info, events = read_trace(str(Path(__file__).parent / "data" / "watch_trace.jsonl"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.events import read_trace
+from minipaged.trace import read_trace
 from minipaged.tui.app import SPEEDS, WatchApp
 from minipaged.tui.driver import LiveRun
 from minipaged.tui.help import HelpScreen

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from minipaged.events import read_trace
+from minipaged.trace import read_trace
 from minipaged.tui.app import WatchApp
 
 TRACE = Path(__file__).parent / "data" / "watch_trace.jsonl"

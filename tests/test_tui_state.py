@@ -11,9 +11,10 @@ import pytest
 from rich.console import Console
 
 from minipaged.events import (EngineInfo, KVChanges, Preemption, RequestArrival, RequestFinish, ScheduledRequest,
-                              StepEvent, read_trace)
+                              StepEvent)
 from minipaged.outputs import StepResult
 from minipaged.request import InvalidRequestError, SamplingParams
+from minipaged.trace import read_trace
 from minipaged.tui.driver import LiveRun
 from minipaged.tui.plain import print_run
 from minipaged.tui.state import PALETTE, WatchState, clean_preview, describe_event, printable

@@ -197,7 +197,7 @@ def record_spread_trace(tiny_engine_factory, path: Path) -> int:
     """A run on a serve-sized pool whose blocks in use spread past one window (grouped cells) and share a
     prefix ("+" cells); returns the number of steps recorded."""
     from minipaged import SamplingParams
-    from minipaged.events import write_trace_event, write_trace_header
+    from minipaged.trace import write_trace_event, write_trace_header
 
     # (every prompt prefills in one step: no cap on a long prompt's chunk, the CPU default's 128 would stagger them)
     engine = tiny_engine_factory(num_blocks=POOL, max_num_batched_tokens=4096, long_prefill_token_threshold=0)

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from minipaged import SamplingParams
-from minipaged.events import PREVIEW_GAP, PROMPT_PREVIEW_CHARS, EngineView, StepEvent
+from minipaged.event_view import EngineView
+from minipaged.events import PREVIEW_GAP, PROMPT_PREVIEW_CHARS, StepEvent
 from browser_util import (INSTALL_HINT, evaluate, find_chromium, main_thread_tasks, open_page, start_tracing,
                           wait_for)
 from serve_util import free_port, running_server, wait_until_idle
@@ -221,7 +222,7 @@ def test_a_long_n_sample_prompt_is_chunked_and_a_running_decode_keeps_its_pace(t
 # ------------------------------------------------------------------------------ pages written for replay
 
 def record_with_prompt(tiny_engine_factory, path, prompt: str) -> None:
-    from minipaged.events import write_trace_event, write_trace_header
+    from minipaged.trace import write_trace_event, write_trace_header
 
     engine = tiny_engine_factory()
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), request_id="r0")

@@ -73,7 +73,7 @@ def test_the_page_shows_each_requests_k_and_acceptance_as_the_tui_does(tiny_engi
 def test_the_drawn_page_writes_the_lines_under_the_batch_bar(tiny_engine_factory, tmp_path):
     """The page itself (an exported trace, opened offline in headless Chromium) at a step that verified drafts
     shows each speculating request's line under the batch bar, and hides the box at a step without any."""
-    from minipaged.events import write_trace_event, write_trace_header
+    from minipaged.trace import write_trace_event, write_trace_header
 
     engine = tiny_engine_factory(speculative_config={**NGRAM, "auto_k": True})
     events = run(engine, [[5, 6, 7, 8] * 4, [9, 10, 11] * 5])

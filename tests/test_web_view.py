@@ -154,7 +154,7 @@ def record_trace(tiny_engine_factory, path: Path) -> tuple[int, int]:
     """A run with prefix hits and preemption, recorded until mid-run (blocks still in use at its last step).
     Returns (the number of steps, the used blocks at the last one)."""
     from minipaged import SamplingParams
-    from minipaged.events import write_trace_event, write_trace_header
+    from minipaged.trace import write_trace_event, write_trace_header
 
     engine = tiny_engine_factory(num_blocks=24, preemption_mode="swap", num_cpu_blocks=32,
                                  max_num_batched_tokens=16)

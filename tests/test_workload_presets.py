@@ -11,7 +11,8 @@ from typing import Callable
 import pytest
 
 from minipaged import Engine
-from minipaged.events import EngineView, StepEvent
+from minipaged.event_view import EngineView
+from minipaged.events import StepEvent
 from minipaged.model.testing import build_tiny_llama
 from minipaged.tui.driver import LiveRun
 from minipaged.workloads import PRESETS, make_workload

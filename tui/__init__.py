@@ -120,7 +120,7 @@ def run_compare(args: argparse.Namespace, replay_files: list[str]) -> int:
     """``--compare``: two or three runs side by side (or, with --no-tui, one summary line each). The runs
     are the variants given (``--compare A B [C]``), a lesson's own variants (``--lesson N --compare``) or
     recorded traces (``--compare --replay A --replay B``)."""
-    from minipaged.events import read_trace
+    from minipaged.trace import read_trace
 
     from .compare import CompareRun, parse_variant, summarize
 
@@ -247,7 +247,7 @@ def _flag_problem(args: argparse.Namespace) -> Optional[str]:
 
 def run_watch(args: argparse.Namespace) -> int:
     """Run ``minipaged watch`` with parsed flags; returns the exit code."""
-    from minipaged.events import read_trace
+    from minipaged.trace import read_trace
 
     if args.replay and args.record:
         print("minipaged watch: --record writes a new trace from a live run; it cannot be combined with --replay.",

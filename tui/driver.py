@@ -1,5 +1,5 @@
 """Where live events come from: an engine fed by a workload. (Replays read a trace with
-``minipaged.events.read_trace``.)
+``minipaged.trace.read_trace``.)
 
 ``LiveRun`` owns the engine. It runs in the TUI's thread worker (or in the main thread for ``--no-tui``):
 it adds each workload request when its arrival step comes, calls ``engine.step()``, and writes every event
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import deque
 from typing import IO, Any, Callable, Optional
 
-from minipaged.events import EngineInfo, StepEvent, write_trace_event, write_trace_header
+from minipaged.events import EngineInfo, StepEvent
 from minipaged.request import InvalidRequestError
+from minipaged.trace import write_trace_event, write_trace_header
 from minipaged.workloads import Arrival, Workload, format_prompt
 
 Progress = Callable[[str], None]

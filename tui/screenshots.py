@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 from typing import Optional
 
-from minipaged.events import read_trace
+from minipaged.trace import read_trace
 
 from .pictures import write_pictures
 

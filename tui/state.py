@@ -1,7 +1,7 @@
 """Everything the screen shows, computed from StepEvents alone.
 
 ``WatchState`` folds events one at a time: the block map and request table (``EngineView`` from
-``minipaged.events``), a colour for each request, the event log and the metric histories behind the
+``minipaged.event_view``), a colour for each request, the event log and the metric histories behind the
 sparklines. It never touches the engine, which is why a replayed trace shows exactly what the live run
 showed, and why stepping backwards is simply "fold events 0..k-1 again".
 """
@@ -13,8 +13,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.events import (PREVIEW_GAP, EngineInfo, EngineView, LatencyFold, ScheduledRequest, StepEvent,
-                              busy_label, busy_seconds)
+from minipaged.event_view import EngineView, LatencyFold, busy_label, busy_seconds
+from minipaged.events import PREVIEW_GAP, EngineInfo, ScheduledRequest, StepEvent
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",

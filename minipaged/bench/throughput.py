@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save_trace(path: str, engine: Any, events: list) -> None:
-    from ..events import write_trace_event, write_trace_header
+    from ..trace import write_trace_event, write_trace_header
     try:
         with open(path, "w") as fp:
             write_trace_header(fp, engine.info)

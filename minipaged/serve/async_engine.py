@@ -36,7 +36,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
-from ..events import EngineView, KVChanges, RequestArrival, StepEvent
+from ..event_view import EngineView
+from ..events import KVChanges, RequestArrival, StepEvent
 from ..output_processor import sample_ids
 from ..outputs import RequestDelta
 from ..request import InvalidRequestError, SamplingParams

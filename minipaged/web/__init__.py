@@ -82,7 +82,7 @@ def _escape(text: str) -> str:
 
 def trace_html(trace_path: str) -> str:
     """A recorded trace (``watch --record``) as one self-contained page; raises ValueError if it is not a trace."""
-    from minipaged.events import read_trace
+    from minipaged.trace import read_trace
 
     info, events = read_trace(trace_path)               # checks it, with the line number of a bad line
     lines = Path(trace_path).read_text(encoding="utf-8").splitlines()

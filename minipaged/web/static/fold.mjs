@@ -1,5 +1,5 @@
 // The page's model: StepEvents folded into the block map, the request table, the queues, the event log and
-// the gauges' histories. A line-by-line mirror of Python's EngineView (minipaged/events.py) and WatchState
+// the gauges' histories. A line-by-line mirror of Python's EngineView (minipaged/event_view.py) and WatchState
 // (tui/state.py), with no DOM, so that node's test runner can check it against Python at every step of
 // recorded traces (tests/test_web_fold.py). Request objects keep Python's snake_case field names for the
 // same reason: the comparison is field by field.
@@ -63,7 +63,7 @@ function newRequest(a, st) {
     prefix_lookup: a.prefix_lookup ?? null };      // an arrival carries one only in a late watcher's snapshot
 }
 
-/** events.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
+/** event_view.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
 export function stepProbability(logprobs) {
   if (!logprobs || !logprobs.length) return null;
   return Math.exp(logprobs.reduce((a, b) => a + b, 0) / logprobs.length);
@@ -322,10 +322,10 @@ function forgetName(st, rid) {
   }
 }
 
-/** events.py's busy_seconds: the device's time on CUDA, the forward call's on a CPU; null in an old trace. */
+/** event_view.py's busy_seconds: the device's time on CUDA, the forward call's on a CPU; null in an old trace. */
 export function busySeconds(ev) { return ev.device_s ?? ev.forward_s ?? null; }
 
-/** events.py's busy_label. */
+/** event_view.py's busy_label. */
 export function busyLabel(ev) { return ev.device_s == null ? "forward" : "device"; }
 
 /** WatchState._track_busy: the "busy" gauge and the host/device lane. */
