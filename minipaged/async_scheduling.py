@@ -1,4 +1,5 @@
-"""Async scheduling (vLLM's ``--async-scheduling``): the host's work hides behind the model's.
+"""Async output processing (vLLM v0's, not vLLM v1's ``--async-scheduling``): the host's work hides behind the
+model's; scheduling still waits for the forward pass (lessons/lesson10_gpu_waits.md says how v1 differs).
 
 Without it a step does everything in turn: schedule, run the model, then turn the new tokens into text,
 find stop strings, build the deltas and the StepEvent. The model waits for the host and the host for the
@@ -24,10 +25,10 @@ blocks allocated for step N (in flight). Its ``scheduled`` records are step N-1'
 What it can win is bounded by Python's GIL: the two threads' Python runs one at a time, so only the model's
 GIL-free time (compiled calls, torch's kernels, waiting for a GPU) can hide the host's work. On a CPU with a
 tiny model the forward pass is mostly Python; with a real model the host's share of a step is small. That is
-why it is off by default; ``bench/async_scheduling.py`` measures wall time and each thread's CPU time.
+why it is off by default; ``bench/async_output_processing.py`` measures wall time and each thread's CPU time.
 
 Speculative decoding proposes from the tokens of the step just verified and would need them a step early:
-``EngineConfig.validate`` refuses it with async scheduling on (and parallel ranks, not built for it yet).
+``EngineConfig.validate`` refuses it with async output processing on (and parallel ranks, not built for it yet).
 """
 from __future__ import annotations
 

@@ -24,9 +24,10 @@ Follow a request from top to bottom:
   9. ``step`` returns a ``StepResult``: ``outputs``, the deltas clients read (the server, the CLI,
      ``generate``), and ``event``, a ``StepEvent`` recording all of it for observers (the TUI, traces,
      metrics, the web view), who also get it through ``subscribe``.
-  10. With async scheduling (``async_scheduling=True``, ``--async-scheduling``) steps 4-5 of step N (the forward
-      pass, logits, sampling) run in a model thread while 7-9 of step N-1 run here; the next ``step()`` waits
-      for them before its 6 and 2. So ``step()`` returns step N-1's result (minipaged/async_scheduling.py).
+  10. With async output processing (``async_output_processing=True``, ``--async-output-processing``;
+      vLLM v0's name, not v1's ``--async-scheduling``) steps 4-5 of step N (the forward pass, logits, sampling)
+      run in a model thread while 7-9 of step N-1 run here; the next ``step()`` waits for them before its 6
+      and 2. So ``step()`` returns step N-1's result (minipaged/async_scheduling.py).
 
 The engine's surface: ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``info``, ``stats``,
 ``subscribe`` (observers), ``before_model_call`` (a hook at the model call), and ``generate`` / ``chat`` on top.
@@ -90,7 +91,7 @@ class Engine:
         self._step_index = 0
         self._start_time = time.perf_counter()
         self._counters = EngineCounters()
-        # Async scheduling (minipaged/async_scheduling.py): the step whose forward pass runs in the model thread,
+        # Async output processing (minipaged/async_scheduling.py): the step whose forward pass runs in the model thread,
         # and the requests whose sampler and logits state waits for it to end before it is forgotten.
         self._model_thread = ModelThread(parts.device)
         self._in_flight: Optional[InFlight] = None
@@ -142,7 +143,7 @@ class Engine:
         return bool(requests)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request waits (for its grammar, too), runs or is swapped out, or (async scheduling) a
+        """True while a request waits (for its grammar, too), runs or is swapped out, or (async output processing) a
         forward pass is in flight."""
         return self.scheduler.has_unfinished() or self.logits.has_waiting() or self._in_flight is not None
 
@@ -159,7 +160,7 @@ class Engine:
         """Run ``hook()`` in each step, just before the model's long call that lets go of Python's GIL, where
         the backend has one (the cpu backend's compiled decode step; the start of its other steps); on other
         backends it does not run. A server hands the previous step's outputs to its HTTP thread there, so that
-        thread's Python runs while the model computes. With async scheduling it does not run either: the
+        thread's Python runs while the model computes. With async output processing it does not run either: the
         model computes in its own thread while ``step()`` returns, so the caller's hand-off after the step
         already overlaps it. Returns a function that removes the hook."""
         self._model_call_hooks.append(hook)
@@ -178,9 +179,9 @@ class Engine:
         """One engine step: schedule, run the model once, sample, and hand out what changed (``outputs`` for
         clients, ``event`` for observers, who also get the event through ``subscribe``).
 
-        With async scheduling (``async_scheduling=True``) it starts this step's forward pass in the model thread
-        and returns the previous step's outputs and event while it runs (minipaged/async_scheduling.py)."""
-        if self.config.async_scheduling:
+        With async output processing (``async_output_processing=True``) it starts this step's forward pass in the
+        model thread and returns the previous step's outputs and event while it runs (minipaged/async_scheduling.py)."""
+        if self.config.async_output_processing:
             return self._step_async()
         start = time.perf_counter()
         plan = self._schedule()
@@ -232,7 +233,7 @@ class Engine:
                                                if c.request.request_id in update.new_token_ids])
         return StepResult(drained.deltas, self._emit(outcome, drained, start, draft_s, wait_s))
 
-    # ------------------------------------------------------------------ one step, async scheduling
+    # ------------------------------------------------------------------ one step, async output processing
     def _step_async(self) -> StepResult:
         """Join step N-1's forward pass and account for its tokens, schedule step N and start its forward pass
         in the model thread, then process N-1's outputs while N runs (the first call has none to process)."""
@@ -293,7 +294,7 @@ class Engine:
               wait_s: float) -> StepEvent:
         """Count the step, build its StepEvent (its time includes building it: taken last, written in after)
         and hand it to every subscriber. ``wait_s``: the time ``step()`` waited for a forward pass in the model
-        thread (async scheduling), which is not the host's work."""
+        thread (async output processing), which is not the host's work."""
         plan, update, verified, times = outcome.plan, outcome.update, outcome.verified, outcome.times
         model_s = times.model_s
         new_token_ids = update.new_token_ids
@@ -319,9 +320,10 @@ class Engine:
             constrained={rid: (allowed, self.logits.vocab_size) for rid, allowed in outcome.constrained.items()})
         end = time.perf_counter()
         stats["step_seconds"] = self._counters.add_step_seconds(end - start)
-        # The host's share: without async scheduling all but the forward pass; with it, all but the wait for it
+        # The host's share: without async output processing all but the forward pass; with it, all but the wait for it
         # (the forward pass ran in the model thread, beside the host's work).
-        schedule_s = (end - start) - wait_s if self.config.async_scheduling else (end - start) - model_s - draft_s
+        schedule_s = ((end - start) - wait_s if self.config.async_output_processing
+                      else (end - start) - model_s - draft_s)
         event = dataclasses.replace(event, time_s=end - self._start_time, duration_s=end - start,
                                     schedule_s=schedule_s, **self._host_and_forward(times, end - start, wait_s,
                                                                                     draft_s))
@@ -336,12 +338,12 @@ class Engine:
                           draft_s: float) -> dict[str, Optional[float]]:
         """StepEvent's host_s, forward_s and device_s (rounded to the microsecond: every watcher gets them).
 
-        Without async scheduling the step is host work, then the forward pass, then host work again:
+        Without async output processing the step is host work, then the forward pass, then host work again:
         host_s + forward_s (+ a draft model's draft_s) = duration_s. With it, the forward pass ran in the model
         thread beside the host's work, so the two may add up to more than the step: the host's work is this
         ``step()``'s time but its wait for the model thread, plus what the model thread did outside the forward
         (the batch's tensors, the logits stage, sampling)."""
-        if self.config.async_scheduling:
+        if self.config.async_output_processing:
             host_s = duration_s - wait_s + times.prepare_s + times.model_s - times.forward_s
         else:
             host_s = duration_s - times.forward_s - draft_s
@@ -401,7 +403,7 @@ class Engine:
                 **getattr(self.runner, "counters", {"communication_seconds": 0.0})}
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine, and the model thread of async scheduling (after the
+        """Stop the worker processes of a parallel engine, and the model thread of async output processing (after the
         forward pass in flight)."""
         self._wait_for_model()
         self._model_thread.close()

@@ -38,7 +38,7 @@ class StepTimes:
 
 
 class PromptLogprobsSink(Protocol):
-    """Where the prompt log-probabilities a forward pass scores go: the OutputProcessor, or (async scheduling)
+    """Where the prompt log-probabilities a forward pass scores go: the OutputProcessor, or (async output processing)
     a buffer the engine thread replays into it after the join."""
 
     def record_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprobs]) -> None: ...

@@ -456,14 +456,15 @@ class Scheduler:
         Each token is appended and checked against the stop conditions that a token decides (EOS, stop ids,
         lengths); tokens after a stop are dropped. Stop *strings* need text: the output processor finds them
         afterwards and ends the request through ``finish_on_stop_string``. A request that finished while the
-        forward pass ran (async scheduling: a stop string found in the previous step's text, an abort) is skipped.
+        forward pass ran (async output processing: a stop string found in the previous step's text, an abort) is
+        skipped.
         """
         self.kv.mark_forward_done()
         update = StepUpdate()
         for chunk in out.chunks:
             req = chunk.request
             if req.is_finished:
-                continue      # async scheduling: a stop string or an abort ended it while this step ran; its
+                continue      # async output processing: a stop string or an abort ended it while this step ran; its
                               # token is dropped as if never generated (its blocks are freed already)
             req.num_computed_tokens = chunk.end
             if req.request_id not in sampled:
