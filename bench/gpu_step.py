@@ -22,7 +22,7 @@ is rewritten after every stage, so a run cut short still leaves everything it me
   hf_generate   the same token ids through transformers' padded `generate` (batches of 64), on the same weights
   serve         `minipaged serve`, 128 streams x 128 tokens, against the same workload in-process (tok/s, TTFT)
   hf_generate_batch   the same ids through transformers' own continuous batching, `generate_batch`
-  async         async scheduling on and off, where the engine has the option (else recorded as absent)
+  async         async output processing on and off, where the engine has the option (else recorded as absent)
 
     python bench/gpu_step.py                  # needs CUDA: bench/out/gpu_step-<card>.{json,md}
     python bench/gpu_step.py --dry-run        # anywhere: the plan and the engine options, nothing run
@@ -419,10 +419,10 @@ class Bench:
                          "served_over_in_process": served["tok_s"] / local["tok_s"],
                          "ttft_ratio": served["median_ttft_ms"] / local["median_ttft_ms"]}
 
-    def async_scheduling(self, out: dict[str, Any]) -> None:
+    def async_output_processing(self, out: dict[str, Any]) -> None:
         from minipaged.config import EngineConfig
-        if "async_scheduling" not in EngineConfig.__dataclass_fields__:
-            out["note"] = "this build has no async_scheduling option"
+        if "async_output_processing" not in EngineConfig.__dataclass_fields__:
+            out["note"] = "this build has no async_output_processing option"
             return
         from minipaged import Engine, SamplingParams
         params = SamplingParams(temperature=0, max_tokens=self.args.output_len, ignore_eos=True)
@@ -432,7 +432,7 @@ class Bench:
         if self.cuda:
             self.torch.cuda.empty_cache()
         for setting in (False, True):
-            engine = Engine(self.folder, async_scheduling=setting, **engine_options(self.args))
+            engine = Engine(self.folder, async_output_processing=setting, **engine_options(self.args))
             start = time.perf_counter()
             outs = engine.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
@@ -511,7 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         run.stage("hf_generate", bench.hf_generate)
         run.stage("serve", bench.serve)
         run.stage("hf_generate_batch", bench.hf_generate_batch)
-        run.stage("async", bench.async_scheduling)
+        run.stage("async", bench.async_output_processing)
     path = run.save()
     print(summary_markdown(run.record))
     print(f"\n(saved {path} and .md)")

@@ -39,7 +39,7 @@ def free_and_total_memory(device: torch.device) -> Optional[tuple[int, int]]:
 
 def use_in_this_thread(device: torch.device) -> None:
     """Make ``device`` the calling thread's current device where a device keeps one per thread: a new thread
-    starts on CUDA device 0, and Triton launches on the current device. Async scheduling's model thread calls
+    starts on CUDA device 0, and Triton launches on the current device. Async output processing's model thread calls
     it before its first forward pass; elsewhere there is nothing to do."""
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,5 +1,6 @@
 """Lesson 10: why the GPU waits: each step is the host's work (scheduling, the batch's tensors, sampling, text)
-and the forward pass; on a fast device the host's part is most of the step. Async scheduling overlaps them."""
+and the forward pass; on a fast device the host's part is most of the step. Async output processing (vLLM v0's;
+not vLLM v1's async scheduling) overlaps the output processing with the next forward pass."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from .texts import DOCUMENTS, QUESTIONS
 
 NUMBER = 10
 TITLE = "Why the GPU waits"
-SUMMARY = "host time against forward time in each step, with and without async scheduling"
+SUMMARY = "host time against forward time in each step, with and without async output processing"
 
 ALONE = "r0"
 BATCH = tuple(f"r{i + 1}" for i in range(len(QUESTIONS)))       # sixteen short chat questions
@@ -29,14 +30,14 @@ SCENARIO = Scenario(
         # work per step (each request is scheduled, sampled and turned into text).
         *(request(rid, 100, Text(question, 16), max_tokens=16) for rid, question in zip(BATCH, QUESTIONS)),
     ),
-    variants={"sync": {}, "async": {"async_scheduling": True}},
+    variants={"sync": {}, "async": {"async_output_processing": True}},
 )
 PHASES = {"alone": 1, "batch": len(BATCH)}
 
 
 def schedule(run: Run) -> list[tuple]:
-    """What every step computed, token ranges only, leaving out events with nothing scheduled (async scheduling
-    returns one when a forward pass has just started and none had ended)."""
+    """What every step computed, token ranges only, leaving out events with nothing scheduled (async output
+    processing returns one when a forward pass has just started and none had ended)."""
     return [tuple((s.request_id, s.kind, s.start, s.end) for s in ev.scheduled) for ev in run.events if ev.scheduled]
 
 
@@ -69,8 +70,8 @@ def step_times(run: Run, batch: int) -> dict[str, float]:
 
 def timings(prefix: str, runs: dict[str, Run], unit: float) -> dict[str, float]:
     """Every variant's step, host and forward times alone and in the batch (in ``unit`` seconds), the forward's
-    and the host's shares of a step in percent (with async scheduling they overlap), and how much faster async
-    scheduling made a step."""
+    and the host's shares of a step in percent (with async output processing they overlap), and how much faster
+    async output processing made a step."""
     name = {1e-3: "ms", 1e-6: "us"}[unit]
     out: dict[str, float] = {}
     for variant, run in runs.items():
@@ -128,7 +129,7 @@ def _batched(t: Trace) -> Any:
 
 
 def _one_step_late(t: Trace) -> Any:
-    if not t.info.async_scheduling or len(t.events) < 2 or t.events[0].scheduled or not t.events[1].scheduled:
+    if not t.info.async_output_processing or len(t.events) < 2 or t.events[0].scheduled or not t.events[1].scheduled:
         return None
     first, second = t.events[:2]
     return (f"step {first.step} returned nothing scheduled ({len(first.arrivals)} arrival(s)): "
@@ -140,8 +141,8 @@ CHECKPOINTS = [
                "press n past r0's prefill; watch the Metrics panel's forward gauge"),
     Checkpoint("{{measured.batch}} requests decode in one step: compare host and forward with r0 alone", _batched,
                "run on (space) until the questions decode together"),
-    Checkpoint("with async scheduling, step() returns each step's event one step late", _one_step_late,
-               "run with --async-scheduling and press n twice", variants=("async",)),
+    Checkpoint("with async output processing, step() returns each step's event one step late", _one_step_late,
+               "run with --async-output-processing and press n twice", variants=("async",)),
     every_request_finished(SCENARIO),
 ]
 
@@ -149,23 +150,27 @@ QUIZ = [
     QuizQuestion(
         "On a GPU a decode step's forward pass takes little time. What does the GPU do while the host schedules "
         "the next step, builds its tensors and turns the last tokens into text?",
-        ("It computes the next step already", "It waits: without async scheduling nothing is queued for it",
+        ("It computes the next step already",
+         "It waits: without async output processing nothing is queued for it",
          "It prefetches the weights", "It runs the sampler"),
         1,
-        "Without async scheduling a step is host work, then the forward pass, then host work again. On this CPU "
-        "the tiny model's forward pass took {{smollm2.tiny_sync_alone_forward_us:.0f}} us of a "
+        "Without async output processing a step is host work, then the forward pass, then host work again. On "
+        "this CPU the tiny model's forward pass took {{smollm2.tiny_sync_alone_forward_us:.0f}} us of a "
         "{{smollm2.tiny_sync_alone_step_us:.0f}} us step alone: busy {{smollm2.tiny_sync_alone_busy_pct:.0f}}%."),
     QuizQuestion(
-        "What does async scheduling overlap?",
-        ("Two forward passes", "Step N's forward pass with the host's work around it: step N-1's outputs and step "
-         "N+1's scheduling", "Prefill with decode", "The tokenizer with the network"),
+        "What does async output processing overlap?",
+        ("Two forward passes", "Step N's forward pass with step N-1's output processing (text, stop strings, "
+         "deltas, the event)", "Step N's forward pass with step N+1's scheduling",
+         "Prefill with decode"),
         1,
-        "The forward pass runs in a model thread while the engine thread processes the previous step's outputs "
-        "and schedules the next; so each event comes one step late ({{measured.async_empty_events}} events "
-        "with nothing scheduled in this run), and the tokens are the same."),
+        "The forward pass runs in a model thread while the engine thread processes the previous step's outputs; "
+        "step N+1 is scheduled only after step N's forward pass ends, since the scheduler needs N's tokens "
+        "(vLLM v1's async scheduling schedules N+1 earlier, with placeholder tokens). So each event comes one "
+        "step late ({{measured.async_empty_events}} events with nothing scheduled in this run), and the tokens "
+        "are the same."),
     QuizQuestion(
         "SmolLM2's forward pass on this CPU is long beside the host's work. What is its forward share of a decode "
-        "step alone, without async scheduling?",
+        "step alone, without async output processing?",
         ("Under a quarter", "About half", "Most of the step", "Nothing: the host computes it"),
         2,
         "SmolLM2 alone: forward {{smollm2.smollm2_sync_alone_forward_ms:.1f}} ms, host "

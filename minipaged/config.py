@@ -152,11 +152,14 @@ class EngineConfig:
         "aliases": ("-tp",)})
     pipeline_parallel_size: int = field(default=1, metadata={
         "help": "processes that each hold consecutive layers", "aliases": ("-pp",)})
-    # vLLM's --async-scheduling / --no-async-scheduling (minipaged/async_scheduling.py): off until a measurement
-    # shows it faster here (docs: lesson 10); the engine's start-up line says which.
-    async_scheduling: bool = field(default=False, metadata={
+    # vLLM v0's async output processing (minipaged/engine_core.py): step N's outputs are processed while
+    # step N+1's forward pass runs. Not vLLM v1's --async-scheduling, which also schedules step N+1 before step
+    # N's tokens are known (lesson 10). Off until a measurement shows it faster here; the start-up line says which.
+    async_output_processing: bool = field(default=False, metadata={
         "help": "process a step's outputs (text, stop strings, events) while the next step's forward pass runs "
-                "in a thread; outputs come one step later", "negatable": True, "shown_default": "off"})
+                "in a thread; outputs come one step later (vLLM v0's async output processing; not vLLM v1's "
+                "--async-scheduling, which schedules the next step before this one's tokens are known)",
+        "negatable": True, "shown_default": "off"})
     # Structured outputs compile in the background (minipaged/logits/structured.py); a request waits meanwhile.
     grammar_timeout: float = field(default=GRAMMAR_TIMEOUT_S, metadata={
         "help": "a request whose structured-outputs grammar is still compiling (in the background) after this "
@@ -242,15 +245,17 @@ class EngineConfig:
             raise ConfigError("speculative decoding does not combine with tensor or pipeline parallelism yet; "
                               "use tensor_parallel_size=1 and pipeline_parallel_size=1, or turn speculation off.")
 
-        if self.async_scheduling and self.speculative is not None:
-            # The proposer guesses from the tokens of the step just verified: async scheduling has them a step late.
-            raise ConfigError("async_scheduling (--async-scheduling) does not combine with speculative decoding: "
-                              "the proposer needs the tokens of the step just verified, which async scheduling "
-                              "knows a step later. Use --no-async-scheduling, or turn speculation off.")
-        if self.async_scheduling and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError("async_scheduling (--async-scheduling) does not combine with tensor or pipeline "
-                              "parallelism yet; use --no-async-scheduling, or tensor_parallel_size=1 and "
-                              "pipeline_parallel_size=1.")
+        if self.async_output_processing and self.speculative is not None:
+            # The proposer guesses from the tokens of the step just verified: with async output processing the
+            # engine thread has them a step late.
+            raise ConfigError("async_output_processing (--async-output-processing) does not combine with "
+                              "speculative decoding: the proposer needs the tokens of the step just verified, "
+                              "which async output processing knows a step later. Use "
+                              "--no-async-output-processing, or turn speculation off.")
+        if self.async_output_processing and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("async_output_processing (--async-output-processing) does not combine with tensor or "
+                              "pipeline parallelism yet; use --no-async-output-processing, or tensor_parallel_size=1 "
+                              "and pipeline_parallel_size=1.")
 
     def capture_sizes(self) -> Optional[list[int]]:
         """``cudagraph_capture_sizes`` as sorted batch sizes (given as a list, or "1,2,4,8" on the command line);

@@ -171,7 +171,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         enable_prefix_caching=config.enable_prefix_caching, policy=config.policy,
         scheduling_policy=config.scheduling_policy, preemption_victim=config.preemption_victim,
         eviction_policy=config.eviction_policy, quantization=config.quantization,
-        weight_bytes=model.weight_bytes(), async_scheduling=config.async_scheduling,
+        weight_bytes=model.weight_bytes(), async_output_processing=config.async_output_processing,
         preemption_mode=config.preemption_mode, kv_bytes_per_token=kv_bytes_per_token,
         device=str(device), dtype=dtype_name, attention_backend=backend.name, num_threads=num_threads,
         speculative=spec.describe() if spec else None,
@@ -190,7 +190,7 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
         load_progress(capacity)
         load_progress(weights_line(model, layout))
         load_progress("Attention: " + backend.describe())
-        load_progress(async_scheduling_line(config.async_scheduling))
+        load_progress(async_output_processing_line(config.async_output_processing))
     return EngineParts(config, info, inputs, core, outputs, recorder, device, layout, model, loaded, tokenizer,
                        backend, draft_model, kv_cache, cpu_kv_cache, kv, cpu_pool, scheduler, runner, sampler, logits,
                        speculator)
@@ -228,12 +228,13 @@ def quantize(model: CompactLlama, backend: Backend, quantization: str, dtype: to
     backend.use_quantization(quantization)
 
 
-def async_scheduling_line(on: bool) -> str:
+def async_output_processing_line(on: bool) -> str:
     """The start-up line that says whether a step's outputs are processed while the next forward pass runs."""
     if on:
-        return ("Async scheduling: on (a step's outputs are processed while the next step's forward pass runs; "
-                "--no-async-scheduling to turn it off)")
-    return "Async scheduling: off (--async-scheduling to overlap output processing with the forward pass)"
+        return ("Async output processing: on (a step's outputs are processed while the next step's forward pass "
+                "runs; --no-async-output-processing to turn it off)")
+    return ("Async output processing: off (--async-output-processing to overlap output processing with the forward "
+            "pass)")
 
 
 def weights_line(model: CompactLlama, layout: ParallelLayout) -> str:

@@ -18,7 +18,7 @@ schedules N+1 (scheduling waits for the join: nothing touches blocks meanwhile).
 text ends a request that N is computing a token for: ``update_from_output`` skips it, as if never generated.
 On a CPU the compiled decode call and torch's ops let go of Python's GIL, so the two threads overlap; what it
 can win is bounded by the model's GIL-free time, which is why it is off by default
-(``bench/async_scheduling.py``). vLLM v1's async scheduling goes further: it schedules N+1 before N's tokens
+(``bench/async_output_processing.py``). vLLM v1's async scheduling goes further: it schedules N+1 before N's tokens
 are known.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> EngineCoreOutputs:
-        outputs = self._step_async() if self.config.async_scheduling else self._step()
+        outputs = self._step_async() if self.config.async_output_processing else self._step()
         out = outputs.runner_output
         self.counters.count_step(outputs.scheduler_output, sum(map(len, outputs.new_token_ids.values())),
                                  out.times.model_s if out else 0.0, 0.0, out.verified if out else {})

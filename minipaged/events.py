@@ -49,7 +49,19 @@ class EngineInfo:
     eviction_policy: str = "lru"
     quantization: Optional[str] = None   # "int8": weight-only int8 (kernels/int8.py); None: the weights' own dtype
     weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
-    async_scheduling: bool = False       # outputs processed while the next forward pass runs (one step late)
+    async_output_processing: bool = False   # outputs processed while the next forward pass runs (one step late)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "EngineInfo":
+        """An engine header as a trace or the event stream writes it (``type`` may be there). Keys of fields
+        since renamed are read under their new name, so traces recorded before a rename still load."""
+        body = {RENAMED_INFO_KEYS.get(k, k): v for k, v in d.items() if k != "type"}
+        return EngineInfo(**body)
+
+
+# Old EngineInfo keys -> their names now. "async_scheduling" named the option after vLLM v1's async scheduling,
+# which minipaged does not do (it is v0's async output processing: lessons/lesson10_gpu_waits.md).
+RENAMED_INFO_KEYS = {"async_scheduling": "async_output_processing"}
 
 
 PROMPT_PREVIEW_CHARS = 1000    # the most prompt text one arrival carries (start and end, PREVIEW_GAP between)
@@ -196,7 +208,7 @@ class RequestFinish:
 class KVChanges:
     """Every change to block ownership during the step.
 
-    With async scheduling, a step's event is emitted while the next step's forward pass runs, and its changes
+    With async output processing, a step's event is emitted while the next step's forward pass runs, and its changes
     run up to that moment: they include the blocks allocated for the step in flight (the block map folded from
     the events always equals the block manager's when an event is emitted).
 
@@ -220,7 +232,7 @@ class KVChanges:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """What one ``Engine.step()`` did. With async scheduling each ``step()`` returns the event of the step whose
+    """What one ``Engine.step()`` did. With async output processing each ``step()`` returns the event of the step whose
     forward pass ended during it (the first returns one with nothing scheduled), one step late; its ``kv``
     also carries the blocks allocated for the step now in flight (see ``KVChanges``)."""
 
@@ -228,10 +240,10 @@ class StepEvent:
     time_s: float                # seconds since the engine started, at the end of the step
     duration_s: float            # the whole step() call, wall time
     schedule_s: float            # duration_s but model_s and draft_s: scheduling, KV bookkeeping, the batch's
-                                 # tensors, text and the event (async scheduling: the step() call's time but its
+                                 # tensors, text and the event (async output processing: the step() call's time but its
                                  # wait for the model thread). Sampling is in model_s: see host_s for the host's all
     model_s: float               # from the forward pass's start to its tokens sampled: forward, logits stage,
-                                 # sampling (verification included); with async scheduling, in the model thread,
+                                 # sampling (verification included); with async output processing, in the model thread,
                                  # beside the previous step's host work
     budget_limit: int            # max_num_batched_tokens
     budget_used: int             # tokens computed this step

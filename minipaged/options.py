@@ -118,7 +118,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_default: str 
         # argparse %-formats help; "%(default).0s" prints nothing and stops ArgumentDefaultsHelpFormatter
         # from adding "(default: None)" of its own.
         help_text = f"{f.help} (default: {f.shown_default})".replace("%", "%%") + "%(default).0s"
-        if f.negatable:                    # --async-scheduling and --no-async-scheduling
+        if f.negatable:                    # --async-output-processing and --no-async-output-processing
             group.add_argument(f.flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         elif f.switch_to is not None:

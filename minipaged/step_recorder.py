@@ -88,7 +88,7 @@ class StepRecorder:
         stats["step_seconds"] = self.core.counters.add_step_seconds(end - start)
         # The host's share: without async output processing all but the forward pass; with it, all but the wait
         # for it (the forward pass ran in the model thread, beside the host's work).
-        async_on = self.config.async_scheduling
+        async_on = self.config.async_output_processing
         schedule_s = (end - start) - (core_out.wait_s if async_on else event.model_s + event.draft_s)
         event = dataclasses.replace(event, time_s=end - self.start_time, duration_s=end - start,
                                     schedule_s=schedule_s,

@@ -33,7 +33,7 @@ def read_trace(path: str) -> tuple[EngineInfo, list[StepEvent]]:
                 record = json.loads(line)
                 kind = record.get("type")
                 if kind == "engine":
-                    info = EngineInfo(**{k: v for k, v in record.items() if k != "type"})
+                    info = EngineInfo.from_dict(record)
                 elif kind == "step":
                     events.append(StepEvent.from_dict(record))
                 else:

@@ -41,7 +41,8 @@ def test_a_step_is_host_time_plus_forward_time_and_a_cpu_has_no_device_time(tiny
         assert ev.device_s is None and busy_label(ev) == "forward"
         assert 0 < ev.forward_s <= ev.model_s, ev      # the forward call alone; model_s adds logits and sampling
         assert ev.host_s > 0
-        # Without async scheduling the step is host work, then the forward pass: they add up to it (rounded to 1 us).
+        # Without async output processing the step is host work, then the forward pass: they add up to it
+        # (rounded to 1 us).
         assert abs(ev.host_s + ev.forward_s - ev.duration_s) < 2e-6 + 1e-9 * ev.duration_s, ev
         assert ev.host_s >= ev.schedule_s - 2e-6     # host_s also counts sampling, which schedule_s leaves out
     # Compact: three short numbers a step (rounded to the microsecond), and they survive JSON.
@@ -50,8 +51,8 @@ def test_a_step_is_host_time_plus_forward_time_and_a_cpu_has_no_device_time(tiny
     assert len(repr(computed[-1].forward_s)) <= 10
 
 
-def test_with_async_scheduling_the_host_works_while_the_forward_runs(tiny_engine_factory):
-    events = run(tiny_engine_factory(max_num_batched_tokens=32, async_scheduling=True))
+def test_with_async_output_processing_the_host_works_while_the_forward_runs(tiny_engine_factory):
+    events = run(tiny_engine_factory(max_num_batched_tokens=32, async_output_processing=True))
     computed = [ev for ev in events if ev.scheduled]
     assert computed and all(ev.forward_s > 0 and ev.host_s > 0 and ev.device_s is None for ev in computed)
     # The forward pass ran in the model thread beside the host's work: the host's time is the engine thread's

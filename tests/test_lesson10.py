@@ -23,11 +23,11 @@ def runs(tmp_path_factory):
 def test_both_runs_compute_the_same_tokens_and_async_events_come_one_step_late(runs):
     v = lesson10.measure(runs)
     sync, late = runs["sync"], runs["async"]
-    assert late.info.async_scheduling and not sync.info.async_scheduling
+    assert late.info.async_output_processing and not sync.info.async_output_processing
     assert v["same_outputs"] and v["same_schedule"]
     # r0's first token comes from its prefill, each other one from a decode step alone; then the batch together
     assert v["alone_decode_steps"] == v["alone_tokens"] - 1 and v["batch_decode_steps"] == v["batch_tokens"] - 1
-    # Async scheduling returns an empty event whenever a forward pass has just started and none had ended: at
+    # Async output processing returns an empty event whenever a forward pass has just started and none had ended: at
     # the very start and when the batch arrives after r0's run went idle.
     assert v["async_empty_events"] == 2 and v["async_steps"] == v["sync_steps"] + v["async_empty_events"]
     assert not late.events[0].scheduled and late.events[1].scheduled[0].request_id == lesson10.ALONE
@@ -43,7 +43,7 @@ def test_timings_come_from_the_events_host_and_forward_times(runs):
         assert 0 < value < float("inf"), key
         if key.endswith("_pct"):
             assert value <= 100.0 + 1e-6, key
-    # Without async scheduling host and forward make up the step: their shares add up to (nearly) all of it.
+    # Without async output processing host and forward make up the step: their shares add up to (nearly) all of it.
     for phase in lesson10.PHASES:
         assert 95 < t[f"tiny_sync_{phase}_busy_pct"] + t[f"tiny_sync_{phase}_host_pct"] <= 100.5, phase
         assert t[f"tiny_{phase}_async_speedup"] == t[f"tiny_sync_{phase}_step_us"] / t[f"tiny_async_{phase}_step_us"]
@@ -77,7 +77,7 @@ def test_checkpoints_tick_where_the_runs_show_them(runs):
 
 def test_stored_figures_back_the_text():
     """The text says: SmolLM2's forward pass fills nearly every step on a CPU, the tiny model's much less, and
-    less again in the batch; async scheduling won little or lost here. measured_smollm2.json must say so."""
+    less again in the batch; async output processing won little or lost here. measured_smollm2.json must say so."""
     s = json.loads(SMOLLM2_FILE.read_text(encoding="utf-8"))["10"]
     assert s["_source"].startswith("python -m minipaged.lessons --measure-smollm2")
     for phase in lesson10.PHASES:

@@ -102,7 +102,7 @@ def test_every_placeholder_is_filled_from_the_measured_run(number):
 
 # Numbers that may stand in the text without being measured: list markers, request ids, share labels (x3),
 # the lesson's own number and other lessons' numbers, and anything quoted, in code, or in a diagram.
-ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson \d+\b", r"SmolLM2", r"\bv1\b",
+ALLOWED = [r"^\s*\d+\. ", r"\br\d+\b", r"\bx\d\b", r"^# Lesson \d+", r"\blesson \d+\b", r"SmolLM2", r"\bv[01]\b",
            r"et al\.,? (?:[A-Z]+ )?\d{4}",                          # a citation's year: Kwon et al., SOSP 2023
            r"\b(?:int8|fp32)\b"]                                     # names of number formats (lesson 9)
 

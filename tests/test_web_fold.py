@@ -119,9 +119,9 @@ def traces(tiny_engine_factory) -> dict[str, tuple[Any, list[StepEvent]]]:
     while engine.has_unfinished_requests():
         engine.step()
     out["samples-share-a-prompt-old-ones-forgotten"] = engine.info, events
-    # Async scheduling: the forward pass runs beside the host's work (the busy gauge's lane overlaps).
-    engine = tiny_engine_factory(async_scheduling=True)
-    out["async-scheduling"] = engine.info, record(engine, prompts(3, 6), greedy)
+    # Async output processing: the forward pass runs beside the host's work (the busy gauge's lane overlaps).
+    engine = tiny_engine_factory(async_output_processing=True)
+    out["async-output-processing"] = engine.info, record(engine, prompts(3, 6), greedy)
     return out
 
 
@@ -145,7 +145,7 @@ def test_the_traces_hold_every_feature_the_fold_must_follow(traces):
     assert finished > FINISHED_KEPT, "nothing old enough to forget"
     assert all(ev.host_s is not None and ev.forward_s is not None and ev.device_s is None for ev in events), \
         "a step without its host and forward times (on a CPU device_s is None)"
-    assert any(ev.forward_s for ev in traces["async-scheduling"][1])
+    assert any(ev.forward_s for ev in traces["async-output-processing"][1])
     reasons = {s.prefix_lookup.reason for ev in events for s in ev.scheduled if s.prefix_lookup}
     assert {"never", "differs", "evicted", "all_hit"} <= reasons, reasons      # the page says each in words
 

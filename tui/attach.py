@@ -78,9 +78,8 @@ def sse_events(lines: Iterator[str]) -> Iterator[SseEvent]:
 def parse_record(payload: str) -> Union[EngineInfo, StepEvent]:
     """One record of the event stream (the same JSON as a trace line)."""
     record = json.loads(payload)
-    body = {k: v for k, v in record.items() if k != "type"}
     if record.get("type") == "engine":
-        return EngineInfo(**body)
+        return EngineInfo.from_dict(record)
     if record.get("type") == "step":
         return StepEvent.from_dict(record)
     raise ValueError(f"unknown record type {record.get('type')!r}")

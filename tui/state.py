@@ -204,7 +204,7 @@ class WatchState:
         # Why the GPU waits (lessons/lesson10_gpu_waits.md): the share of the last RATE_WINDOW steps' wall time the
         # device was busy (on a CPU: the forward pass ran; ``busy_label`` says which), and per recent step the
         # shares of its wall time the host worked and the device (forward) was busy: the lane. Without async
-        # scheduling they add up to the step; with it they overlap. Empty for traces recorded before steps
+        # output processing they add up to the step; with it they overlap. Empty for traces recorded before steps
         # carried these times.
         self.device_busy = Metric()
         self.lane: deque[tuple[float, float]] = deque(maxlen=LANE_LEN)

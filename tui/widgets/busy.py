@@ -30,7 +30,7 @@ def busy_title(state: WatchState) -> str:
 def lane_text(state: WatchState, width: int = 40) -> Text:
     """The last ``width`` steps, oldest on the left, one cell each: the lower part (green) is the share of the step
     the device was busy (on a CPU: the forward pass), the rest (orange) the host's, while the device waited. With
-    async scheduling the host works while the device computes, so the host's share is what is left uncovered."""
+    async output processing the host works while the device computes, so the host's share is what is left uncovered."""
     text = Text()
     for _host, busy in list(state.lane)[-width:]:
         text.append(bar(busy), style=f"{BUSY_COLOUR} on {HOST_COLOUR}")

@@ -1,5 +1,6 @@
-"""Async scheduling (``async_scheduling=True``, minipaged/engine_core.py): step N's forward pass runs in the
-model thread while the engine thread processes step N-1's outputs.
+"""Async output processing (``async_output_processing=True``, minipaged/engine_core.py; vLLM v0's name for
+it, not v1's async scheduling): step N's forward pass runs in the model thread while the engine thread processes
+step N-1's outputs.
 
 It must change nothing a client can see but the timing: greedy tokens, text and finish reasons are the engine's
 own without it, under chunked prefill, prefix caching and both preemption modes; a stop string found a step late
@@ -57,13 +58,13 @@ def stop_strings(tiny_engine_factory):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_greedy_outputs_and_stop_strings_are_the_same_with_async_scheduling(name, tiny_engine_factory,
+def test_greedy_outputs_and_stop_strings_are_the_same_with_async_output_processing(name, tiny_engine_factory,
                                                                             stop_strings):
     prompts = shared_prefix_workload()
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop] if i % 2 else None)
               for i, stop in enumerate(stop_strings)]
     expected, _ = outputs_of(tiny_engine_factory(**VARIANTS[name]), prompts, params)
-    engine = tiny_engine_factory(async_scheduling=True, **VARIANTS[name])
+    engine = tiny_engine_factory(async_output_processing=True, **VARIANTS[name])
     got, events = outputs_of(engine, prompts, params)
     assert got == expected
     assert sum(reason == "stop" for _t, _x, reason, _s in got) >= 3        # stop strings did end requests
@@ -80,7 +81,7 @@ def test_greedy_outputs_and_stop_strings_are_the_same_with_async_scheduling(name
 
 
 def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factory):
-    """The property test of test_scheduling.py with async scheduling on: aborts between steps (while a forward
+    """The property test of test_scheduling.py with async output processing on: aborts between steps (while a forward
     pass is in flight), stop strings found late, preemption of both kinds, chunked prefill and prefix caching."""
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(budget=st.integers(4, 64), seed=st.integers(0, 10_000), num_blocks=st.integers(30, 100),
@@ -89,7 +90,7 @@ def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factor
     def check(budget, seed, num_blocks, chunked, max_num_seqs, aborts, preemption_mode, caching):
         options = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                        preemption_mode=preemption_mode, num_cpu_blocks=random.Random(seed).choice([4, 64]),
-                       enable_prefix_caching=caching, async_scheduling=True)
+                       enable_prefix_caching=caching, async_output_processing=True)
         if chunked:
             options["max_num_batched_tokens"] = budget
         engine = tiny_engine_factory(**options)
@@ -125,9 +126,9 @@ def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factor
 
 def test_outputs_are_processed_while_the_next_forward_pass_runs(tiny_engine_factory):
     """Processing a step's new tokens waits (up to half a second) for a forward pass to be running, and a
-    forward pass waits for the processing before it returns: with async scheduling, step N-1's outputs are
+    forward pass waits for the processing before it returns: with async output processing, step N-1's outputs are
     processed in the engine thread while step N's forward pass runs in the model thread."""
-    engine = tiny_engine_factory(async_scheduling=True)
+    engine = tiny_engine_factory(async_output_processing=True)
     running, processed = threading.Event(), threading.Event()
     seen: list[tuple[bool, str]] = []                    # per step with new tokens: (a forward running?, thread)
     forward_threads: set[str] = set()
@@ -156,7 +157,7 @@ def test_outputs_are_processed_while_the_next_forward_pass_runs(tiny_engine_fact
 
 
 def test_an_abort_while_its_token_is_computed_drops_that_token(tiny_engine_factory):
-    engine = tiny_engine_factory(async_scheduling=True)
+    engine = tiny_engine_factory(async_output_processing=True)
     engine.add_request([1, 2, 3], GREEDY, request_id="a")
     engine.add_request([4, 5, 6], GREEDY, request_id="b")
     engine.step()                                       # nothing done yet: step 1 (both prompts) computes
@@ -180,7 +181,7 @@ def test_an_id_used_again_while_its_last_owner_is_in_flight_starts_afresh(tiny_e
     gets its own random stream and processors (the old one's are forgotten before, not after, it arrives)."""
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logit_bias={42: 4.0, 17: 4.0})
     fresh = tiny_engine_factory().generate([[9, 8, 7, 6]], params)[0].token_ids
-    engine = tiny_engine_factory(async_scheduling=True)
+    engine = tiny_engine_factory(async_output_processing=True)
     engine.add_request([1, 2, 3], params, request_id="r")
     engine.step()
     engine.step()                                       # r's second token is being computed now
@@ -190,7 +191,7 @@ def test_an_id_used_again_while_its_last_owner_is_in_flight_starts_afresh(tiny_e
     assert_all_free(engine)
 
 
-def test_log_probabilities_and_seeded_samples_are_the_same_with_async_scheduling(tiny_engine_factory):
+def test_log_probabilities_and_seeded_samples_are_the_same_with_async_output_processing(tiny_engine_factory):
     prompts = random_prompts(random.Random(3), 4, 5, 30)
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True, logprobs=2,
                             prompt_logprobs=1)
@@ -198,12 +199,12 @@ def test_log_probabilities_and_seeded_samples_are_the_same_with_async_scheduling
     def run(**options):
         outs = tiny_engine_factory(max_num_batched_tokens=16, **options).generate(prompts, params)
         return [(o.prompt_logprobs, [(s.token_ids, s.logprobs) for s in o.outputs]) for o in outs]
-    assert run(async_scheduling=True) == run()
+    assert run(async_output_processing=True) == run()
 
 
-def test_structured_outputs_and_their_masks_are_the_same_with_async_scheduling(tiny_engine_factory):
+def test_structured_outputs_and_their_masks_are_the_same_with_async_output_processing(tiny_engine_factory):
     """A grammar's matcher follows the request's tokens (``GrammarMask.sync``), which step N's forward pass has
-    up to N-1's, as without async scheduling; the masks' sizes reach the events in the same order."""
+    up to N-1's, as without async output processing; the masks' sizes reach the events in the same order."""
     from tests.test_logits import SCHEMA
     prompt = "Answer in JSON about the weather today, please: "
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs={"json": SCHEMA})
@@ -219,7 +220,7 @@ def test_structured_outputs_and_their_masks_are_the_same_with_async_scheduling(t
         return [(o.text, o.finish_reason) for o in outs], masks
     expected = run()
     assert sum(reason == "stop" for _text, reason in expected[0]) >= 3 and expected[1]
-    assert run(async_scheduling=True) == expected
+    assert run(async_output_processing=True) == expected
 
 
 @pytest.mark.parametrize("options, message", [
@@ -227,32 +228,32 @@ def test_structured_outputs_and_their_masks_are_the_same_with_async_scheduling(t
     (dict(tensor_parallel_size=2), "parallelism"),
 ])
 def test_combinations_it_cannot_make_exact_are_refused_naming_the_flag(tiny_engine_factory, options, message):
-    with pytest.raises(ConfigError, match=rf"--async-scheduling\) does not combine with .*{message}"):
-        tiny_engine_factory(async_scheduling=True, **options)
+    with pytest.raises(ConfigError, match=rf"--async-output-processing\) does not combine with .*{message}"):
+        tiny_engine_factory(async_output_processing=True, **options)
 
 
-def test_both_of_vllms_flags_parse_and_turn_back_into_flags():
+def test_both_flags_parse_and_turn_back_into_flags():
     from minipaged.cli import make_parser
     from minipaged.options import as_command_line, engine_options
     for on in (True, False):
-        words = as_command_line({"async_scheduling": on})
-        assert words == ["--async-scheduling" if on else "--no-async-scheduling"]
-        assert engine_options(make_parser().parse_args(["generate", *words])) == {"async_scheduling": on}
+        words = as_command_line({"async_output_processing": on})
+        assert words == ["--async-output-processing" if on else "--no-async-output-processing"]
+        assert engine_options(make_parser().parse_args(["generate", *words])) == {"async_output_processing": on}
 
 
 def test_the_start_up_line_says_whether_it_is_on(tiny_model):
     from minipaged import Engine
     for on in (False, True):
         lines: list[str] = []
-        Engine(tiny_model, num_blocks=16, block_size=4, async_scheduling=on, load_progress=lines.append)
-        said = [line for line in lines if line.startswith("Async scheduling:")]
-        assert len(said) == 1 and said[0].startswith(f"Async scheduling: {'on' if on else 'off'} (")
+        Engine(tiny_model, num_blocks=16, block_size=4, async_output_processing=on, load_progress=lines.append)
+        said = [line for line in lines if line.startswith("Async output processing:")]
+        assert len(said) == 1 and said[0].startswith(f"Async output processing: {'on' if on else 'off'} (")
 
 
 # ------------------------------------------------------------------------------------ the server
 
 def test_the_servers_engine_thread_hands_each_step_over_after_it_returns(tiny_model_untied):
-    """With async scheduling the model-call hook does not run (the model thread must never touch the server's
+    """With async output processing the model-call hook does not run (the model thread must never touch the server's
     outbox): each step's tokens go to the event loop from the engine thread when ``step()`` returns, which is
     while the next forward pass runs; the tokens are the engine's own."""
     from minipaged import Engine
@@ -260,14 +261,15 @@ def test_the_servers_engine_thread_hands_each_step_over_after_it_returns(tiny_mo
     expected = Engine(tiny_model_untied, block_size=4, num_blocks=64).generate(
         [[3, 4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     tokens, wake_ups = serve_one_request(Engine(tiny_model_untied, block_size=4, num_blocks=64,
-                                                async_scheduling=True))
+                                                async_output_processing=True))
     assert tokens == list(expected)
     # one step more than without it: the last one only processes the last forward pass's outputs
     assert [w for w in wake_ups if w[1] > 0] == [(False, n) for n in range(1, MAX_TOKENS + 2)], wake_ups
 
 
-def test_a_server_with_async_scheduling_streams_the_engines_own_outputs(tiny_model, tiny_engine_factory, tmp_path):
-    """A real ``minipaged serve --async-scheduling``: concurrent streams (stop strings among them) get the text
+def test_a_server_with_async_output_processing_streams_the_engines_own_outputs(tiny_model, tiny_engine_factory,
+                                                                              tmp_path):
+    """A real ``minipaged serve --async-output-processing``: concurrent streams (stop strings among them) get the text
     the engine gives without it, a client that hangs up is aborted, and every block comes back."""
     import asyncio
 
@@ -282,7 +284,7 @@ def test_a_server_with_async_scheduling_streams_the_engines_own_outputs(tiny_mod
     expected = tiny_engine_factory().generate(prompts, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                                        stop=stop) for stop in stops])
     log = tmp_path / "server.log"
-    with running_server(tiny_model, "--async-scheduling", "--block-size", "4", "--num-blocks", "512",
+    with running_server(tiny_model, "--async-output-processing", "--block-size", "4", "--num-blocks", "512",
                         "--max-num-seqs", "4", log_path=str(log)) as url:
         async def run_all() -> list[tuple[str, str]]:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
@@ -308,7 +310,7 @@ def test_a_server_with_async_scheduling_streams_the_engines_own_outputs(tiny_mod
         assert health["blocks_free"] == health["blocks_total"]
         aborted = metric_samples(url).get(("minipaged:request_success_total", (("finished_reason", "abort"),)))
         assert aborted == 1
-    assert "Async scheduling: on" in log.read_text()
+    assert "Async output processing: on" in log.read_text()
 
 
 def test_the_model_thread_is_put_on_the_engines_device(tiny_engine_factory, monkeypatch):
@@ -317,7 +319,7 @@ def test_the_model_thread_is_put_on_the_engines_device(tiny_engine_factory, monk
     seen = []
     monkeypatch.setattr("minipaged.engine_builder.use_in_this_thread",
                         lambda device: seen.append((device, threading.current_thread().name)))
-    engine = tiny_engine_factory(async_scheduling=True)
+    engine = tiny_engine_factory(async_output_processing=True)
     engine.generate([[1, 2, 3]], GREEDY)
     engine.generate([[4, 5, 6]], GREEDY)
     assert len(seen) == 1 and seen[0][0] == engine.device and seen[0][1].startswith("minipaged-model")
@@ -325,7 +327,7 @@ def test_the_model_thread_is_put_on_the_engines_device(tiny_engine_factory, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-def test_greedy_tokens_on_cuda_are_the_same_with_async_scheduling(tiny_model):
+def test_greedy_tokens_on_cuda_are_the_same_with_async_output_processing(tiny_model):
     from minipaged import Engine
     prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -334,4 +336,20 @@ def test_greedy_tokens_on_cuda_are_the_same_with_async_scheduling(tiny_model):
         engine = Engine(tiny_model, device="cuda", dtype="float32", block_size=16, num_blocks=12,
                         max_num_batched_tokens=32, preemption_mode="swap", num_cpu_blocks=32, **options)
         return [o.token_ids for o in engine.generate(prompts, params)]
-    assert run(async_scheduling=True) == run()
+    assert run(async_output_processing=True) == run()
+
+
+def test_a_header_recorded_under_the_old_name_still_loads(tmp_path):
+    """Traces and servers from before the rename wrote ``async_scheduling`` (the option was named after vLLM v1's
+    async scheduling, which it is not): ``read_trace`` and the attach client read that key under its new name."""
+    import json
+    from pathlib import Path
+    from minipaged.events import read_trace
+    from minipaged.tui.attach import parse_record
+    lines = (Path(__file__).parent / "data" / "watch_trace.jsonl").read_text(encoding="utf-8").splitlines()
+    header = {**json.loads(lines[0]), "async_scheduling": True}
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n", encoding="utf-8")
+    info, events = read_trace(str(old))
+    assert info.async_output_processing and len(events) == len(lines) - 1
+    assert parse_record(json.dumps(header)) == info
