@@ -1,4 +1,5 @@
-"""Render docs/tuning.md and docs/performance.md from their templates and the benchmarks' JSON.
+"""Render docs/tuning.md and docs/performance.md from their templates and the benchmarks' JSON, and
+docs/architecture.md's reading order from the source (minipaged/bench/anatomy.py).
 
     python bench/render_docs.py
 
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 
+from minipaged.bench.anatomy import ROOT, with_reading_order
 from minipaged.bench.docs import write_all
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     write_all()
+    architecture = ROOT / "docs" / "architecture.md"
+    architecture.write_text(with_reading_order(architecture.read_text(encoding="utf-8")), encoding="utf-8")

@@ -344,7 +344,7 @@ def test_a_header_recorded_under_the_old_name_still_loads(tmp_path):
     async scheduling, which it is not): ``read_trace`` and the attach client read that key under its new name."""
     import json
     from pathlib import Path
-    from minipaged.events import read_trace
+    from minipaged.trace import read_trace
     from minipaged.tui.attach import parse_record
     lines = (Path(__file__).parent / "data" / "watch_trace.jsonl").read_text(encoding="utf-8").splitlines()
     header = {**json.loads(lines[0]), "async_scheduling": True}

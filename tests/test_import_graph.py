@@ -15,101 +15,12 @@ too. A script takes what it shares from ``minipaged.bench``, never from another 
 """
 from __future__ import annotations
 
-import ast
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# Folder in the repository -> the package name it is installed as (pyproject's package-dir).
-PACKAGES = {"minipaged": "minipaged", "kernels": "minipaged.kernels", "tui": "minipaged.tui",
-            "lessons": "minipaged.lessons"}
-SCRIPTS = "bench"
-
-
-def module_name(path: Path, root: Path = ROOT) -> str:
-    """The dotted name a file is imported as (``kernels/reference.py`` -> ``minipaged.kernels.reference``)."""
-    parts = path.relative_to(root).with_suffix("").parts
-    if parts[0] == SCRIPTS:
-        return f"{SCRIPTS}.{parts[-1]}"
-    parts = (*PACKAGES[parts[0]].split("."), *parts[1:])
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def source_files(root: Path = ROOT) -> dict[str, Path]:
-    files = {}
-    for folder in (*PACKAGES, SCRIPTS):
-        for path in sorted((root / folder).rglob("*.py")):
-            files[module_name(path, root)] = path
-    return files
-
-
-def is_type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def run_nodes(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node Python may run: all of them but the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if is_type_checking(node):
-            todo.extend(node.orelse)
-        else:
-            todo.extend(ast.iter_child_nodes(node))
-
-
-def imported_names(path: Path, name: str) -> set[tuple[str, str]]:
-    """Every import in the file, anywhere in it, as (module, name): ``import a.b`` -> ("a.b", ""),
-    ``from a import b`` -> ("a", "b"), relative ones resolved against the file's package."""
-    is_package = path.name == "__init__.py"
-    package = name if is_package else name.rpartition(".")[0]
-    found: set[tuple[str, str]] = set()
-    for node in run_nodes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update((alias.name, "") for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base_parts = package.split(".")
-                base_parts = base_parts[:len(base_parts) - (node.level - 1)]
-                base = ".".join(base_parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            found.update((base, alias.name) for alias in node.names)
-    return found
-
-
-def packages_above(module: str) -> list[str]:
-    """The packages whose ``__init__`` Python runs before ``module`` (``a.b.c`` -> ``a``, ``a.b``)."""
-    parts = module.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """module -> the project's modules it imports. ``from a import b`` depends on the module ``a.b`` when there
-    is one, else on ``a`` (b is a name defined in a). Importing ``a.b`` also runs the package ``a``'s
-    ``__init__`` first, so it depends on ``a`` too, unless ``a`` is one of the importer's own packages: those
-    are imported before the importer runs (a package that imports its own submodules is how packages are
-    built). A submodule that takes a name from its package's ``__init__`` is counted (it really depends on it)."""
-    files = source_files(root)
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        edges = set()
-        for module, attribute in imported_names(path, name):
-            candidates = [f"{module}.{attribute}", module] if attribute else [module]
-            if name.startswith(f"{SCRIPTS}."):       # a script importing a sibling script by its bare name
-                candidates = [f"{SCRIPTS}.{c}" for c in candidates] + candidates
-            target = next((c for c in candidates if c in files), None)
-            if target is not None and target != name:
-                edges.add(target)
-                edges.update(package for package in packages_above(target)
-                             if package in files and package != name and package not in packages_above(name))
-        graph[name] = edges
-    return graph
+from minipaged.bench.anatomy import (PACKAGES, ROOT, SCRIPTS, imported_names, import_graph, module_name,  # noqa: F401
+                                     packages_above, source_files)
 
 
 def find_cycle(graph: dict[str, set[str]], within: set[str] | None = None) -> list[str] | None:
