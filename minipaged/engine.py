@@ -91,6 +91,8 @@ class Engine:
         backend has one (the cpu backend's compiled decode step; the start of its other steps). A server hands
         the previous step's outputs to its HTTP thread there. Not with async output processing (the model
         computes in its own thread while ``step()`` returns). Returns a function that removes the hook."""
+        if self.config.async_output_processing:
+            return lambda: None
         self.core.executor.before_model_call = hook
         return lambda: setattr(self.core.executor, "before_model_call", lambda: None)
 

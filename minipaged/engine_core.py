@@ -82,11 +82,15 @@ class EngineCore:
     # ------------------------------------------------------------------ requests in, requests ended
     def add_request(self, req: Request, grammar: Optional[GrammarJob]) -> None:
         """Queue a request (after its grammar compiles, when it has one). An id used again before its last
-        owner's state was dropped: the forward pass in flight ends first, then that state is dropped now."""
-        if req.request_id in self.scheduler.finished_req_ids:
+        owner's state was dropped: the forward pass in flight ends first (it may be dropping that state, or using
+        it), then what is still there is dropped now, so that the new owner's state is never dropped for it."""
+        rid = req.request_id
+        if self._in_flight is not None and rid in self._in_flight.plan.finished_req_ids:
             self._wait_for_model()
-            self.executor.forget({req.request_id})
-            self.scheduler.finished_req_ids.discard(req.request_id)
+        if rid in self.scheduler.finished_req_ids:
+            self._wait_for_model()
+            self.executor.forget({rid})
+            self.scheduler.finished_req_ids.discard(rid)
         if self.logits.add(req, grammar):          # False: it waits for its grammar to compile
             self._queue_or_fail(req)
 

@@ -127,8 +127,8 @@ def test_stop_strings_split_across_multibyte_tokens_end_the_text_and_the_stream_
         assert drained.text.get("r", "") == "".join(d.samples[0].text for d in drained.deltas)   # observers: same
         assert stop[0] not in streamed
         if found:
-            (hit_req, stop_hit, surplus), = found
-            assert surplus == 0                              # one token at a time: none came after it
+            (hit_req, stop_hit), = found
+            assert hit_req is req
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_hit
             break
     assert stop_hit == stop[0]
