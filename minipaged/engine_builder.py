@@ -20,7 +20,6 @@ import torch
 from .config import ConfigError, EngineConfig
 from .engine_core import EngineCore
 from .events import EngineInfo
-from .execute_step import ModelExecutor
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .logits.stage import LogitsStage
@@ -38,7 +37,8 @@ from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
 from .policies import load_policy
-from .runner import ModelRunner
+from .runner.executor import ModelExecutor
+from .runner.model_runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
 from .spec_decode.config import INT8_SELF_DRAFT

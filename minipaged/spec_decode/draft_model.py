@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..model import CompactLlama
 from ..kernels import Backend
 from ..request import Request
-from ..runner import ModelRunner
+from ..runner.model_runner import ModelRunner
 from ..sampling import Sampler, probabilities
 from ..scheduler import ScheduledChunk
 from .config import INT8_SELF_DRAFT, SELF_DRAFT, SpeculativeConfig

@@ -20,12 +20,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kernels import Backend
+from ..kernels.backends.cuda_graphs import BatchView, DecodeGraphs
+from ..model.llama import AttentionMetadata, CompactLlama
+from ..request import Request
+from ..scheduler import ScheduledChunk
 from .input_batch import DecodeInputs, plain_decodes
-from .kernels import Backend
-from .kernels.backends.cuda_graphs import BatchView, DecodeGraphs
-from .model.llama import AttentionMetadata, CompactLlama
-from .request import Request
-from .scheduler import ScheduledChunk
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ModelRunner:
         # Captured decode steps (kernels/backends/cuda_graphs.py), when the engine captured them: None, eager.
         self.graphs: Optional[DecodeGraphs] = None
         self.decode_inputs = DecodeInputs()
-        # Times each step's forward pass (execute_step.py): the host's clock, and the device's on CUDA.
+        # Times each step's forward pass (executor.py): the host's clock, and the device's on CUDA.
         self.forward_timer = backend.forward_timer(self.device)
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
