@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -232,12 +232,9 @@ class Bench:
     @contextmanager
     def graphs_on(self, on: bool) -> Iterator[None]:
         """Replays on or off for the engine's captured graphs (off is exactly the eager engine: the runner
-        checks ``graphs`` first thing and runs the model itself when it is None)."""
-        self.engine.runner.graphs = self.graphs if on else None
-        try:
+        checks ``graphs`` first thing and runs the model itself when it has none)."""
+        with nullcontext() if on else self.engine.runner.eager():
             yield
-        finally:
-            self.engine.runner.graphs = self.graphs
 
     def settings(self) -> list[tuple[str, bool]]:
         return [("graphs_off", False)] + ([("graphs_on", True)] if self.graphs is not None else [])

@@ -20,12 +20,11 @@ import torch
 from .config import ConfigError, EngineConfig
 from .engine_core import EngineCore
 from .events import EngineInfo
-from .execute_step import ModelExecutor
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .logits.stage import LogitsStage
 from .kernels import Backend, select_backend
-from .kernels.backends.cuda_graphs import CudaGraphApi, DecodeGraphs, default_capture_sizes
+from .kernels.backends.cuda_graphs import default_capture_sizes
 from .kernels.devices import use_in_this_thread
 from .kernels.int8 import quantization_problem
 from .memory import (DTYPES, apply_num_threads, choose_device, choose_dtype, num_cpu_blocks, num_kv_blocks,
@@ -38,7 +37,8 @@ from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
 from .policies import load_policy
-from .runner import ModelRunner
+from .runner.executor import ModelExecutor
+from .runner.model_runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
 from .spec_decode.config import INT8_SELF_DRAFT
@@ -203,19 +203,15 @@ def graphs_wanted(config: EngineConfig) -> bool:
 
 def capture_decode_graphs(runner: ModelRunner, config: EngineConfig,
                           progress: Optional[Callable[[str], None]]) -> None:
-    """Capture the decode steps' CUDA graphs (kernels/backends/cuda_graphs.py) for the runner to replay; the
-    time and memory it took go to the start-up messages."""
+    """Have the runner capture the decode steps' CUDA graphs (kernels/backends/cuda_graphs.py) of the sizes the
+    options ask for; the time and memory it took go to the start-up messages."""
     sizes = config.capture_sizes() or default_capture_sizes(config.max_num_seqs)
     spec = config.speculative              # verifications get their own graphs, k + 1 rows a request
-    graphs = DecodeGraphs(sizes, max_blocks_per_seq=-(-config.max_model_len // config.block_size),
-                          max_model_len=config.max_model_len, device=runner.device, forward=runner.forward_static,
-                          api=CudaGraphApi(runner.device),
-                          verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 1)
-    line = graphs.capture()
+    line = runner.capture_decode_graphs(sizes, config.max_model_len,
+                                        verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 1)
     logger.info(line)
     if progress is not None:
         progress(line)
-    runner.graphs = graphs
 
 
 def quantize(model: CompactLlama, backend: Backend, quantization: str, dtype: torch.dtype,

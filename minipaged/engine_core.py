@@ -33,10 +33,11 @@ from .stats import EngineCounters
 
 if TYPE_CHECKING:                      # the builder hands every part in: the core imports none of them
     from .config import EngineConfig
-    from .execute_step import ModelExecutor, ModelRunnerOutput
     from .kv_cache_manager import KVCacheManager
     from .logits.stage import GrammarJob, LogitsStage
     from .request import Request
+    from .runner.executor import ModelExecutor
+    from .runner.outputs import ModelRunnerOutput
     from .scheduler import Scheduler, SchedulerOutput
     from .spec_decode.speculator import Speculator
     from .swap import CpuBlockPool

@@ -16,9 +16,9 @@ from .kv_recorder import KVRecorder
 
 if TYPE_CHECKING:
     from .engine_core import EngineCore, EngineCoreOutputs
-    from .execute_step import StepTimes
     from .output_processor import DrainedStep, RequestState
     from .request import Request
+    from .runner.outputs import StepTimes
     from .scheduler import ScheduledChunk
     from .spec_decode.rejection_sampler import Verified
 

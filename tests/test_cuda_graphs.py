@@ -84,25 +84,26 @@ def run(engine: Engine) -> tuple[list[list[int]], list[list[str]]]:
     return [done[i] for i in ids], kinds
 
 
-def test_decode_steps_replay_padded_graphs_and_give_the_torch_backends_tokens(tiny_model):
+def test_decode_steps_replay_padded_graphs_and_give_the_torch_backends_tokens(tiny_model, monkeypatch):
     pytest.importorskip("triton")
     want, _ = run(Engine(tiny_model, attention_backend="torch", block_size=4, num_blocks=64))
     engine = Engine(tiny_model, attention_backend="triton", block_size=4, num_blocks=64, max_model_len=64)
     assert engine.runner.graphs is None                     # off by default until a GPU run shows them exact
     seen = []                                               # each replay's padding rows: (slots, context lengths)
+    forward_static = engine.runner.forward_static
 
     def forward(view):
         n = len(view.host_seq_lens)
         seen.append((n, view.slot_mapping.tolist(), view.seq_lens.tolist()))
-        return engine.runner.forward_static(view)
+        return forward_static(view)
+    monkeypatch.setattr(engine.runner, "forward_static", forward)
 
-    graphs = DecodeGraphs([2, 4], max_blocks_per_seq=16, max_model_len=64, device=torch.device("cpu"),
-                          forward=forward, api=RerunGraphs())
-    line = graphs.capture()
+    line = engine.runner.capture_decode_graphs([2, 4], max_model_len=64, api=RerunGraphs())
+    graphs = engine.runner.graphs
+    assert graphs.static.block_tables.shape[1] == 16          # 64 tokens in blocks of 4
     assert line.startswith("CUDA graphs: 2 decode batch sizes captured (2, 4) in ") and " MiB;" in line
     assert [n for n, _, _ in seen] == [4, 2]                 # largest first (smaller ones share its memory pool)
     seen.clear()
-    engine.runner.graphs = graphs
     tokens, kinds = run(engine)
     assert tokens == want
     # Steps of 1-4 decodes replayed (here 4, 3 padded to 4, and 2); prefills, the mixed step and the batch of 5
@@ -115,6 +116,29 @@ def test_decode_steps_replay_padded_graphs_and_give_the_torch_backends_tokens(ti
     assert len(padded) == sum(n in (1, 3) for n in decode_only) >= 1
     for slots, lens in padded:                               # a padding row writes no K/V and attends to nothing
         assert slots[-1] == -1 and lens[-1] == 0 and min(slots[:-1]) >= 0 and min(lens[:-1]) > 0
+
+
+def test_the_graphs_read_only_what_the_runners_model_input_has():
+    """kernels/ imports nothing of the engine, so the graphs name what they read of the runner's step inputs
+    (``ModelInputView``, ``AttentionMetadataView``): every name is a field of ``ModelInput`` or
+    ``AttentionMetadata``, and an input the runner prepared is one."""
+    from dataclasses import fields
+
+    from minipaged.kernels.backends import TORCH_BACKEND
+    from minipaged.kernels.backends.cuda_graphs import AttentionMetadataView, ModelInputView
+    from minipaged.model.llama import AttentionMetadata
+    from minipaged.request import Request
+    from minipaged.runner.model_runner import ModelInput, ModelRunner
+    from minipaged.scheduler import ScheduledChunk
+
+    def names(view: type) -> set[str]:
+        return {name for name, value in vars(view).items() if isinstance(value, property)}
+    assert names(ModelInputView) <= {f.name for f in fields(ModelInput)}
+    assert names(AttentionMetadataView) <= {f.name for f in fields(AttentionMetadata)}
+    runner = ModelRunner(model=None, kv_cache=torch.zeros(1), block_size=4, backend=TORCH_BACKEND)
+    decode = Request("d", [1, 2, 3], SamplingParams(), 0, 0.0, output_token_ids=[4])
+    model_input = runner.prepare([ScheduledChunk(decode, 3, 1, block_table=(5,), samples=True)])
+    assert isinstance(model_input, ModelInputView) and isinstance(model_input.meta, AttentionMetadataView)
 
 
 def test_options_turn_graphs_on_and_off_with_clear_refusals(tiny_model):
@@ -141,7 +165,7 @@ def test_command_line_flags():
     assert EngineConfig(cudagraph_capture_sizes="8, 1,2").capture_sizes() == [1, 2, 8]
 
 
-def test_verification_steps_replay_graphs_of_k_plus_one_rows_padded_in_front(tiny_model):
+def test_verification_steps_replay_graphs_of_k_plus_one_rows_padded_in_front(tiny_model, monkeypatch):
     """With speculation on, steps that verify drafts replay a second set of graphs, k + 1 rows a request: a request
     with fewer drafts is padded in front, where its padding rows sit at positions already in the cache (its context
     length stays its own) and write no K/V. Greedy tokens are the torch backend's without speculation."""
@@ -157,18 +181,18 @@ def test_verification_steps_replay_graphs_of_k_plus_one_rows_padded_in_front(tin
     engine = Engine(tiny_model, attention_backend="triton", block_size=4, num_blocks=64, max_model_len=64,
                     speculative_config=ngram)
     seen = []                                               # each verification replay's rows: (slots, lengths)
+    forward_static = engine.runner.forward_static
 
     def forward(view):
         if len(view.input_ids) > len(view.host_seq_lens):
             seen.append((view.slot_mapping.tolist(), view.seq_lens.tolist()))
-        return engine.runner.forward_static(view)
+        return forward_static(view)
+    monkeypatch.setattr(engine.runner, "forward_static", forward)
 
-    graphs = DecodeGraphs([2, 4, 8], max_blocks_per_seq=16, max_model_len=64, device=torch.device("cpu"),
-                          forward=forward, api=RerunGraphs(), verify_rows=4)
-    line = graphs.capture()
+    line = engine.runner.capture_decode_graphs([2, 4, 8], max_model_len=64, verify_rows=4, api=RerunGraphs())
+    graphs = engine.runner.graphs
     assert "and 3 for verifying 3 drafts a request (2, 4, 8)" in line
     seen.clear()
-    engine.runner.graphs = graphs
     assert tokens(engine) == want
     assert graphs.verify_replays == len(seen) >= 1 and engine.stats()["spec_decode_num_draft_tokens"] > 0
     padded_in_front = 0

@@ -18,7 +18,7 @@ from minipaged import SamplingParams
 from minipaged.events import KVChanges
 from minipaged.kernels.backends import TORCH_BACKEND
 from minipaged.request import Request
-from minipaged.runner import ModelRunner
+from minipaged.runner.model_runner import ModelRunner
 from minipaged.scheduler import ScheduledChunk
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minipaged"
@@ -43,7 +43,7 @@ def test_the_runner_builds_slots_and_tables_from_the_chunks_alone():
 
 
 def test_the_runner_module_does_not_import_the_kv_cache_manager():
-    tree = ast.parse((PACKAGE / "runner.py").read_text())
+    tree = ast.parse((PACKAGE / "runner" / "model_runner.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(m and ("kv_cache_manager" in m or "block_pool" in m) for m in imported)
 
@@ -98,7 +98,7 @@ def test_the_engine_writes_no_request_field():
     """Token bookkeeping (appending, finishing) is the scheduler's: the engine, its core, the front end's output
     processor, the observers' recorder and the builder only read requests. The check itself catches each kind
     of write."""
-    for name in ("engine.py", "engine_builder.py", "engine_core.py", "execute_step.py", "step_recorder.py",
+    for name in ("engine.py", "engine_builder.py", "engine_core.py", "runner/executor.py", "step_recorder.py",
                  "output_processor.py", "kv_recorder.py"):
         assert request_field_writes(PACKAGE / name) == []
     scheduler_writes = " ".join(request_field_writes(PACKAGE / "scheduler.py"))

@@ -100,7 +100,7 @@ def test_the_graph_sees_lazy_relative_and_renamed_imports():
     graph = import_graph()
     # minipaged/__init__.py imports the engine inside a function, relatively: ``from .engine import Engine``.
     assert "minipaged.engine" in graph["minipaged"]
-    # minipaged/runner.py reaches kernels/ through its installed name.
+    # minipaged/model/llama.py reaches kernels/ through its installed name.
     assert any(t.startswith("minipaged.kernels") for t in graph["minipaged.model.llama"])
 
 

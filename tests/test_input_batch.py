@@ -1,4 +1,4 @@
-"""The persistent batch (minipaged/input_batch.py) lays out a decode step exactly as the general path does,
+"""The persistent batch (minipaged/runner/input_batch.py) lays out a decode step exactly as the general path does,
 step after step, while requests come and go, tables grow, and a preempted request comes back with new blocks."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 import torch
 
 from minipaged import SamplingParams
-from minipaged.input_batch import plain_decodes
 from minipaged.kernels.backends import TORCH_BACKEND
 from minipaged.request import Request
-from minipaged.runner import ModelInput, ModelRunner
+from minipaged.runner.input_batch import plain_decodes
+from minipaged.runner.model_runner import ModelInput, ModelRunner
 from minipaged.scheduler import ScheduledChunk
 
 BLOCK = 4

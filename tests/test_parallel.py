@@ -227,7 +227,8 @@ def test_torchrun_two_processes_give_the_spawned_tokens(tiny_model, prompts, sin
 def emulated_engine(model: str, **layout) -> Engine:
     from minipaged.parallel.emulate import EmulatedRunner
     engine = Engine(model, block_size=4, num_blocks=64, num_threads=1)
-    engine.runner = EmulatedRunner(engine.model, ParallelLayout(**layout), 64, 4, engine.backend)
+    runner = EmulatedRunner(engine.model, ParallelLayout(**layout), 64, 4, engine.backend)
+    engine.runner = engine.core.runner = engine.core.executor.runner = runner     # the executor runs the steps
     return engine
 
 

@@ -32,14 +32,15 @@ What a graph needs, and how this module provides it (vLLM's ``cudagraph_capture_
 
 The graph itself is behind a small interface (``GraphApi``), so the bookkeeping above is tested on a CPU with a
 stand-in that "replays" by running the captured function again on the static tensors (tests/test_cuda_graphs.py);
-``CudaGraphApi`` is the real one.
+``CudaGraphApi`` is the real one. The model runner owns its graphs (``ModelRunner.capture_decode_graphs``); what
+they read of its step inputs is named here (``ModelInputView``), since kernels/ imports nothing of the engine.
 """
 from __future__ import annotations
 
 import bisect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence, Sized, runtime_checkable
 
 import torch
 
@@ -102,6 +103,42 @@ class BatchView:
     logits_indices: torch.Tensor
     host_seq_lens: list[int]
     host_query_start_loc: list[int]
+
+
+@runtime_checkable
+class AttentionMetadataView(Protocol):
+    """What a graph reads of a step's ``AttentionMetadata`` (minipaged/model/llama.py)."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
+    @property
+    def block_tables(self) -> torch.Tensor: ...
+    @property
+    def seq_lens(self) -> torch.Tensor: ...
+    @property
+    def host_seq_lens(self) -> Sequence[int]: ...
+    @property
+    def host_query_start_loc(self) -> Sequence[int]: ...
+
+
+@runtime_checkable
+class ModelInputView(Protocol):
+    """What a graph reads of the model runner's ``ModelInput`` (minipaged/runner/model_runner.py), which has
+    these fields: a step's token rows, its attention metadata, and which rows are sampled (a graph replays
+    only steps that sample every row and score no prompt rows)."""
+
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+    @property
+    def meta(self) -> AttentionMetadataView: ...
+    @property
+    def sampled_requests(self) -> Sized: ...
+    @property
+    def num_logits_rows(self) -> Sequence[int]: ...
+    @property
+    def prompt_rows(self) -> Sized: ...
 
 
 class Replayable(Protocol):
@@ -196,7 +233,7 @@ class DecodeGraphs:
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
 
-    def replay(self, model_input: Any) -> Optional[torch.Tensor]:
+    def replay(self, model_input: ModelInputView) -> Optional[torch.Tensor]:
         """The logits of a decode-only or verifying step [rows, vocab] (for a decode step a view of the graph's
         output, valid until the next replay), or None when the step is not one a graph can run."""
         meta = model_input.meta
@@ -226,7 +263,7 @@ class DecodeGraphs:
         self.replays += 1
         return logits[:n]
 
-    def _replay_verification(self, model_input: Any) -> Optional[torch.Tensor]:
+    def _replay_verification(self, model_input: ModelInputView) -> Optional[torch.Tensor]:
         """A step whose requests verify up to k drafts each, through the graph of k + 1 rows a request: each
         request's rows at the end of its k + 1, padding in front (see the module's docstring)."""
         meta = model_input.meta

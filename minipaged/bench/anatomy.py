@@ -146,12 +146,12 @@ ENGINE_PY_MAX_LINES = 200
 # One plain request's whole path, the parts the builder hands in included (the core, the executor, the runner,
 # the sampler and the model's forward): a stricter count than the engine's own closure.
 REQUEST_PATH = ("minipaged.engine", "minipaged.engine_core", "minipaged.scheduler", "minipaged.kv_cache_manager",
-                "minipaged.execute_step", "minipaged.runner", "minipaged.sampling")
+                "minipaged.runner.executor", "minipaged.runner.model_runner", "minipaged.sampling")
 REQUEST_PATH_BUDGET = (24, 3700)
 # The core (what `minipaged serve` will run in a process of its own) and the observers, who must stay outside it.
 CORE = ("minipaged.engine_core", "minipaged.scheduler", "minipaged.kv_cache_manager", "minipaged.block_pool",
-        "minipaged.swap", "minipaged.request", "minipaged.execute_step", "minipaged.runner", "minipaged.input_batch",
-        "minipaged.sampling", "minipaged.stats")
+        "minipaged.swap", "minipaged.request", "minipaged.runner.executor", "minipaged.runner.model_runner",
+        "minipaged.runner.input_batch", "minipaged.runner.outputs", "minipaged.sampling", "minipaged.stats")
 OBSERVERS = ("minipaged.events", "minipaged.event_view", "minipaged.trace", "minipaged.step_recorder",
              "minipaged.kv_recorder", "minipaged.prefix_misses", "minipaged.kv_events", "minipaged.metrics")
 
@@ -167,9 +167,10 @@ READING_ORDER: tuple[tuple[str, str], ...] = (
     ("minipaged/kv_cache_manager.py", "each request's block table; prefix-cache lookups; swapping"),
     ("minipaged/block_pool.py", "every block, the free queue, the hash map, and the one change log"),
     ("minipaged/swap.py", "the host pool swapped-out requests wait in"),
-    ("minipaged/execute_step.py", "the forward pass and its new tokens, returned as one `ModelRunnerOutput`"),
-    ("minipaged/runner.py", "the step's tokens laid end to end, slots and block tables as tensors"),
-    ("minipaged/input_batch.py", "a step of plain decodes: the persistent batch, only what changed written"),
+    ("minipaged/runner/executor.py", "the forward pass and its new tokens, returned as one `ModelRunnerOutput`"),
+    ("minipaged/runner/outputs.py", "`ModelRunnerOutput` and `StepTimes`: everything a forward pass hands back"),
+    ("minipaged/runner/model_runner.py", "the step's tokens laid end to end, slots and block tables as tensors"),
+    ("minipaged/runner/input_batch.py", "a step of plain decodes: the persistent batch, only what changed written"),
     ("minipaged/model/llama.py", "the model's forward over the paged cache (RMSNorm, RoPE, GQA, SwiGLU)"),
     ("minipaged/sampling.py", "greedy, temperature, top-k, top-p, seeds"),
     ("minipaged/output_processor.py", "tokens to text, stop strings (sent back to the core), the step's deltas"),

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..runner import ModelInput, ModelRunner
+from ..runner.model_runner import ModelInput, ModelRunner
 from .comm import Communicator
 from .launch import Workers, start_ranks
 from .layout import ParallelLayout

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels import Backend
 from ..model.llama import CompactLlama
-from ..runner import ModelInput, ModelRunner
+from ..runner.model_runner import ModelInput, ModelRunner
 from .layout import ParallelLayout
 from .sharding import ShardedLlama
 from .worker import copy_blocks, execute_shard

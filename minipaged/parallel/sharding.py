@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from ..model.llama import AttentionMetadata, CompactLlama, LlamaLayerWeights
+from ..model.llama import AttentionMetadata, CompactLlama
+from ..model.weights import LlamaLayerWeights
 
 if TYPE_CHECKING:
     from ..model import LoadedModel

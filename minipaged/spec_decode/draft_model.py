@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..model import CompactLlama
 from ..kernels import Backend
 from ..request import Request
-from ..runner import ModelRunner
+from ..runner.model_runner import ModelRunner
 from ..sampling import Sampler, probabilities
 from ..scheduler import ScheduledChunk
 from .config import INT8_SELF_DRAFT, SELF_DRAFT, SpeculativeConfig
@@ -144,7 +144,7 @@ def int8_self_draft(target: CompactLlama) -> CompactLlama:
     import dataclasses
 
     from ..kernels.int8 import quantize_int8
-    from ..model.llama import MATRICES
+    from ..model.weights import MATRICES
     if target.quantization is not None:
         raise ConfigError(f"the target is already {target.quantization}: its int8 self-draft would be itself. Use "
                           f"an fp32 target (leave quantization off) with method '{INT8_SELF_DRAFT}'.")

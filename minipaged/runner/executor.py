@@ -16,46 +16,22 @@ after it. A StepEvent carries them, so that the TUI and the web page can show ho
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .logits.logprobs import StageResult, prompt_logprobs, sampled_logprobs
+from ..logits.logprobs import StageResult, prompt_logprobs, sampled_logprobs
+from .outputs import ModelRunnerOutput, StepTimes
 
 if TYPE_CHECKING:
     import torch
 
-    from .kernels.backends.forward_timer import ForwardTimer
-    from .logits.logprobs import TokenLogprobs
-    from .logits.stage import LogitsStage
-    from .request import Request
-    from .runner import ModelInput, ModelRunner
-    from .sampling import Sampler
-    from .scheduler import SchedulerOutput
-    from .spec_decode.rejection_sampler import Verified
-    from .spec_decode.speculator import Speculator
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """Where the forward-pass part of a step went, in seconds. The host's work outside the forward pass is
-    ``prepare_s + model_s - forward_s`` (and, around it, the engine's scheduling and output processing)."""
-
-    prepare_s: float = 0.0               # the batch's input tensors (runner.prepare)
-    forward_s: float = 0.0               # the model's forward call, on the host's clock, in the calling thread
-    device_s: Optional[float] = None     # CUDA: the device's time for that forward (CUDA events); None: host-computed
-    model_s: float = 0.0                 # from the forward's start: forward, logits stage and sampling
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Everything one forward pass produced: the one way its results leave it."""
-
-    sampled: dict[str, Optional[list[int]]] = field(default_factory=dict)  # new tokens (None: sampling failed)
-    verified: dict[str, Verified] = field(default_factory=dict)     # the rejection sampler's verdict on drafts
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)   # of the new tokens, when asked
-    prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)  # (req, first, ..)
-    constrained: dict[str, int] = field(default_factory=dict)       # tokens a grammar allowed (its first row)
-    times: StepTimes = field(default_factory=StepTimes)
+    from ..kernels.backends.forward_timer import ForwardTimer
+    from ..logits.stage import LogitsStage
+    from ..request import Request
+    from ..sampling import Sampler
+    from ..scheduler import SchedulerOutput
+    from ..spec_decode.rejection_sampler import Verified
+    from ..spec_decode.speculator import Speculator
+    from .model_runner import ModelInput, ModelRunner
 
 
 class ModelExecutor:

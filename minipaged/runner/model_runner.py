@@ -15,17 +15,18 @@ to step, only what changed written (``input_batch.py``, vLLM's persistent batch)
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..kernels import Backend
+from ..kernels.backends.cuda_graphs import BatchView, CudaGraphApi, DecodeGraphs, GraphApi
+from ..model.llama import AttentionMetadata, CompactLlama
+from ..request import Request
+from ..scheduler import ScheduledChunk
 from .input_batch import DecodeInputs, plain_decodes
-from .kernels import Backend
-from .kernels.backends.cuda_graphs import BatchView, DecodeGraphs
-from .model.llama import AttentionMetadata, CompactLlama
-from .request import Request
-from .scheduler import ScheduledChunk
 
 
 @dataclass
@@ -47,10 +48,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend            # the engine's Backend: every step's metadata carries it to the model
         self.device = kv_cache.device
-        # Captured decode steps (kernels/backends/cuda_graphs.py), when the engine captured them: None, eager.
+        # Captured decode steps (kernels/backends/cuda_graphs.py), once capture_decode_graphs ran: None, eager.
         self.graphs: Optional[DecodeGraphs] = None
         self.decode_inputs = DecodeInputs()
-        # Times each step's forward pass (execute_step.py): the host's clock, and the device's on CUDA.
+        # Times each step's forward pass (executor.py): the host's clock, and the device's on CUDA.
         self.forward_timer = backend.forward_timer(self.device)
 
     def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
@@ -135,6 +136,27 @@ class ModelRunner:
                 return logits
         return self.model.forward(model_input.input_ids, model_input.positions, model_input.meta,
                                   self.kv_cache, model_input.logits_indices)
+
+    def capture_decode_graphs(self, sizes: list[int], max_model_len: int, verify_rows: int = 1,
+                              api: Optional[GraphApi] = None) -> str:
+        """Capture the CUDA graphs of decode steps of ``sizes`` requests (and, with ``verify_rows`` = k + 1 > 1,
+        of steps verifying k drafts a request) that ``execute`` replays from now on; returns the start-up line
+        that says what capturing took. ``api``: how graphs are made, CUDA's unless a test brings a CPU stand-in."""
+        graphs = DecodeGraphs(sizes, max_blocks_per_seq=-(-max_model_len // self.block_size),
+                              max_model_len=max_model_len, device=self.device, forward=self.forward_static,
+                              api=api if api is not None else CudaGraphApi(self.device), verify_rows=verify_rows)
+        line = graphs.capture()
+        self.graphs = graphs
+        return line
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Steps inside run eagerly, the captured graphs kept but not replayed (to compare the two)."""
+        graphs, self.graphs = self.graphs, None
+        try:
+            yield
+        finally:
+            self.graphs = graphs
 
     def forward_static(self, batch: BatchView) -> torch.Tensor:
         """The forward pass over a captured size's persistent inputs: what ``DecodeGraphs`` records."""

@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .request import Request
-from .scheduler import ScheduledChunk
+from ..request import Request
+from ..scheduler import ScheduledChunk
 
 
 def plain_decodes(chunks: Sequence[ScheduledChunk]) -> bool:
