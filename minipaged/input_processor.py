@@ -32,6 +32,30 @@ class ProcessedPrompt:
     params: SamplingParams
 
 
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's token ids, as every route and ``generate()`` make them (the server's ``/tokenize`` calls
+    this too, so what it counts is what a completion would be charged)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def render_chat(tokenizer: Any, model_name: str, conversation: list[dict], *, add_generation_prompt: bool,
+                continue_final_message: bool, add_special_tokens: bool = False) -> list[int]:
+    """A conversation through the model's chat template, as token ids. One function for the engine's chat
+    prompts and the server's ``/tokenize`` (with its own copy of the tokenizer), so both count the same tokens.
+    ``add_special_tokens`` (vLLM's ``/tokenize`` option) adds the tokenizer's own BOS on top of the template's,
+    which a chat request never does: templates write their special tokens themselves."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"{model_name} has no chat template; send plain text (a prompt) instead of "
+                                  f"messages.", "messages")
+    if add_special_tokens:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False)
+        return encode_text(tokenizer, text, add_special_tokens=True)
+    return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 class InputProcessor:
     def __init__(self, model_name: str, tokenizer: Any, vocab_size: int, max_model_len: int,
                  blocks_needed: Callable[[int], int], num_blocks: int) -> None:
@@ -57,7 +81,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one character or token id.")
-            return list(self.tokenizer(prompt).input_ids), prompt
+            return encode_text(self.tokenizer, prompt), prompt
         try:
             token_ids = [int(t) for t in prompt]
             if any(t != p for t, p in zip(token_ids, prompt)):
@@ -108,11 +132,9 @@ class InputProcessor:
     def chat_prompt(self, conversation: list[dict], continue_final_message: bool = False) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant's answer; with
         ``continue_final_message`` (vLLM's option) the last message is left open, to be continued."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(f"{self.model_name} has no chat template; use generate() with plain text.")
-        return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final_message,
-                                                       continue_final_message=continue_final_message, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        return render_chat(self.tokenizer, self.model_name, conversation,
+                           add_generation_prompt=not continue_final_message,
+                           continue_final_message=continue_final_message)
 
     def prompt_text(self, prompt: ProcessedPrompt) -> str:
         """The prompt as text for observers (the TUI shows prompts; token-id prompts are decoded once)."""
