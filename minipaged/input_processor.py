@@ -33,27 +33,19 @@ class ProcessedPrompt:
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """A text prompt's token ids, as every route and ``generate()`` make them (the server's ``/tokenize`` calls
-    this too, so what it counts is what a completion would be charged)."""
+    """A text's token ids, for generate(), the routes and /tokenize alike: what /tokenize counts is charged."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def render_chat(tokenizer: Any, model_name: str, conversation: list[dict], *, add_generation_prompt: bool,
+def render_chat(tokenizer: Any, model_name: str, conversation: list[dict], add_generation_prompt: bool,
                 continue_final_message: bool, add_special_tokens: bool = False) -> list[int]:
-    """A conversation through the model's chat template, as token ids. One function for the engine's chat
-    prompts and the server's ``/tokenize`` (with its own copy of the tokenizer), so both count the same tokens.
-    ``add_special_tokens`` (vLLM's ``/tokenize`` option) adds the tokenizer's own BOS on top of the template's,
-    which a chat request never does: templates write their special tokens themselves."""
+    """A conversation through the chat template, as token ids (as transformers' ``apply_chat_template`` makes
+    them), for chat and /tokenize alike; vLLM's ``add_special_tokens`` adds BOS on top of the template's."""
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(f"{model_name} has no chat template; send plain text (a prompt) instead of "
-                                  f"messages.", "messages")
-    if add_special_tokens:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, tokenize=False)
-        return encode_text(tokenizer, text, add_special_tokens=True)
-    return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message, tokenize=True,
-                                              return_dict=True)["input_ids"])
+        raise InvalidRequestError(f"{model_name} has no chat template; send plain text, not messages.", "messages")
+    return encode_text(tokenizer, tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        tokenize=False), add_special_tokens)
 
 
 class InputProcessor:
@@ -132,9 +124,8 @@ class InputProcessor:
     def chat_prompt(self, conversation: list[dict], continue_final_message: bool = False) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant's answer; with
         ``continue_final_message`` (vLLM's option) the last message is left open, to be continued."""
-        return render_chat(self.tokenizer, self.model_name, conversation,
-                           add_generation_prompt=not continue_final_message,
-                           continue_final_message=continue_final_message)
+        return render_chat(self.tokenizer, self.model_name, conversation, not continue_final_message,
+                           continue_final_message)
 
     def prompt_text(self, prompt: ProcessedPrompt) -> str:
         """The prompt as text for observers (the TUI shows prompts; token-id prompts are decoded once)."""
