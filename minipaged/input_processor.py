@@ -32,6 +32,22 @@ class ProcessedPrompt:
     params: SamplingParams
 
 
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text's token ids, for generate(), the routes and /tokenize alike: what /tokenize counts is charged."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def render_chat(tokenizer: Any, model_name: str, conversation: list[dict], add_generation_prompt: bool,
+                continue_final_message: bool, add_special_tokens: bool = False) -> list[int]:
+    """A conversation through the chat template, as token ids (as transformers' ``apply_chat_template`` makes
+    them), for chat and /tokenize alike; vLLM's ``add_special_tokens`` adds BOS on top of the template's."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"{model_name} has no chat template; send plain text, not messages.", "messages")
+    return encode_text(tokenizer, tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        tokenize=False), add_special_tokens)
+
+
 class InputProcessor:
     def __init__(self, model_name: str, tokenizer: Any, vocab_size: int, max_model_len: int,
                  blocks_needed: Callable[[int], int], num_blocks: int) -> None:
@@ -57,7 +73,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one character or token id.")
-            return list(self.tokenizer(prompt).input_ids), prompt
+            return encode_text(self.tokenizer, prompt), prompt
         try:
             token_ids = [int(t) for t in prompt]
             if any(t != p for t, p in zip(token_ids, prompt)):
@@ -108,11 +124,8 @@ class InputProcessor:
     def chat_prompt(self, conversation: list[dict], continue_final_message: bool = False) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant's answer; with
         ``continue_final_message`` (vLLM's option) the last message is left open, to be continued."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(f"{self.model_name} has no chat template; use generate() with plain text.")
-        return list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=not continue_final_message,
-                                                       continue_final_message=continue_final_message, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        return render_chat(self.tokenizer, self.model_name, conversation, not continue_final_message,
+                           continue_final_message)
 
     def prompt_text(self, prompt: ProcessedPrompt) -> str:
         """The prompt as text for observers (the TUI shows prompts; token-id prompts are decoded once)."""

@@ -26,7 +26,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)%(default).0s")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize, /tokenizer_info "
+                        "(default: no key)%(default).0s")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value)%(default).0s")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULTS.max_waiting_requests,

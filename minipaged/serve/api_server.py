@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
-``GET /health`` and ``GET /metrics`` (Prometheus: vLLM's ``vllm:`` names, and ``minipaged:`` copies), and
-``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
+``GET /health`` and ``GET /metrics`` (Prometheus: vLLM's ``vllm:`` names, and ``minipaged:`` copies), vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (``tokenization``: off the engine thread),
+and ``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
 checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
@@ -49,6 +50,7 @@ from .host_check import HostCheck, allowed_hosts
 from .http_guards import ApiKeyCheck, BodyLimit, ClientAddress, HeadAsGet, JsonBodies
 from .limits import ServerSettings
 from .teacher import TEACHER, PageControls
+from .tokenization import Tokenization
 from .worker_info import load, model_info, server_info
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -86,12 +88,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
     controls = PageControls(settings.page)             # the teacher's controls over the page (teacher.py)
     async_engine.hide_text = settings.page.hide_others_text
+    # Before the engine thread starts: the tokenizer routes take their own copy of the tokenizer (tokenization.py)
+    tokenization = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
+                                engine.config.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start(asyncio.get_running_loop())
         yield
         async_engine.stop()
+        tokenization.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
@@ -195,6 +201,21 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.get("/get_load")
     async def get_load() -> list[dict[str, int]]:
         return load(async_engine.stats, async_engine.num_waiting, engine.info.block_size)
+
+    # ---------------------------------------------------------------- vLLM's tokenizer routes (tokenization.py)
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return await tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenization.info
 
     @app.get("/v1/events")
     async def events(request: Request) -> WatcherResponse:

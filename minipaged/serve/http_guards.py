@@ -133,8 +133,13 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send)
 
 
+# Outside /v1 and behind the key all the same: the API's description, and vLLM's tokenizer routes (vLLM leaves
+# those open; here they spend the server's CPU on a stranger's text and show the chat template, so they are not).
+KEYED_PATHS = frozenset({"/openapi.json", "/tokenize", "/detokenize", "/tokenizer_info"})
+
+
 class ApiKeyCheck:
-    """With ``--api-key``, every ``/v1`` route (and ``/openapi.json``) wants ``Authorization: Bearer KEY``; health
+    """With ``--api-key``, every ``/v1`` route (and ``KEYED_PATHS``) wants ``Authorization: Bearer KEY``; health
     and metrics stay open, as in vLLM. Without a key it is not installed at all. A request with the key is the
     teacher's (``teacher.TEACHER``); with ``open_page`` the page's own routes also answer students without it."""
 
@@ -147,7 +152,7 @@ class ApiKeyCheck:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         teacher = secrets.compare_digest(given, self.expected)
-        if (path.startswith("/v1") or path == "/openapi.json") and not teacher and not (
+        if (path.startswith("/v1") or path in KEYED_PATHS) and not teacher and not (
                 self.open_page and is_page_route(path)):
             return await send_json(send, 401, error_body(401, "missing or wrong API key: send the header "
                                                               "'Authorization: Bearer <key>' with the server's "

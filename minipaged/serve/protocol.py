@@ -367,6 +367,83 @@ class ChatCompletionRequest(SamplingFields):
         super().refuse_unsupported(limits)
 
 
+# ----------------------------------------------------------------------------------------- the tokenizer routes
+# vLLM's fields beyond these ask for what minipaged does not do; refused by name, like REFUSED above.
+TOKENIZE_REFUSED: dict[str, Refusal] = {
+    "chat_template": Refusal("a template sent with the request is code the server would run (vLLM refuses it "
+                             "too, unless started with --trust-request-chat-template); the model's own is used"),
+    "chat_template_kwargs": Refusal("the chat route takes no template arguments either, so tokens counted with "
+                                    "them would not be the tokens a chat request gets", (None, {})),
+    "tools": Refusal("minipaged does not call tools", (None, [])),
+    "mm_processor_kwargs": Refusal("minipaged serves text only", (None, {})),
+}
+CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``TokenizeCompletionRequest`` and ``TokenizeChatRequest`` in one body: ``prompt`` (text) or
+    ``messages`` (a chat, through the model's template). One model, not pydantic's union of two, so a body with
+    both, or neither, gets a 400 that says so instead of being read as whichever matched first."""
+
+    model_config = ConfigDict(extra="allow")      # kept, to refuse them by name
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None     # vLLM's defaults differ: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: Optional[bool] = False
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a body that is not one of vLLM's two shapes, or asks for what minipaged cannot honour."""
+        for name, value in (self.model_extra or {}).items():
+            refusal = TOKENIZE_REFUSED.get(name)
+            if refusal is None:
+                raise ServerError(400, f"Unrecognized request argument supplied: {name} (/tokenize takes model, "
+                                       f"prompt or messages, add_special_tokens, add_generation_prompt, "
+                                       f"continue_final_message, return_token_strs; leave it out).", name)
+            if refusal.refuses(value):
+                raise ServerError(400, f"{name} is not supported: {refusal.why}; leave {name} out of the "
+                                       f"request.", name)
+        if (self.prompt is None) == (self.messages is None):
+            which = "both" if self.prompt is not None else "neither"
+            raise ServerError(400, f"/tokenize takes prompt (a text) or messages (a chat), and this body has "
+                                   f"{which}: send exactly one of them.", "prompt")
+        if self.messages is None:
+            for name in CHAT_ONLY:
+                if name in self.model_fields_set:
+                    raise ServerError(400, f"{name} is a chat option (for messages); a prompt is tokenized as it "
+                                           f"is: leave {name} out.", name)
+        else:
+            if not self.messages:
+                raise ServerError(400, "messages is empty: send at least one message.", "messages")
+            for i, message in enumerate(self.messages):
+                if message.role not in CHAT_ROLES:
+                    raise ServerError(400, f"messages[{i}].role is {message.role!r}; a message's role is one of "
+                                           f"{', '.join(CHAT_ROLES)}.", f"messages[{i}].role")
+            if self.continue_final_message and self.add_generation_prompt:
+                # vLLM's rule: an open last message and a new assistant turn contradict each other
+                raise ServerError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                       "True: set add_generation_prompt to false to continue the last message.",
+                                  "continue_final_message")
+        for path in bad_unicode(self.model_dump(include={"prompt", "messages"}), ""):
+            raise ServerError(400, f"{path} is not valid Unicode text (a lone surrogate such as \\ud800?): send "
+                                   f"UTF-8 text.", path)
+
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``DetokenizeRequest``: token ids back to text (``DetokenizeResponse``: ``{"prompt": text}``)."""
+
+    model_config = ConfigDict(extra="forbid")     # pydantic names the unknown field in its 400
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 # ----------------------------------------------------------------------------------------- responses
 
 def new_id(prefix: str) -> str:
