@@ -103,6 +103,20 @@ def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_ref
                 assert carol.post(url + "/v1/page/prompt", json={**ask, "temperature": 0.5}).status_code == 200
 
 
+def test_a_forwarded_header_from_this_machine_is_not_another_student(tiny_model, tmp_path):
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 by default: a script on the teacher's machine could name a
+    fresh client on each request and send page prompts without bound. The server counts the connection's address."""
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--page-prompt-rate", "1",
+                        "--page-max-tokens", "2", log_path=str(tmp_path / "server.log")) as url, \
+            student("127.0.0.1") as script:
+        ask = {"prompt": "tell me", "stream": False}
+        first = script.post(url + "/v1/page/prompt", json=ask, headers={"X-Forwarded-For": "10.9.9.9"})
+        assert first.status_code == 200, first.text
+        again = script.post(url + "/v1/page/prompt", json=ask, headers={"X-Forwarded-For": "10.9.9.8"})
+        message = assert_openai_error(again, 429, "from 127.0.0.1", "--page-prompt-rate")
+        assert "10.9.9" not in message
+
+
 def read_events(url: str, headers: dict, seen: list, stop: threading.Event) -> None:
     """Collect the SSE messages of /v1/events (event name, data) until ``stop``."""
     with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http:

@@ -19,6 +19,10 @@ from .limits import DEFAULTS, HandOff, PageSettings, ServerLimits, ServerSetting
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
+# uvicorn's default believes X-Forwarded-For from 127.0.0.1, so any script on the server's machine could name
+# itself a fresh client on every request (past --page-prompt-rate and the per-student stream cap). A client is
+# the address of its TCP connection, nothing it says about itself; behind a proxy every student is one client.
+NO_FORWARDED_HEADERS = {"proxy_headers": False, "forwarded_allow_ips": ""}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for note in setting_notes(settings.page, settings.api_key is not None):
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, **NO_FORWARDED_HEADERS)
     try:
         DrainingServer(config, drain=app.state.drain).run()
     finally:

@@ -11,10 +11,10 @@ students without the key; everything else still wants it. A server without a key
 student's, and the teacher's controls apply to all of them.
 
 Who is a student: a client address (``fair_share.CLIENT``), as the per-client quotas count them (a class shares
-one network, not one key). Addresses are not forwarded headers: a proxy in front of the server makes every
-student one client. Loopback addresses are clients like any other here (unlike the API quotas, where the
-teacher's own machine keeps to no share): 127.0.0.1 and 127.0.0.2 are two students, which is how the tests act
-as two.
+one network, not one key). Addresses are not forwarded headers (``serve.NO_FORWARDED_HEADERS``): a proxy in
+front of the server makes every student one client. Loopback addresses are clients like any other here (unlike
+the API quotas, where 127.0.0.1 and ::1 keep to no share): 127.0.0.2 and 127.0.0.3 are two students, which is
+how the tests act as two.
 
 Hidden text: with ``--hide-others-text`` a student's event stream is a redacted copy (``redacted``: no prompt
 previews, no output text, token ids replaced by -1 so that counts still add up), serialised once per step for
