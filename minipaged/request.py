@@ -225,9 +225,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}.")
-        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 100] (1 is off), got "
-                                      f"{self.repetition_penalty!r}.")
+        if not is_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100] (1 is off, "
+                                      f"below 1 favours repeats), got {self.repetition_penalty!r}: send a value in "
+                                      f"that range.", "repetition_penalty")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100] (OpenAI's range).")
         if self.logit_bias:
@@ -255,6 +256,9 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
+# vLLM asks only > 0, but a logit divided by 1e-300 overflows to inf and sampling then fails (a 500): the floor
+# mirrors the ceiling, 1/100, which keeps every penalised logit finite.
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGPROBS = 20               # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 

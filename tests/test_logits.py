@@ -181,6 +181,7 @@ def test_bad_structured_outputs_are_refused_before_queueing(engine, structured, 
     (dict(logprobs=-1), "logprobs must be an integer in"), (dict(logprobs=21), "logprobs must be an integer in"),
     (dict(prompt_logprobs=99), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={1: 500}), "logit_bias"),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty must be in \[0.01, 100\]"),   # it overflowed: a 500
     (dict(min_tokens=20, max_tokens=4), "min_tokens"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
 ])
