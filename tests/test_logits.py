@@ -186,8 +186,9 @@ def test_bad_structured_outputs_are_refused_before_queueing(engine, structured, 
     (dict(bad_words=[""]), "bad_words"),
 ])
 def test_bad_logits_fields_name_the_problem(fields, words):
-    with pytest.raises(InvalidRequestError, match=words):
+    with pytest.raises(InvalidRequestError, match=words) as refused:
         SamplingParams(**fields)
+    assert refused.value.param == next(iter(fields))     # the server answers it as OpenAI's "param"
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(engine):

@@ -207,6 +207,17 @@ def test_a_tiny_repetition_penalty_is_refused_by_name_not_a_500(server):
     assert refused.value.param == "repetition_penalty" and "[0.01, 100]" in refused.value.message
 
 
+def test_a_bad_sampling_field_is_named_in_the_errors_param(server):
+    """OpenAI's error names the field at fault; n: 0 answered param null (SamplingParams' checks named none)."""
+    import openai
+
+    client = openai_client(server)
+    for field, value in (("n", 0), ("top_p", 0), ("temperature", -1), ("seed", "x")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="", prompt="hi", max_tokens=2, extra_body={field: value})
+        assert refused.value.param == field, (field, refused.value.body)
+
+
 # ------------------------------------------------------------------------------ 6. failures while serving
 
 def test_6_a_failure_while_serving_fails_that_request_only_with_its_reason(server):
