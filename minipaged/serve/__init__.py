@@ -56,8 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "reconnects from a fresh snapshot")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
-                        "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
-                        "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
+                        "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' "
+                        "(binds tcp://127.0.0.1:5557; they carry every client's prompt tokens to whoever reaches "
+                        "the endpoint; needs the [kv-events] extra; default: off)%(default).0s")
     g.add_argument("--hand-off", dest="hand_off_point", choices=get_args(HandOff), default=DEFAULTS.hand_off_point,
                    help="when the engine thread hands a step's tokens to the HTTP thread: just before the next "
                         "step's model call, which lets go of Python's lock (the cpu backend's), or when the step "
@@ -170,8 +171,10 @@ def run_serve(args: argparse.Namespace) -> int:
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
           file=sys.stderr, flush=True)
+    from .kv_publisher import exposure_note
     from .teacher import setting_notes
-    for note in setting_notes(settings.page, settings.api_key is not None):
+    notes = setting_notes(settings.page, settings.api_key is not None)
+    for note in notes + ([exposure_note(kv_events)] if kv_events.enabled else []):
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
     from .header_limit import MAX_HEADER_BYTES, HeaderLimitProtocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
