@@ -182,7 +182,10 @@ class OutputProcessor:
                 change.logprobs.append(position)
             old_len = len(state.text)
             state.text += state.detokenizer.add_tokens([token])
-            stop = None if req.status is RequestStatus.FINISHED_STOPPED else self._find_stop(state, old_len)
+            # vLLM v1: no stop string ends a request within its first min_tokens tokens; one that starts in them
+            # and completes with a later token still does (the search reaches back len(stop) - 1 characters).
+            held = req.status is RequestStatus.FINISHED_STOPPED or len(state.token_ids) <= req.params.min_tokens
+            stop = None if held else self._find_stop(state, old_len)
             if stop is not None:
                 return stop
         if not req.is_finished:

@@ -201,22 +201,23 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not is_int(self.n) or self.n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}.")
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}.", "n")
         if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got "
-                                      f"{self.temperature!r}.")
+                                      f"{self.temperature!r}.", "temperature")
         if not is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}.")
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}.", "top_k")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}.", "top_p")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.", "max_tokens")
         if not is_int(self.priority):
-            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {self.priority!r}.")
+            raise InvalidRequestError(f"priority must be an integer (lower is served first), got {self.priority!r}.",
+                                      "priority")
         if self.seed is not None and not is_int(self.seed):
-            raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.")
+            raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be a list of non-empty strings.")
+            raise InvalidRequestError("stop must be a list of non-empty strings.", "stop")
         check_token_ids("stop_token_ids", self.stop_token_ids)
         self._validate_logits_fields()
 
@@ -224,29 +225,30 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value) or not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}.")
-        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 100] (1 is off), got "
-                                      f"{self.repetition_penalty!r}.")
+                raise InvalidRequestError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}.", name)
+        if not is_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100] (1 is off, "
+                                      f"below 1 favours repeats), got {self.repetition_penalty!r}: send a value in "
+                                      f"that range.", "repetition_penalty")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
-            raise InvalidRequestError("logit_bias values must be in [-100, 100] (OpenAI's range).")
+            raise InvalidRequestError("logit_bias values must be in [-100, 100] (OpenAI's range).", "logit_bias")
         if self.logit_bias:
             check_token_ids("logit_bias", list(self.logit_bias))
         if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
-                                      f"{self.min_tokens!r}.")
+                                      f"{self.min_tokens!r}.", "min_tokens")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids (an empty one "
                                           "would allow nothing).", "allowed_token_ids")
             check_token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
-            raise InvalidRequestError("bad_words must be a list of non-empty strings.")
+            raise InvalidRequestError("bad_words must be a list of non-empty strings.", "bad_words")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (how many of the most "
-                                          f"likely tokens to return besides the chosen one), got {value!r}.")
+                                          f"likely tokens to return besides the chosen one), got {value!r}.", name)
 
     @property
     def greedy(self) -> bool:
@@ -255,6 +257,9 @@ class SamplingParams:
 
 
 GREEDY_BELOW = 1e-5
+# vLLM asks only > 0, but a logit divided by 1e-300 overflows to inf and sampling then fails (a 500): the floor
+# mirrors the ceiling, 1/100, which keeps every penalised logit finite.
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGPROBS = 20               # vLLM's default max_logprobs: the most alternatives a request may ask for
 
 

@@ -152,6 +152,10 @@ def test_serve_publishes_them_over_zmq(tiny_model, tmp_path):
     finally:
         sub.close()
     assert topic == b"kv-events" and len(seq) == 8
+    # They carry every client's prompt tokens to whoever reaches the endpoint: the teacher is told at start.
+    log = (tmp_path / "server.log").read_text()
+    assert "note: KV cache events carry the token ids of every client's prompt" in log
+    assert f"whatever listens at tcp://127.0.0.1:{port}" in log
     stored = [e for e in batch.events if isinstance(e, BlockStored)]
     assert stored and stored[0].parent_block_hash is None and stored[0].block_size == 4
     assert len(stored[0].token_ids) == 4 * len(stored[0].block_hashes)
@@ -159,11 +163,13 @@ def test_serve_publishes_them_over_zmq(tiny_model, tmp_path):
 
 
 def test_a_bad_config_is_refused_before_the_model_loads():
-    from minipaged.serve.kv_publisher import KVEventsConfig, KVEventsConfigError
+    from minipaged.serve.kv_publisher import KVEventsConfig, KVEventsConfigError, exposure_note
     with pytest.raises(KVEventsConfigError, match="replay_endpoint is not supported"):
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"}')
     with pytest.raises(KVEventsConfigError, match="unknown field 'endpont'"):
         KVEventsConfig.parse('{"endpont": "tcp://*:5557"}')
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true}').endpoint == "tcp://127.0.0.1:5557"
+    wide = exposure_note(KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
+    assert "connect to tcp://*:5557 (every interface: anyone on the network)" in wide and "127.0.0.1" in wide
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}').bind
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://host:5557"}').bind

@@ -181,12 +181,33 @@ def test_bad_structured_outputs_are_refused_before_queueing(engine, structured, 
     (dict(logprobs=-1), "logprobs must be an integer in"), (dict(logprobs=21), "logprobs must be an integer in"),
     (dict(prompt_logprobs=99), "prompt_logprobs"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={1: 500}), "logit_bias"),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty must be in \[0.01, 100\]"),   # it overflowed: a 500
     (dict(min_tokens=20, max_tokens=4), "min_tokens"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
 ])
 def test_bad_logits_fields_name_the_problem(fields, words):
-    with pytest.raises(InvalidRequestError, match=words):
+    with pytest.raises(InvalidRequestError, match=words) as refused:
         SamplingParams(**fields)
+    assert refused.value.param == next(iter(fields))     # the server answers it as OpenAI's "param"
+
+
+def test_min_tokens_holds_back_stop_strings_as_vllm_v1_does(tiny_engine_factory):
+    """vLLM v1's detokenizer checks stop strings only once the output has more than min_tokens tokens (the stop
+    check's start moves past those tokens' text), so min_tokens is a floor for stop strings as for EOS; here a stop
+    string in the first token used to end the request at once."""
+    engine = tiny_engine_factory()
+    prompt = [ord(c) for c in "a stop string early on"]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    free = engine.generate([prompt], SamplingParams(**greedy))[0]
+    first = next(i for i in range(1, 13) if engine.tokenizer.decode(free.token_ids[:i], skip_special_tokens=True))
+    stop = engine.tokenizer.decode(free.token_ids[:first], skip_special_tokens=True)[0]
+    stopped = engine.generate([prompt], SamplingParams(**greedy, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == first and stopped.text == ""
+    min_tokens = first + 3
+    held = engine.generate([prompt], SamplingParams(**greedy, stop=[stop], min_tokens=min_tokens))[0]
+    assert len(held.token_ids) > min_tokens and held.text.startswith(stop)     # the early one stays in the text
+    if held.finish_reason == "stop":           # a later occurrence, completed after the first min_tokens tokens
+        assert stop not in held.text[len(engine.tokenizer.decode(held.token_ids[:min_tokens])):]
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(engine):

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_util import running_server, wait_until_idle
+from serve_util import openai_client, running_server, wait_until_idle
 
 MAX_PAUSE_S = 1.0
 MAX_BAD_WORDS = 256                  # the defaults: the tests check the refusals name them
@@ -195,6 +195,27 @@ def test_5_prompt_logprobs_are_bounded(server):
         ok = post(server, {"prompt": prompt[:400], "max_tokens": 2, "prompt_logprobs": 3})
         assert ok.status_code == 200, ok.text
         assert len(ok.json()["choices"][0]["prompt_logprobs"]) == 400
+
+
+def test_a_tiny_repetition_penalty_is_refused_by_name_not_a_500(server):
+    """Dividing a logit by 1e-300 overflowed to inf and the sample failed (a 500); the range is now checked first."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client(server).completions.create(model="", prompt="hi", max_tokens=2,
+                                                 extra_body={"repetition_penalty": 1e-300})
+    assert refused.value.param == "repetition_penalty" and "[0.01, 100]" in refused.value.message
+
+
+def test_a_bad_sampling_field_is_named_in_the_errors_param(server):
+    """OpenAI's error names the field at fault; n: 0 answered param null (SamplingParams' checks named none)."""
+    import openai
+
+    client = openai_client(server)
+    for field, value in (("n", 0), ("top_p", 0), ("temperature", -1), ("seed", "x")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="", prompt="hi", max_tokens=2, extra_body={field: value})
+        assert refused.value.param == field, (field, refused.value.body)
 
 
 # ------------------------------------------------------------------------------ 6. failures while serving

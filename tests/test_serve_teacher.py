@@ -103,6 +103,20 @@ def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_ref
                 assert carol.post(url + "/v1/page/prompt", json={**ask, "temperature": 0.5}).status_code == 200
 
 
+def test_a_forwarded_header_from_this_machine_is_not_another_student(tiny_model, tmp_path):
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 by default: a script on the teacher's machine could name a
+    fresh client on each request and send page prompts without bound. The server counts the connection's address."""
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--page-prompt-rate", "1",
+                        "--page-max-tokens", "2", log_path=str(tmp_path / "server.log")) as url, \
+            student("127.0.0.1") as script:
+        ask = {"prompt": "tell me", "stream": False}
+        first = script.post(url + "/v1/page/prompt", json=ask, headers={"X-Forwarded-For": "10.9.9.9"})
+        assert first.status_code == 200, first.text
+        again = script.post(url + "/v1/page/prompt", json=ask, headers={"X-Forwarded-For": "10.9.9.8"})
+        message = assert_openai_error(again, 429, "from 127.0.0.1", "--page-prompt-rate")
+        assert "10.9.9" not in message
+
+
 def read_events(url: str, headers: dict, seen: list, stop: threading.Event) -> None:
     """Collect the SSE messages of /v1/events (event name, data) until ``stop``."""
     with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http:
@@ -141,7 +155,7 @@ def test_hidden_text_never_reaches_a_students_stream_but_the_teacher_sees_all(ti
         mine = alice.post(url + "/v1/page/prompt", json={"prompt": "zebras in the student prompt", "stream": False})
         assert mine.status_code == 200, mine.text
         theirs = httpx.post(url + "/v1/completions", headers=TEACHER, timeout=60,
-                            json={"prompt": "giraffes in the teacher prompt", "max_tokens": 4}).json()
+                            json={"prompt": "giraffes in the teacher prompt", "max_tokens": 4, "logprobs": 1}).json()
         ids = {mine.json()["id"], theirs["id"]}
         while not all(ids <= {f["request_id"] for _, d in s if json.loads(d).get("type") == "step"
                               for f in json.loads(d)["finished"]} for s in streams.values()):
@@ -162,8 +176,10 @@ def test_hidden_text_never_reaches_a_students_stream_but_the_teacher_sees_all(ti
     assert all(not s["new_text"] for s in steps)
     generated = [ids for s in steps for ids in s["new_token_ids"].values()]
     assert generated and all(t == -1 for ids in generated for t in ids)      # counted, not readable
+    assert not any(s.get("new_logprobs") for s in steps)                     # nor guessed from logprobs
     teacher_raw = "".join(d for _, d in streams["teacher"])
     assert "zebras" in teacher_raw and "giraffes" in teacher_raw
+    assert any(json.loads(d).get("new_logprobs") for name, d in streams["teacher"] if name == "message")
     told = [json.loads(d)["request_id"] for name, d in streams["teacher"] if name == "teacher"]
     assert told == [theirs["id"]]                          # the presenter view follows the teacher's request
     assert not [1 for name, _ in streams["student"] if name == "teacher"]
@@ -182,13 +198,15 @@ def test_events_without_text_keep_counts_and_the_rate_window_slides():
                       scheduled=(ScheduledRequest("r0", "decode", 5, 8, 5, 0, 2, draft_token_ids=(7, 8),
                                                   num_accepted=1, draft_pieces=("a", "b"), target_piece="c",
                                                   prefix_lookup=lookup),),
-                      new_token_ids={"r0": [7, 9]}, new_text={"r0": "secret out"})
+                      new_token_ids={"r0": [7, 9]}, new_text={"r0": "secret out"}, new_logprobs={"r0": [-0.25, -3.5]})
     assert step_payloads(event, hide_text=False) == (event.to_json(), None)
     full, without_text = step_payloads(event, hide_text=True)
     assert full == event.to_json() and "secret" in full
     assert "secret" not in without_text and '"a"' not in without_text
+    assert "-3.5" in full and "-3.5" not in without_text      # a token's log-probability fingerprints the token
     hidden = StepEvent.from_dict(json.loads(without_text))             # still an event a page can fold
     assert hidden.new_token_ids == {"r0": [-1, -1]} and hidden.scheduled[0].draft_token_ids == (-1, -1)
+    assert hidden.new_logprobs == {}
     assert hidden.scheduled[0].num_accepted == 1 and hidden.arrivals[0].prompt_len == 5 and hidden.budget_used == 3
     for shown in (hidden.arrivals[0].prefix_lookup, hidden.scheduled[0].prefix_lookup):
         assert shown.reason == "differs" and shown.num_hit_blocks == 1 and shown.differs_at is None

@@ -73,10 +73,11 @@ def server(tiny_model, tmp_path_factory):
         yield url
 
 
-def as_client(address: str) -> dict[str, str]:
-    """Headers of a request from ``address``: the server trusts X-Forwarded-For from 127.0.0.1 only (uvicorn's
-    default for a proxy on the same machine), which lets one test speak as several clients."""
-    return {**AUTH, "X-Forwarded-For": address}
+def as_client(address: str) -> httpx.Client:
+    """An HTTP client whose connections come from ``address`` (127.0.0.x: loopback on Linux; only 127.0.0.1 keeps
+    to no share), which lets one test speak as several clients on real connections: no forwarded header is
+    believed."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), headers=AUTH, timeout=60)
 
 
 def openai_error(response: httpx.Response, status: int) -> dict:
@@ -169,27 +170,27 @@ def test_client_shares_count_samples_and_tokens_and_come_back_however_a_request_
 
 def test_one_client_over_its_share_gets_429_and_the_others_are_served(server):
     held = {"prompt": [7] * 1000, "n": 100, "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server + "/v1/completions", json=held, headers=as_client("10.0.0.1"),
-                      timeout=60) as hog:
-        lines = hog.iter_lines()              # kept: an iterator dropped half-way closes the response
-        next(line for line in lines if line.startswith("data: {"))                  # in the engine
-        more = {"prompt": "hi", "n": 40, "max_tokens": 2}
-        refused = httpx.post(server + "/v1/completions", json=more, headers=as_client("10.0.0.1"), timeout=60)
-        error = openai_error(refused, 429)
-        assert error["type"] == "RateLimitError" and "--max-client-samples" in error["message"]
-        assert refused.headers["retry-after"] == "1"
-        tokens = {"prompt": [8] * 1900, "n": 28, "max_tokens": 1}      # 100 x 1000 + 28 x 1900 > 150,000
-        refused = httpx.post(server + "/v1/completions", json=tokens, headers=as_client("10.0.0.1"), timeout=60)
-        assert "--max-client-prompt-tokens" in openai_error(refused, 429)["message"]
-        other = httpx.post(server + "/v1/completions", json=more, headers=as_client("10.0.0.2"), timeout=60)
-        assert other.status_code == 200 and len(other.json()["choices"]) == 40
-    never = {"prompt": [9] * 1600, "n": 100, "max_tokens": 1}            # 160,000 tokens: never fits
-    assert "--max-client-prompt-tokens 150000" in openai_error(
-        httpx.post(server + "/v1/completions", json=never, headers=as_client("10.0.0.3"), timeout=60), 400)["message"]
-    health = wait_until_idle(server, timeout=30)
-    assert health["blocks_free"] == health["blocks_total"]
-    again = httpx.post(server + "/v1/completions", json=more, headers=as_client("10.0.0.1"), timeout=60)
-    assert again.status_code == 200                                  # the hog's share came back when it left
+    with as_client("127.0.0.2") as hog, as_client("127.0.0.3") as other, as_client("127.0.0.4") as third:
+        with hog.stream("POST", server + "/v1/completions", json=held) as held_stream:
+            lines = held_stream.iter_lines()          # kept: an iterator dropped half-way closes the response
+            next(line for line in lines if line.startswith("data: {"))                  # in the engine
+            more = {"prompt": "hi", "n": 40, "max_tokens": 2}
+            refused = hog.post(server + "/v1/completions", json=more)
+            error = openai_error(refused, 429)
+            assert error["type"] == "RateLimitError" and "--max-client-samples" in error["message"]
+            assert refused.headers["retry-after"] == "1"
+            tokens = {"prompt": [8] * 1900, "n": 28, "max_tokens": 1}      # 100 x 1000 + 28 x 1900 > 150,000
+            refused = hog.post(server + "/v1/completions", json=tokens)
+            assert "--max-client-prompt-tokens" in openai_error(refused, 429)["message"]
+            served = other.post(server + "/v1/completions", json=more)
+            assert served.status_code == 200 and len(served.json()["choices"]) == 40
+        never = {"prompt": [9] * 1600, "n": 100, "max_tokens": 1}            # 160,000 tokens: never fits
+        assert "--max-client-prompt-tokens 150000" in openai_error(
+            third.post(server + "/v1/completions", json=never), 400)["message"]
+        health = wait_until_idle(server, timeout=30)
+        assert health["blocks_free"] == health["blocks_total"]
+        again = hog.post(server + "/v1/completions", json=more)
+        assert again.status_code == 200                                  # the hog's share came back when it left
 
 
 # ------------------------------------------------------------------------------ fair sharing, measured

@@ -93,7 +93,9 @@ def _serve_view(args: argparse.Namespace, replicas: list, router_pid: int) -> in
           f"minipaged fleet: the fleet view is at http://{args.host}:{args.view_port}/\n"
           f"Ctrl-C stops the router and every replica it started.", file=sys.stderr, flush=True)
     # Open pages hold relayed event streams: the view gives them 2 s to close on Ctrl-C, then goes on stopping.
-    config = uvicorn.Config(app, host=args.host, port=args.view_port, log_level="warning", timeout_graceful_shutdown=2)
+    # No forwarded header is believed (as minipaged serve: NO_FORWARDED_HEADERS there), whoever sends one.
+    config = uvicorn.Config(app, host=args.host, port=args.view_port, log_level="warning", timeout_graceful_shutdown=2,
+                            proxy_headers=False, forwarded_allow_ips="")
     uvicorn.Server(config).run()
     return 0
 

@@ -2,9 +2,9 @@
 
 Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
 thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
-``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``teacher`` (the
-teacher's controls over the page). FastAPI and uvicorn are imported only when the
-server runs, so other commands do not pay for them.
+``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``header_limit``
+(431 for headers too large), ``teacher`` (the teacher's controls over the page). FastAPI and uvicorn are
+imported only when the server runs, so other commands do not pay for them.
 """
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from .limits import DEFAULTS, HandOff, PageSettings, ServerLimits, ServerSetting
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
+# uvicorn's default believes X-Forwarded-For from 127.0.0.1, so any script on the server's machine could name
+# itself a fresh client on every request (past --page-prompt-rate and the per-student stream cap). A client is
+# the address of its TCP connection, nothing it says about itself; behind a proxy every student is one client.
+NO_FORWARDED_HEADERS = {"proxy_headers": False, "forwarded_allow_ips": ""}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +57,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "reconnects from a fresh snapshot")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV cache events over ZMQ as vLLM does, for routers and indexers that follow the "
-                        "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
-                        "\"endpoint\": \"tcp://*:5557\"}' (needs the [kv-events] extra; default: off)%(default).0s")
+                        "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' "
+                        "(binds tcp://127.0.0.1:5557; they carry every client's prompt tokens to whoever reaches "
+                        "the endpoint; needs the [kv-events] extra; default: off)%(default).0s")
     g.add_argument("--hand-off", dest="hand_off_point", choices=get_args(HandOff), default=DEFAULTS.hand_off_point,
                    help="when the engine thread hands a step's tokens to the HTTP thread: just before the next "
                         "step's model call, which lets go of Python's lock (the cpu backend's), or when the step "
@@ -167,11 +172,15 @@ def run_serve(args: argparse.Namespace) -> int:
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
           file=sys.stderr, flush=True)
+    from .kv_publisher import exposure_note
     from .teacher import setting_notes
-    for note in setting_notes(settings.page, settings.api_key is not None):
+    notes = setting_notes(settings.page, settings.api_key is not None)
+    for note in notes + ([exposure_note(kv_events)] if kv_events.enabled else []):
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
+    from .header_limit import MAX_HEADER_BYTES, HeaderLimitProtocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            timeout_graceful_shutdown=2)
+                            timeout_graceful_shutdown=2, http=HeaderLimitProtocol,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **NO_FORWARDED_HEADERS)
     try:
         DrainingServer(config, drain=app.state.drain).run()
     finally:

@@ -47,6 +47,7 @@ from .async_engine import RECENT_PROMPTS, Accepted, AsyncEngine
 from .event_hub import Watcher, WatcherResponse
 from .fair_share import CLIENT, ClientQuotas
 from .host_check import HostCheck, allowed_hosts
+from .header_limit import HeaderLimit
 from .http_guards import ApiKeyCheck, BodyLimit, ClientAddress, HeadAsGet, JsonBodies
 from .limits import ServerSettings
 from .teacher import TEACHER, PageControls
@@ -144,8 +145,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return JSONResponse(p.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=exc.headers)
 
-    # Added innermost first: a request meets the Host check, then the key, the client's address, HEAD, the
-    # content type, and the body limit.
+    # Added innermost first: a request meets the header limit, the Host check, then the key, the client's address,
+    # HEAD, the content type, and the body limit.
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(JsonBodies)
     app.add_middleware(HeadAsGet, endless=("/v1/events",))   # inside the key check below: added before it
@@ -154,7 +155,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key,      # before any body is read
                            open_page=settings.page.open_page)
     if settings.host is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts(settings.host, settings.allowed_hosts))   # outermost
+        app.add_middleware(HostCheck, allowed=allowed_hosts(settings.host, settings.allowed_hosts))
+    app.add_middleware(HeaderLimit)                                     # outermost: 431 before anything reads them
 
     def check_model(name: Optional[str]) -> None:
         """vLLM's rule: no model (or an empty one) means the one served. sglang-router forwards ``"unknown"``

@@ -3,8 +3,9 @@
 ``--max-waiting-requests`` bounds the queue as a whole, so one student with a loop (or one n=128 request with
 a long prompt) could fill it and leave everyone else with 503. Here each client (its address: a class shares one
 API key) may have at most ``max_samples`` samples and ``max_prompt_tokens`` prompt tokens in the engine at
-once. Clients on the server's own machine (loopback: the teacher, a benchmark, a proxy that does not say whom
-it forwards for) have no share to keep to. A sample's prompt counts once per sample: each is prefilled on its
+once. Clients on the server's own machine (127.0.0.1 or ::1, where a local client's connections come from: the
+teacher, a benchmark, a proxy, whose forwarded headers are not believed) have no share to keep to; the rest of
+127.0.0.0/8 is reached only by binding it on purpose, and counts as a client (the tests act as students so). A sample's prompt counts once per sample: each is prefilled on its
 own unless the prefix cache already holds it. Over the limit because of its own earlier requests, a client
 gets 429 with Retry-After, as OpenAI's rate limits answer; a request that could never fit gets 400 naming the
 flag.
@@ -40,9 +41,15 @@ class Ticket:
 
 def on_this_machine(client: str) -> bool:
     try:
-        return ipaddress.ip_address(client).is_loopback
+        address = ipaddress.ip_address(client)
     except ValueError:
         return client == "local"                     # no HTTP request: the process itself
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address in THIS_MACHINE
+
+
+THIS_MACHINE = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
 
 
 class ClientQuotas:

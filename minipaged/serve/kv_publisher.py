@@ -1,7 +1,8 @@
 """``--kv-events-config``: publish the KV cache's events over ZMQ, as vLLM does (``kv_events.py``).
 
 The configuration is vLLM's JSON (``KVEventsConfig``): ``{"enable_kv_cache_events": true, "publisher":
-"zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}``. Each step's events go out as one msgpack'd
+"zmq", "topic": "kv-events"}``. The events carry every client's prompt tokens to whoever reaches the endpoint:
+``serve`` says so at start (``exposure_note``). Each step's events go out as one msgpack'd
 ``KVEventBatch`` in a three-part ZMQ message, vLLM's: the topic, an 8-byte big-endian sequence number, the
 payload. A subscriber that is slow loses batches (the PUB socket drops beyond ``hwm``) and sees the gap in
 the sequence numbers; the engine never waits for it. vLLM's rule picks bind or connect: an endpoint with
@@ -119,6 +120,16 @@ class ZmqKVEventPublisher:
         self._unsubscribe()
         self._kv.kv_events = None
         self._socket.close(linger=0)
+
+
+def exposure_note(config: KVEventsConfig) -> str:
+    """What ``serve`` tells at start when events are on: they carry every client's prompt tokens, and the
+    endpoint, not the API key, decides who reads them."""
+    who = (f"any process that can connect to {config.endpoint}" if config.bind
+           else f"whatever listens at {config.endpoint}")
+    wide = " (every interface: anyone on the network)" if "*" in config.endpoint or "::" in config.endpoint else ""
+    return (f"KV cache events carry the token ids of every client's prompt (BlockStored), with no key, to {who}"
+            f"{wide}; keep the endpoint on 127.0.0.1 or a network you trust.")
 
 
 def start_kv_events(engine: Any, config: KVEventsConfig) -> Callable[[], None]:

@@ -11,15 +11,15 @@ students without the key; everything else still wants it. A server without a key
 student's, and the teacher's controls apply to all of them.
 
 Who is a student: a client address (``fair_share.CLIENT``), as the per-client quotas count them (a class shares
-one network, not one key). Addresses are not forwarded headers: a proxy in front of the server makes every
-student one client. Loopback addresses are clients like any other here (unlike the API quotas, where the
-teacher's own machine keeps to no share): 127.0.0.1 and 127.0.0.2 are two students, which is how the tests act
-as two.
+one network, not one key). Addresses are not forwarded headers (``serve.NO_FORWARDED_HEADERS``): a proxy in
+front of the server makes every student one client. Loopback addresses are clients like any other here (unlike
+the API quotas, where 127.0.0.1 and ::1 keep to no share): 127.0.0.2 and 127.0.0.3 are two students, which is
+how the tests act as two.
 
 Hidden text: with ``--hide-others-text`` a student's event stream is a redacted copy (``redacted``: no prompt
-previews, no output text, token ids replaced by -1 so that counts still add up), serialised once per step for
-every such watcher, and whole prompts are refused. The page shows its own requests' text from what it sent and
-what its own response streamed back, so a student still reads their own answer.
+previews, no output text or its log-probabilities, token ids replaced by -1 so that counts still add up),
+serialised once per step for every such watcher, and whole prompts are refused. The page shows its own requests'
+text from what it sent and what its own response streamed back, so a student still reads their own answer.
 """
 from __future__ import annotations
 
@@ -179,8 +179,8 @@ def setting_notes(page: PageSettings, has_key: bool) -> list[str]:
 
 def step_payloads(event: StepEvent, hide_text: bool) -> tuple[str, Optional[str]]:
     """The event's JSON for the watchers who see text, and (with ``hide_text``) its copy without any text a client
-    wrote or the model generated, for the others: prompt previews empty, no output text, token ids as -1 (their
-    number stays: the page counts tokens by them), no draft pieces. Both from one ``asdict``, the costly part
+    wrote or the model generated, for the others: prompt previews empty, no output text nor its log-probabilities,
+    token ids as -1 (their number stays: the page counts tokens by them), no draft pieces. Both from one ``asdict``, the costly part
     (about a millisecond at 64 decodes)."""
     if not hide_text:
         return event.to_json(), None
@@ -199,7 +199,8 @@ def without_text(d: dict[str, Any]) -> dict[str, Any]:
             "scheduled": [{**s, "draft_token_ids": [-1] * len(s["draft_token_ids"]), "draft_pieces": [],
                            "target_piece": "", "prefix_lookup": _coarse(s.get("prefix_lookup"))}
                           for s in d["scheduled"]],
-            "new_text": {}, "new_token_ids": {rid: [-1] * len(ids) for rid, ids in d["new_token_ids"].items()}}
+            "new_text": {}, "new_token_ids": {rid: [-1] * len(ids) for rid, ids in d["new_token_ids"].items()},
+            "new_logprobs": {}}       # each token's log-probability fingerprints the token: none of them either
 
 
 def _coarse(lookup: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
