@@ -144,10 +144,12 @@ NOT_COUNTED = ("minipaged.engine_builder", "minipaged.kernels")
 ENGINE_BUDGET = (20, 3000)
 ENGINE_PY_MAX_LINES = 200
 # One plain request's whole path, the parts the builder hands in included (the core, the executor, the runner,
-# the sampler and the model's forward): a stricter count than the engine's own closure.
+# the sampler and the model's forward): a stricter count than the engine's own closure. It also holds what the
+# model package's __init__ runs (the loader) and the weights' placement CompactLlama inherits: 25 files and
+# 3,772 lines when the budget was set, a guard against growth rather than a target met with room to spare.
 REQUEST_PATH = ("minipaged.engine", "minipaged.engine_core", "minipaged.scheduler", "minipaged.kv_cache_manager",
                 "minipaged.runner.executor", "minipaged.runner.model_runner", "minipaged.sampling")
-REQUEST_PATH_BUDGET = (24, 3700)
+REQUEST_PATH_BUDGET = (26, 3850)
 # The core (what `minipaged serve` will run in a process of its own) and the observers, who must stay outside it.
 CORE = ("minipaged.engine_core", "minipaged.scheduler", "minipaged.kv_cache_manager", "minipaged.block_pool",
         "minipaged.swap", "minipaged.request", "minipaged.runner.executor", "minipaged.runner.model_runner",
