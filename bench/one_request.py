@@ -33,7 +33,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 # pyproject's package-dir maps them), load SmolLM2, then time `repeats` generations and print the best.
 CHILD = r"""
 import json, sys, time
-tree, threads, max_tokens, repeats, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+tree, prompt = sys.argv[1], sys.argv[5]
+threads, max_tokens, repeats = (int(a) for a in sys.argv[2:5])
 sys.path.insert(0, tree)
 import minipaged
 minipaged.__path__.append(tree)           # minipaged.kernels -> tree/kernels, .tui -> tree/tui, .lessons -> ...

@@ -43,8 +43,8 @@ class OneSeatEngine:
     def __init__(self, order: Any) -> None:
         config = EngineConfig(model="lab", num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
         config.finalize(model_max_len=256)
-        self.scheduler = Scheduler(config, KVCacheManager(64, 4, free_queue=LRUFreeBlockQueue), CpuBlockPool(0), order=order,
-                                   victim_policy=Newest())
+        self.scheduler = Scheduler(config, KVCacheManager(64, 4, free_queue=LRUFreeBlockQueue), CpuBlockPool(0),
+                                   order=order, victim_policy=Newest())
         self.admitted: list[str] = []
         self.count = 0
 
