@@ -93,8 +93,13 @@ class Engine:
         computes in its own thread while ``step()`` returns). Returns a function that removes the hook."""
         if self.config.async_output_processing:
             return lambda: None
-        self.core.executor.before_model_call = hook
-        return lambda: setattr(self.core.executor, "before_model_call", lambda: None)
+        hooks = self.core.executor.model_call_hooks
+        hooks.append(hook)
+
+        def remove() -> None:                     # calling it twice is harmless
+            if hook in hooks:
+                hooks.remove(hook)
+        return remove
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:
