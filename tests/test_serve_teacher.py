@@ -247,3 +247,32 @@ def test_teacher_flags_that_cannot_work_are_refused_before_the_model_loads(flags
 
     assert main(["serve", *flags]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_page_prompt_without_stream_answers_one_json_body_as_openai_does(tiny_engine_factory):
+    """OpenAI's routes stream only when asked (``stream`` absent means false); the page's route is answered like a
+    chat completion, so a script that leaves ``stream`` out gets one JSON body, and ``stream: true`` (what the
+    page sends) still gets server-sent events. In process: the default is the server's, not the transport's."""
+    from fastapi.testclient import TestClient
+
+    from minipaged.serve.api_server import ServerSettings, build_app
+
+    with TestClient(build_app(tiny_engine_factory(), ServerSettings("tiny"))) as http:
+        plain = http.post("/v1/page/prompt", json={"prompt": "hi", "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+        assert plain.headers["content-type"].startswith("application/json")
+        assert plain.json()["object"] == "chat.completion" and plain.json()["usage"]["completion_tokens"] == 2
+        streamed = http.post("/v1/page/prompt", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_the_page_asks_for_a_stream_explicitly():
+    """The page reads its answer as server-sent events, so it must say ``stream: true``: the route's default is
+    OpenAI's (no stream)."""
+    from minipaged.web import static_file
+
+    app = static_file("app.mjs")[0]
+    app = app.decode() if isinstance(app, bytes) else app
+    call = app[app.index('fetch("v1/page/prompt"'):]
+    assert "stream: true" in call[:call.index("});")]
