@@ -89,6 +89,9 @@ def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_ref
         assert_openai_error(refused, 429, "127.0.0.2", "2 a minute", "--page-prompt-rate")
         assert 1 <= int(refused.headers["Retry-After"]) <= 60
         assert bob.post(url + "/v1/page/prompt", json=ask).status_code == 200     # another student is not held
+        started = (tmp_path / "server.log").read_text()      # the teacher reads the settings at start
+        assert "minipaged serve: teacher's settings: student prompts on, at most 2 a minute each; answers up to 6 " \
+               "tokens" in started, started
         # The OpenAI API keeps its own limits: the rate is the page's.
         api = alice.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert api.status_code == 200, api.text
@@ -237,6 +240,23 @@ def test_serve_says_when_the_teachers_settings_will_not_do_what_they_seem_to():
     assert len(forgot_open) == 1 and "--open-page" in forgot_open[0]
     no_key = " ".join(setting_notes(PageSettings(hide_others_text=True, prompt_rate=3), has_key=False))
     assert "every page (the teacher's too)" in no_key and "OpenAI API directly" in no_key
+
+
+def test_serve_prints_the_teachers_settings_as_the_page_shows_them():
+    """A class trial's teacher could not see at start what the page would allow; the line names every setting."""
+    from minipaged.serve.limits import PageSettings
+    from minipaged.serve.teacher import settings_line
+
+    default = settings_line(PageSettings(), has_key=False)
+    assert default == ("teacher's settings: student prompts on, no rate limit; answers up to 64 tokens, greedy "
+                       "(temperature up to 0.7 if asked); others' prompts and outputs shown; no --api-key: anyone "
+                       "may use the page and the API")
+    class_room = settings_line(PageSettings(prompts=False, prompt_rate=3, max_tokens=32, max_temperature=0.0,
+                                            hide_others_text=True, open_page=True), has_key=True)
+    for words in ("prompts off", "at most 3 a minute", "up to 32 tokens", "temperature up to 0.0",
+                  "outputs hidden", "no key (--open-page)"):
+        assert words in class_room, (words, class_room)
+    assert "every page needs --api-key" in settings_line(PageSettings(), has_key=True)
 
 
 @pytest.mark.parametrize("flags, problem", [(["--open-page"], "--open-page opens the page's routes"),
