@@ -108,6 +108,9 @@ def request(request_id: str, step: int, *prompt: Text, max_tokens: int, priority
 # Each lesson shows one mechanism: the cap on a long prompt's chunk (issue 39, on by default on a CPU) stays off
 # unless a lesson's own options turn it on, so lesson 4's budgets alone decide its chunks.
 LESSON_DEFAULTS: dict[str, Any] = {"long_prefill_token_threshold": 0}
+# Options that change how fast a step runs but not what it schedules, caches or preempts: a run that sets them
+# is still the lesson's variant (a class trial's --num-threads 4 was told its numbers "may differ"; they did not).
+NOT_SHOWN_OPTIONS = frozenset({"num_threads"})
 
 
 @dataclass(frozen=True)
@@ -467,7 +470,7 @@ class Lesson:
         from minipaged.spec_decode.config import SpeculativeConfig
 
         defaults = EngineConfig()
-        keys = {k for name in self.scenario.variants for k in self.scenario.engine_options(name)}
+        keys = {k for name in self.scenario.variants for k in self.scenario.engine_options(name)} - NOT_SHOWN_OPTIONS
         for name in self.scenario.variants:
             options = {k: self.scenario.engine_options(name).get(k, getattr(defaults, k)) for k in keys}
             if options.get("speculative_config") is not None:   # as the engine reports it: defaults filled in
@@ -489,7 +492,9 @@ class Lesson:
                 best, best_score = name, score
         from minipaged.config import suggestions_left
         options = {**suggestions_left(self.scenario.engine_options(best), user_options), **user_options}
-        return (best if options == self.scenario.engine_options(best) else None), options
+        shown = [{k: v for k, v in o.items() if k not in NOT_SHOWN_OPTIONS}
+                 for o in (options, self.scenario.engine_options(best))]
+        return (best if shown[0] == shown[1] else None), options
 
     def variant_command(self, name: str) -> str:
         """The command that opens a variant: its first option override as a ``minipaged watch`` flag."""

@@ -194,3 +194,14 @@ async def main_thread_tasks(tools: DevTools) -> list[tuple[float, float]]:
     return [(e["dur"] / 1000, e.get("tdur", e["dur"]) / 1000) for e in events
             if e.get("ph") == "X" and (e["pid"], e["tid"]) in main and e.get("name", "").endswith("RunTask")
             and "dur" in e]
+
+
+def longest_task_share(tasks: list[tuple[float, float]]) -> float:
+    """The longest main-thread task's share of all the main thread's CPU time in the trace (0 to 1).
+
+    A page that stays responsive splits its work into many short tasks; one that parses or draws everything at
+    once holds the thread in one. Both sides are CPU time of the same thread in the same run, so a loaded
+    machine that slows every task alike leaves the share as it is (an absolute bound in ms did not: a class
+    trial's loaded machine failed it). Absolute times belong in bench/."""
+    cpu = [c for _wall, c in tasks]
+    return max(cpu) / sum(cpu) if cpu and sum(cpu) > 0 else 0.0

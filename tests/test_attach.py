@@ -115,6 +115,34 @@ def test_pilot_draws_a_request_sent_by_another_client_and_sends_its_own(server, 
     assert health["blocks_free"] == health["blocks_total"]
 
 
+def test_q_quits_at_once_and_the_key_bar_shows_beside_the_prompt_box(server):
+    """A class trial pressed q and typed a q: the box had the focus from the start, and it covered the key bar.
+    The picture has the keys until ``/`` opens the box; escape leaves it; the footer stays visible above it."""
+    from textual.widgets import Footer, Input
+    from textual.widgets._footer import FooterKey
+
+    from minipaged.tui.attach import AttachApp, AttachRun
+    from pilot_util import wait_for
+
+    async def run() -> None:
+        app = AttachApp(AttachRun(server), max_tokens=4)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await wait_for(pilot, lambda: app.state is not None, timeout=30)
+            box, footer = app.query_one("#prompt", Input), app.query_one(Footer)
+            assert app.focused is not box
+            assert footer.region.height and not footer.region.overlaps(box.region)
+            shown = [key for key in footer.query(FooterKey) if key.region.height]
+            assert any(key.description == "Quit" and key.key_display == "q" for key in shown), shown
+            await pilot.press("slash", "q")
+            assert app.focused is box and box.value == "q"        # in the box a q is a letter
+            await pilot.press("escape")
+            assert app.focused is not box
+            await pilot.press("q")
+        assert app.return_code == 0 and app.answers == []
+
+    asyncio.run(run())
+
+
 def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_model, tmp_path):
     """Two websocket clients speak textual-serve's browser protocol, and each must receive its own live attach
     TUI (the top bar says LIVE and names the server's model). Runs without a browser; the Chromium test below

@@ -541,6 +541,16 @@ def test_user_flags_pick_the_variant_they_name():
     assert variant is None and "num_blocks" not in options      # the typed budget sizes the pool
 
 
+def test_options_that_change_no_number_the_lesson_shows_keep_its_variant():
+    """--num-threads makes steps faster or slower, nothing else a lesson shows: no "your own options" warning
+    (a class trial got one), and the threads still reach the engine."""
+    lesson2 = get_lesson(2)
+    variant, options = lesson2.options_for({"num_threads": 4})
+    assert variant == "continuous" and options["num_threads"] == 4
+    assert lesson2.options_for({"policy": "static", "num_threads": 1})[0] == "static"
+    assert lesson2.options_for({"num_threads": 4, "num_blocks": 7})[0] is None     # a real change still warns
+
+
 @pytest.mark.slow
 def test_smollm2_gives_the_same_numbers():
     """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says (about 90 s)."""

@@ -89,6 +89,9 @@ def test_rate_limit_refuses_one_students_extra_prompts_not_anothers_and_caps_ref
         assert_openai_error(refused, 429, "127.0.0.2", "2 a minute", "--page-prompt-rate")
         assert 1 <= int(refused.headers["Retry-After"]) <= 60
         assert bob.post(url + "/v1/page/prompt", json=ask).status_code == 200     # another student is not held
+        started = (tmp_path / "server.log").read_text()      # the teacher reads the settings at start
+        assert "minipaged serve: teacher's settings: student prompts on, at most 2 a minute each; answers up to 6 " \
+               "tokens" in started, started
         # The OpenAI API keeps its own limits: the rate is the page's.
         api = alice.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert api.status_code == 200, api.text
@@ -239,6 +242,23 @@ def test_serve_says_when_the_teachers_settings_will_not_do_what_they_seem_to():
     assert "every page (the teacher's too)" in no_key and "OpenAI API directly" in no_key
 
 
+def test_serve_prints_the_teachers_settings_as_the_page_shows_them():
+    """A class trial's teacher could not see at start what the page would allow; the line names every setting."""
+    from minipaged.serve.limits import PageSettings
+    from minipaged.serve.teacher import settings_line
+
+    default = settings_line(PageSettings(), has_key=False)
+    assert default == ("teacher's settings: student prompts on, no rate limit; answers up to 64 tokens, greedy "
+                       "(temperature up to 0.7 if asked); others' prompts and outputs shown; no --api-key: anyone "
+                       "may use the page and the API")
+    class_room = settings_line(PageSettings(prompts=False, prompt_rate=3, max_tokens=32, max_temperature=0.0,
+                                            hide_others_text=True, open_page=True), has_key=True)
+    for words in ("prompts off", "at most 3 a minute", "up to 32 tokens", "temperature up to 0.0",
+                  "outputs hidden", "no key (--open-page)"):
+        assert words in class_room, (words, class_room)
+    assert "every page needs --api-key" in settings_line(PageSettings(), has_key=True)
+
+
 @pytest.mark.parametrize("flags, problem", [(["--open-page"], "--open-page opens the page's routes"),
                                             (["--page-prompt-rate", "0"], "--page-prompt-rate must be at least 1"),
                                             (["--page-max-temperature", "-1"], "--page-max-temperature must be")])
@@ -247,3 +267,32 @@ def test_teacher_flags_that_cannot_work_are_refused_before_the_model_loads(flags
 
     assert main(["serve", *flags]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_page_prompt_without_stream_answers_one_json_body_as_openai_does(tiny_engine_factory):
+    """OpenAI's routes stream only when asked (``stream`` absent means false); the page's route is answered like a
+    chat completion, so a script that leaves ``stream`` out gets one JSON body, and ``stream: true`` (what the
+    page sends) still gets server-sent events. In process: the default is the server's, not the transport's."""
+    from fastapi.testclient import TestClient
+
+    from minipaged.serve.api_server import ServerSettings, build_app
+
+    with TestClient(build_app(tiny_engine_factory(), ServerSettings("tiny"))) as http:
+        plain = http.post("/v1/page/prompt", json={"prompt": "hi", "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+        assert plain.headers["content-type"].startswith("application/json")
+        assert plain.json()["object"] == "chat.completion" and plain.json()["usage"]["completion_tokens"] == 2
+        streamed = http.post("/v1/page/prompt", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_the_page_asks_for_a_stream_explicitly():
+    """The page reads its answer as server-sent events, so it must say ``stream: true``: the route's default is
+    OpenAI's (no stream)."""
+    from minipaged.web import static_file
+
+    app = static_file("app.mjs")[0]
+    app = app.decode() if isinstance(app, bytes) else app
+    call = app[app.index('fetch("v1/page/prompt"'):]
+    assert "stream: true" in call[:call.index("});")]

@@ -19,8 +19,8 @@ import pytest
 from minipaged import SamplingParams
 from minipaged.event_view import EngineView
 from minipaged.events import PREVIEW_GAP, PROMPT_PREVIEW_CHARS, StepEvent
-from browser_util import (INSTALL_HINT, evaluate, find_chromium, main_thread_tasks, open_page, start_tracing,
-                          wait_for)
+from browser_util import (INSTALL_HINT, evaluate, find_chromium, longest_task_share, main_thread_tasks, open_page,
+                          start_tracing, wait_for)
 from serve_util import free_port, running_server, wait_until_idle
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None,
@@ -355,14 +355,26 @@ async def whole_prompt_from_the_page(page) -> str:
         return await evaluate(page, "document.getElementById('whole-prompt-text').textContent")
 
 
+
+def test_the_pages_responsiveness_is_judged_by_a_share_that_a_loaded_machine_keeps():
+    """The page tests' bound, without a browser: the same trace slowed tenfold by a loaded machine passes as it
+    did (the old 200 ms bound failed it), and one task holding the thread (a 64 MB line parsed) fails."""
+    quiet = [(2.0, 1.5)] * 300 + [(30.0, 25.0)]                    # (wall ms, CPU ms): many short tasks
+    loaded = [(wall * 10, cpu * 10) for wall, cpu in quiet]
+    assert max(cpu for _w, cpu in loaded) >= 200                 # what failed on the class trial's machine
+    assert longest_task_share(loaded) == pytest.approx(longest_task_share(quiet))
+    assert longest_task_share(loaded) < 0.1
+    assert longest_task_share(quiet + [(600.0, 500.0)]) > 0.25   # one task holds the thread
+    assert longest_task_share([]) == 0.0
+
 @needs_chromium
 def test_the_page_stays_responsive_and_its_heap_bounded_under_big_n_sample_requests(server):
     """The issue's case on the tiny model: 100 requests with n=128 samples of a 1,000-token prompt, one after
-    another (the step that admits a request's samples has an event of ~0.5 MB: every sample's blocks). No task
-    of the page's main thread takes 200 ms of CPU (DevTools' trace; wall time on this shared machine is several
-    times more), the heap after request 100 is what it was after request 10 (the page keeps ?buffer_mb=2 of
-    steps and the 200 latest finished requests), no CSP violation, and the "forget key" control takes the key
-    out of the browser."""
+    another (the step that admits a request's samples has an event of ~0.5 MB: every sample's blocks). The page's
+    main thread does its work in many short tasks, no one of them a tenth of the thread's CPU over the run
+    (DevTools' trace; a share, not milliseconds: a loaded machine slows every task alike), the heap after request
+    100 is what it was after request 10 (the page keeps ?buffer_mb=2 of steps and the 200 latest finished
+    requests), no CSP violation, and the "forget key" control takes the key out of the browser."""
     requests_done, sent = [], threading.Event()
 
     def send(count: int) -> None:
@@ -404,7 +416,7 @@ def test_the_page_stays_responsive_and_its_heap_bounded_under_big_n_sample_reque
             tasks = await main_thread_tasks(page)
             seen["tasks"] = len(tasks)
             seen["longest_cpu"] = max(cpu for _wall, cpu in tasks)
-            seen["longest_wall"] = max(wall for wall, _cpu in tasks)
+            seen["longest_share"] = longest_task_share(tasks)
             seen["whole_prompt"] = await whole_prompt_from_the_page(page)
             await evaluate(page, "document.getElementById('forget-key').click()")
             await wait_for(page, "!document.getElementById('key-form').hidden", "forgetting did not ask again")
@@ -413,7 +425,7 @@ def test_the_page_stays_responsive_and_its_heap_bounded_under_big_n_sample_reque
 
     seen = asyncio.run(run())
     print("page under load:", {k: v for k, v in seen.items() if k not in ("csp", "whole_prompt")})
-    assert seen["tasks"] > 100 and seen["longest_cpu"] < 200, repr(seen)   # ms of the main thread's CPU
+    assert seen["tasks"] > 100 and seen["longest_share"] < 0.1, repr(seen)   # of the main thread's CPU
     assert seen["heap_100"] - seen["heap_10"] < 3, seen             # MB
     assert seen["requests"] <= 200 and seen["buffer_chars"] <= 2 * 2**20, seen   # ?buffer_mb=2
     assert seen["csp"] == [], seen
@@ -425,8 +437,9 @@ def test_the_page_stays_responsive_and_its_heap_bounded_under_big_n_sample_reque
 def test_the_page_survives_64_mb_event_lines_of_an_older_server():
     """What a server before this fix sent for {"prompt": "=" * 500000, "n": 128}: one 64 MB line (every sample's
     arrival with the whole prompt). A stand-in server sends three of them between the steps of a recorded
-    trace; the page skips them unread, draws every step after them, no main-thread task takes 200 ms of CPU,
-    and its heap stays small (the lines are not kept)."""
+    trace; the page skips them unread (no main-thread task holds a quarter of the thread's CPU over the run, as
+    parsing one would: a share, not milliseconds, which a loaded machine stretches), draws every step after
+    them, and its heap stays small (the lines are not kept)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from minipaged import web
@@ -483,7 +496,7 @@ def test_the_page_survives_64_mb_event_lines_of_an_older_server():
                            timeout_s=60)
             await asyncio.sleep(0.5)
             tasks = await main_thread_tasks(page)
-            return {"longest_cpu": max(cpu for _wall, cpu in tasks), "longest_wall": max(w for w, _c in tasks),
+            return {"longest_cpu": max(cpu for _wall, cpu in tasks), "longest_share": longest_task_share(tasks),
                     "heap": await heap_mb(page),
                     "huge_seen": await evaluate(page, "window.minipaged.head.requests.has('huge.0')"),
                     "connected": await evaluate(page, "window.minipaged.view.connected")}
@@ -494,6 +507,6 @@ def test_the_page_survives_64_mb_event_lines_of_an_older_server():
         httpd.shutdown()
         httpd.server_close()
     print("page under 64 MB lines:", seen)
-    assert seen["longest_cpu"] < 200, seen                       # ms
+    assert seen["longest_share"] < 0.25, seen                    # of the main thread's CPU
     assert seen["heap"] < 32, seen                               # MB, after three 64 MB lines
     assert not seen["huge_seen"] and seen["connected"], seen

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import httpx
 from textual.binding import Binding
-from textual.widgets import Input
+from textual.widgets import Footer, Input
 
 from minipaged.events import EngineInfo, StepEvent
 
@@ -224,12 +224,15 @@ class AttachRun:
 
 
 class AttachApp(WatchApp):
-    """The watch TUI on a live server, with a prompt box (``/`` focuses it, escape leaves it)."""
+    """The watch TUI on a live server, with a prompt box (``/`` focuses it, escape leaves it).
+
+    The box does not take the focus at start (``AUTO_FOCUS``): with it focused, ``q`` and the other keys were
+    letters in the box, and a class trial could not quit. It sits above the key bar, not docked over it."""
 
     TITLE = "minipaged watch --attach"
+    AUTO_FOCUS = None
     BINDINGS = WatchApp.BINDINGS + [Binding("slash", "focus_prompt", "Prompt", key_display="/"),
                                     Binding("escape", "leave_prompt", "Leave prompt", show=False)]
-    DEFAULT_CSS = "#prompt { dock: bottom; }"
 
     def __init__(self, attach: AttachRun, *, max_tokens: int = DEFAULT_PROMPT_MAX_TOKENS, **kwargs: Any) -> None:
         kwargs.setdefault("speed", 0.0)         # keep up with the server: it does not wait for the screen
@@ -239,9 +242,11 @@ class AttachApp(WatchApp):
         self.answers: list[tuple[str, str]] = []      # (request id, text) of the prompts sent from the box
 
     def compose(self):
-        yield from super().compose()
-        yield Input(placeholder="type a prompt and press enter: it joins the batch beside everyone else's (/)",
-                    id="prompt")
+        for widget in super().compose():
+            if isinstance(widget, Footer):
+                yield Input(placeholder="/ to type a prompt, enter sends it (it joins the batch beside everyone "
+                                        "else's), escape leaves the box", id="prompt")
+            yield widget
 
     def _engine_stepped(self, event: Union[StepEvent, EngineInfo, None]) -> None:
         if isinstance(event, EngineInfo):       # reconnected: start the picture over from the fresh snapshot

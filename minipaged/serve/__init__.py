@@ -173,7 +173,9 @@ def run_serve(args: argparse.Namespace) -> int:
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
           file=sys.stderr, flush=True)
     from .kv_publisher import exposure_note
-    from .teacher import setting_notes
+    from .teacher import setting_notes, settings_line
+    print(f"minipaged serve: {settings_line(settings.page, settings.api_key is not None)}", file=sys.stderr,
+          flush=True)
     notes = setting_notes(settings.page, settings.api_key is not None)
     for note in notes + ([exposure_note(kv_events)] if kv_events.enabled else []):
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)

@@ -335,7 +335,7 @@ class PagePrompt(BaseModel):
     prompt: str = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0)
-    stream: bool = True
+    stream: bool = False      # OpenAI's default: a script that leaves it out gets one JSON body; the page asks
 
 
 class ChatCompletionRequest(SamplingFields):

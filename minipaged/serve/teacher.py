@@ -161,6 +161,18 @@ def teacher_event(request_id: str) -> str:
     return f"event: teacher\ndata: {json.dumps({'request_id': request_id})}\n\n"
 
 
+def settings_line(page: PageSettings, has_key: bool) -> str:
+    """The teacher's settings in one line, printed when ``serve`` starts: the teacher sees what the class will get
+    (as the page shows students) without opening the page, and a mistyped flag shows before the lesson, not
+    in it."""
+    access = ("the page needs no key (--open-page)" if page.open_page else "every page needs --api-key") if has_key \
+        else "no --api-key: anyone may use the page and the API"
+    return (f"teacher's settings: student prompts {'on' if page.prompts else 'off'}"
+            + (f", at most {page.prompt_rate} a minute each" if page.prompt_rate else ", no rate limit")
+            + f"; answers up to {page.max_tokens} tokens, greedy (temperature up to {page.max_temperature} if asked)"
+            + f"; others' prompts and outputs {'hidden' if page.hide_others_text else 'shown'}; {access}")
+
+
 def setting_notes(page: PageSettings, has_key: bool) -> list[str]:
     """What ``serve`` tells the teacher at start when the page's settings will not do what they seem to."""
     notes = []
