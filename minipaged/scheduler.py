@@ -245,6 +245,11 @@ class Scheduler:
                 budget = self._schedule_running(out, budget)
                 if not out.preempted:
                     self._swap_in(out, budget)
+        return self._seal(out)
+
+    def _seal(self, out: SchedulerOutput) -> SchedulerOutput:
+        """What every step's plan carries whoever made it (lab 7 plans with a student's function): when each
+        request was first scheduled, and the ids that ended since the last step."""
         now = time.perf_counter()
         for chunk in out.chunks:
             if chunk.request.first_scheduled_time is None:

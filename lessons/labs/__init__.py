@@ -11,9 +11,11 @@ from .core import CheckResult, Lab, LabFailure, check_file, load_target, run_che
 
 
 def all_labs() -> list[Lab]:
-    """Every lab, in order (imported here, on demand: lab 4 needs torch)."""
-    from . import lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler
-    return [m.LAB for m in (lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler)]
+    """Every lab, in order (imported here, on demand: labs 4 and 5 need torch)."""
+    from . import (lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler, lab5_paged_attention,
+                   lab6_preemption, lab7_schedule)
+    return [m.LAB for m in (lab1_lru_queue, lab2_block_hash, lab3_priority, lab4_rejection_sampler,
+                            lab5_paged_attention, lab6_preemption, lab7_schedule)]
 
 
 def find_lab(number: int) -> Lab:

@@ -150,6 +150,36 @@ def inside_the_engine(cls: Any) -> None:
                              f"keep each free block in the queue exactly once?") from None
     expect(hit_tokens > 0 and kv.stats.evictions > 0,
            "a workload with shared prefixes got no cache hits or no evictions through your queue.")
+    evicts_the_least_recently_freed_prefix(cls)
+
+
+def evicts_the_least_recently_freed_prefix(cls: Any) -> None:
+    """Inside the KVCacheManager: A's prefix freed, then B's, then one new block needed: LRU evicts A's, never B's.
+
+    The balanced books above hold for any order, so without this an MRU queue (``popitem()``, last=True) passed
+    the engine check while the order check beside it failed: one queue, FAIL and PASS at once."""
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True, free_queue=cls)
+    params = SamplingParams(max_tokens=4)
+
+    def request(name: str, tokens: list[int]) -> Request:
+        return Request(name, tokens, params, 0, 0.0)
+
+    for name, tokens in (("A", [1, 2, 3, 4]), ("B", [5, 6, 7, 8])):     # two blocks each, freed A first
+        req = request(name, tokens)
+        expect(kv.allocate_slots(req, 4, 0), f"the pool of 4 blocks had no room for {name}'s 2 blocks.")
+        kv.free(req, forget_hashes=False)
+    expect(kv.allocate_slots(request("C", [9, 10]), 2, 0), "the pool had no block left for C (all were free).")
+    a_hit = kv.find_cached_prefix(request("A2", [1, 2, 3, 4, 0]))[1]
+    b_hit = kv.find_cached_prefix(request("B2", [5, 6, 7, 8, 0]))[1]
+    expect(not (b_hit < 4 and a_hit == 4),
+           "inside the engine: A's prefix was freed, then B's, then a new request needed one block, and your queue "
+           "evicted B's (freed last) while A's stayed cached: that is MRU, the most recently freed first. LRU "
+           "evicts the block freed longest ago, A's. Take from the front, append at the back.")
+    expect(b_hit == 4 and a_hit == 2,
+           f"inside the engine: A's 2-block prefix was freed, then B's, then a new request took one block. LRU "
+           f"evicts A's deeper block (a request frees its blocks tail first), so A keeps 2 cached tokens and B 4; "
+           f"your queue left A {a_hit} and B {b_hit}. A queue that hands out the block freed last (that is MRU: "
+           f"OrderedDict.popitem() takes from the back unless last=False) reuses blocks that were just freed.")
 
 
 def reference() -> Any:
