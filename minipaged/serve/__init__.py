@@ -3,8 +3,9 @@
 Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
 thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
 ``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``header_limit``
-(431 for headers too large), ``teacher`` (the teacher's controls over the page). FastAPI and uvicorn are
-imported only when the server runs, so other commands do not pay for them.
+(431 for headers too large), ``connections`` (open connections bounded, slow headers timed out), ``teacher``
+(the teacher's controls over the page). FastAPI and uvicorn are imported only when the server runs, so other
+commands do not pay for them.
 """
 from __future__ import annotations
 
@@ -179,9 +180,12 @@ def run_serve(args: argparse.Namespace) -> int:
     notes = setting_notes(settings.page, settings.api_key is not None)
     for note in notes + ([exposure_note(kv_events)] if kv_events.enabled else []):
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
-    from .header_limit import MAX_HEADER_BYTES, HeaderLimitProtocol
+    from .connections import connection_settings
+    from .header_limit import MAX_HEADER_BYTES
+    protocol, connections_line = connection_settings(args.max_connections, args.header_timeout)
+    print(f"minipaged serve: {connections_line}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                            timeout_graceful_shutdown=2, http=HeaderLimitProtocol,
+                            timeout_graceful_shutdown=2, http=protocol,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES, **NO_FORWARDED_HEADERS)
     try:
         DrainingServer(config, drain=app.state.drain).run()

@@ -17,8 +17,10 @@ methods included.
 Staying healthy under abuse: each request is bounded (``protocol.ServerLimits``, bodies by ``http_guards``),
 admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine thread
 is stuck or the server drains, and ``drain`` (on SIGTERM, see ``shutdown``) lets running requests finish for
-a while before ending the rest with an error event. There are no ``/docs``: Swagger's page would load its
-scripts from a CDN; ``/openapi.json`` describes the API (behind the key when one is set).
+a while before ending the rest with an error event. Connections are bounded (``connections``: a cap, a header
+timeout, ``/health`` always answered) and so are event streams (``event_hub.StreamLimits``). There are no
+``/docs``: Swagger's page would load its scripts from a CDN; ``/openapi.json`` describes the API (behind the key
+when one is set).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from ..outputs import RequestDelta
 from ..request import InvalidRequestError, check_token_ids
 from . import protocol as p
 from .async_engine import RECENT_PROMPTS, Accepted, AsyncEngine
-from .event_hub import Watcher, WatcherResponse
+from .event_hub import StreamLimits, Watcher, WatcherResponse
 from .fair_share import CLIENT, ClientQuotas
 from .host_check import HostCheck, allowed_hosts
 from .header_limit import HeaderLimit
@@ -88,6 +90,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     # a client that got its answer finds it counted.
     metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
     controls = PageControls(settings.page)             # the teacher's controls over the page (teacher.py)
+    limits = settings.limits                           # event streams never hold more than half the connections
+    streams = StreamLimits(limits.max_client_event_streams,
+                           min(limits.max_event_streams, max(1, limits.max_connections // 2)))
     async_engine.hide_text = settings.page.hide_others_text
     # Before the engine thread starts: the tokenizer routes take their own copy of the tokenizer (tokenization.py)
     tokenization = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
@@ -224,10 +229,12 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         teacher = TEACHER.get()
         watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
                           limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher))
-        controls.watch(watcher, teacher, CLIENT.get() or "local", has_key=bool(settings.api_key))   # may refuse
+        streams.admit(watcher, CLIENT.get() or "local", exempt=teacher)    # may refuse: 429 or 503
+        controls.watch(watcher, teacher)
         async_engine.watch(watcher)
 
         def unwatch() -> None:
+            streams.release(watcher)
             controls.unwatch(watcher)
             async_engine.unwatch(watcher)
         return WatcherResponse(watcher, SSE_HEADERS, on_end=unwatch,

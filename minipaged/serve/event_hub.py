@@ -28,8 +28,10 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 
+from .fair_share import on_this_machine
 from .limits import WATCHER_BUFFER_BYTES
 from .liveness import HEARTBEAT, goodbye_event
+from .protocol import ServerError
 
 logger = logging.getLogger("minipaged.serve")
 
@@ -181,6 +183,47 @@ class EventHub:
                 watcher.say(goodbye_event(goodbye))
             watcher.close()
         self.watchers = []
+
+
+class StreamLimits:
+    """How many ``/v1/events`` streams are open, per client and in all, with the refusals past the caps.
+
+    Why: each stream costs a snapshot on the engine thread, a backlog of up to ``--event-buffer-mb`` here and, when
+    its reader stops reading, the kernel's socket buffers: 240 streams that never read pinned 700-800 MB of TCP
+    memory and paused another client's stream for seconds. One client (an address: a class shares one API key)
+    past ``per_client`` gets 429, as a student with too many tabs; the API key's holder (the teacher) and this
+    machine (the teacher, a classroom's terminals, a benchmark, as in ``fair_share``) have no per-client bound.
+    Everyone together past ``total`` gets 503: the server is full, not the client at fault."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client, self.total = per_client, total
+        self.clients: dict[Watcher, Optional[str]] = {}     # open stream -> its client (None: not bounded)
+        self.counts: dict[str, int] = {}
+
+    def admit(self, watcher: Watcher, client: str, exempt: bool) -> None:
+        """Count ``watcher``, or raise the 503 or 429 that refuses it."""
+        if len(self.clients) >= self.total:
+            raise ServerError(503, f"this server already has {self.total} event streams open, the most it serves "
+                                   f"(minipaged serve --max-event-streams): retry in a while.",
+                              headers={"Retry-After": "5"})
+        bounded = None if exempt or on_this_machine(client) else client
+        if bounded is not None:
+            if self.counts.get(bounded, 0) >= self.per_client:
+                raise ServerError(429, f"this client already has {self.per_client} event streams open, the most "
+                                       f"one client may (minipaged serve --max-client-event-streams): close another "
+                                       f"tab of the page first.", headers={"Retry-After": "5"})
+            self.counts[bounded] = self.counts.get(bounded, 0) + 1
+        self.clients[watcher] = bounded
+
+    def release(self, watcher: Watcher) -> None:
+        """The stream ended, however it ended (twice is harmless)."""
+        if watcher not in self.clients:
+            return
+        client = self.clients.pop(watcher)
+        if client is not None:
+            self.counts[client] -= 1
+            if self.counts[client] <= 0:
+                del self.counts[client]                 # a client with no stream costs no memory
 
 
 class WatcherResponse(Response):

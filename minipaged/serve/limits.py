@@ -21,8 +21,8 @@ def limit(default: int, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for. Each field is a ``minipaged serve`` flag of the same name with dashes
-    (``max_n`` -> ``--max-n``), its help the field's, which a refusal names (``flag``)."""
+    """What one request (or connection, or client) may ask for. Each field is a ``minipaged serve`` flag of the
+    same name with dashes (``max_n`` -> ``--max-n``), its help the field's, which a refusal names (``flag``)."""
 
     # samples per request (vLLM-like servers cap n near this)
     max_n: int = limit(128, "the most samples (n) one request may ask for")
@@ -49,6 +49,17 @@ class ServerLimits:
     # (the LM head over the prompt's rows costs like prefill, and is chunked with it).
     max_prompt_logprobs: int = limit(16_384, "the most prompt log-probability entries one prompt may ask for: "
                                              "prompt tokens x (prompt_logprobs + 1), echo with logprobs included")
+
+    # Connections and event streams (connections.py, event_hub.StreamLimits): what one client, or all of them,
+    # may hold open. An adversarial review's 1,100 silent sockets used up 1,024 file descriptors.
+    max_connections: int = limit(1024, "the most open connections; requests on more get 503 (/health still "
+                                       "answers); lowered at start-up to what the file-descriptor limit allows")
+    header_timeout: int = limit(10, "seconds a connection may take to send a request's line and headers (from "
+                                    "opening, or from its last answer) before it is closed")
+    max_event_streams: int = limit(128, "the most /v1/events streams open at once (at most half of "
+                                        "--max-connections); more get 503")
+    max_client_event_streams: int = limit(4, "the most /v1/events streams one client (address) may hold open; "
+                                             "more get 429 (the API key's holder and this machine: no bound)")
 
     @staticmethod
     def flag(name: str) -> str:

@@ -33,14 +33,14 @@ from typing import Any, Callable, Optional
 
 from ..events import StepEvent
 from .event_hub import Watcher
-from .limits import PageSettings
+from .limits import PageSettings, ServerLimits
 from .protocol import ServerError
 
 TEACHER: ContextVar[bool] = ContextVar("minipaged_teacher", default=False)   # set by http_guards.ApiKeyCheck
 JSON_SEPARATORS = (",", ":")             # as StepEvent.to_json writes events
 WINDOW_S = 60.0                          # --page-prompt-rate counts prompts in the last minute
 RECENT_TEACHER_REQUESTS = 64             # a presenter page that connects late still finds these
-STUDENT_STREAMS = 4                      # event streams one student may hold open on a keyed server (tabs)
+STUDENT_STREAMS = ServerLimits().max_client_event_streams   # event streams one student may hold open (tabs)
 # Under /v1 (behind the key) unless --open-page: the page's own routes.
 PAGE_ROUTES = ("/v1/events", "/v1/page/prompt", "/v1/page/settings")
 PAGE_ROUTE_PREFIXES = ("/v1/events/prompts/",)
@@ -87,7 +87,6 @@ class PageControls:
         self.rate = PromptRate(settings.prompt_rate) if settings.prompt_rate else None
         self.teacher_requests: deque[str] = deque(maxlen=RECENT_TEACHER_REQUESTS)
         self.teacher_watchers: set[Watcher] = set()     # event streams opened with the key (on the event loop)
-        self.student_streams: dict[Watcher, str] = {}   # keyed server: streams opened without the key -> client
 
     def admit(self, client: str, teacher: bool, max_tokens: Optional[int], temperature: Optional[float]) -> None:
         """Refuse a page prompt the teacher's settings do not allow (403 off, 429 over the rate, 400 over a cap).
@@ -126,28 +125,17 @@ class PageControls:
                 "others_text": "hidden" if s.hide_others_text else "shown", "teacher": teacher,
                 "presenter_available": has_key}
 
-    def watch(self, watcher: Watcher, teacher: bool, client: str, has_key: bool) -> None:
+    def watch(self, watcher: Watcher, teacher: bool) -> None:
         """A new event stream: the teacher's is told the teacher's recent requests (a presenter page that comes
-        late), and each new one as it is accepted (``sent_by_teacher``).
-
-        On a keyed server, streams opened without the key (``--open-page``) are counted per student and refused
-        past STUDENT_STREAMS: each holds a backlog of up to ``--event-buffer-mb`` and costs the engine thread a
-        snapshot, and without the key nothing else bounds how many one student opens. (Without a key anyone may
-        do anything, the API included: no limit is added there.)"""
+        late), and each new one as it is accepted (``sent_by_teacher``). How many streams a student may hold is
+        ``event_hub.StreamLimits``' to say, keyed server or not."""
         if teacher:
             self.teacher_watchers.add(watcher)
             for request_id in self.teacher_requests:
                 watcher.say(teacher_event(request_id))
-        elif has_key:
-            if sum(1 for other in self.student_streams.values() if other == client) >= STUDENT_STREAMS:
-                raise ServerError(429, f"this client already has {STUDENT_STREAMS} event streams open, the most a "
-                                       "student may: close another tab of the page first.",
-                                  headers={"Retry-After": "5"})
-            self.student_streams[watcher] = client
 
     def unwatch(self, watcher: Watcher) -> None:
         self.teacher_watchers.discard(watcher)
-        self.student_streams.pop(watcher, None)
 
     def sent_by_teacher(self, request_id: str) -> None:
         """The teacher's request was accepted: the presenter view follows it."""
