@@ -82,6 +82,27 @@ def server_process(model: str, *flags: str, log_path: str) -> Iterator[tuple[str
             stop_process(proc, grace_s=5.0)
 
 
+def victim_stream(url: str, stop, times: list, errors: list) -> None:
+    """Another client's stream, kept running until ``stop`` is set (a new one when one ends): each token's arrival
+    time goes into ``times``, anything that went wrong into ``errors`` (for the caller to assert: this runs in a
+    thread of its own)."""
+    import json
+    body = {"prompt": "victim", "max_tokens": 1500, "ignore_eos": True, "stream": True, "temperature": 0}
+    try:
+        while not stop.is_set():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if "error" in json.loads(line[6:]):
+                            raise AssertionError(f"the victim got an error: {line}")
+                        times.append(time.monotonic())
+                    if stop.is_set():
+                        break
+    except Exception as exc:          # asserted by the caller
+        errors.append(repr(exc))
+
+
 def openai_client(url: str):
     """The real openai client against a test server: a minute per call, no retries (a retry would hide a 503)."""
     import openai

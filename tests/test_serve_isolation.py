@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_util import openai_client, running_server, wait_until_idle
+from serve_util import openai_client, running_server, victim_stream, wait_until_idle
 
 MAX_PAUSE_S = 1.0
 MAX_BAD_WORDS = 256                  # the defaults: the tests check the refusals name them
@@ -69,22 +69,6 @@ def victim(server: str) -> Iterator[dict]:
     stop = threading.Event()
     seen: dict = {"times": [], "health": [], "errors": []}
 
-    def stream() -> None:
-        body = {"prompt": "victim", "max_tokens": 1500, "ignore_eos": True, "stream": True, "temperature": 0}
-        try:
-            while not stop.is_set():
-                with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as response:
-                    assert response.status_code == 200, response.read()
-                    for line in response.iter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            if "error" in json.loads(line[6:]):
-                                raise AssertionError(f"the victim got an error: {line}")
-                            seen["times"].append(time.monotonic())
-                        if stop.is_set():
-                            break
-        except Exception as exc:       # recorded, asserted below
-            seen["errors"].append(repr(exc))
-
     def health() -> None:
         while not stop.is_set():
             try:
@@ -93,7 +77,8 @@ def victim(server: str) -> Iterator[dict]:
                 seen["health"].append(repr(exc))
             time.sleep(0.1)
 
-    threads = [threading.Thread(target=stream), threading.Thread(target=health)]
+    threads = [threading.Thread(target=victim_stream, args=(server, stop, seen["times"], seen["errors"])),
+               threading.Thread(target=health)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30

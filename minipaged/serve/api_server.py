@@ -7,12 +7,13 @@ asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged
 and ``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
-checks), hands a ``prepare`` function to the engine thread (``async_engine``), which tokenises, checks the
-context length and queues the request; from then on the handler relays what each step produced. A
-streamed choice gets ``finish_reason`` only in its last chunk; with ``stream_options.include_usage`` a
-last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the stream, as OpenAI's and
-vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON, parse errors, unknown paths and wrong
-methods included.
+checks), tokenises the prompt on a worker thread of its own (``tokenization``: a text too long for the context
+is refused by its length first), then hands a ``prepare`` function to the engine thread (``async_engine``),
+which checks what the engine's state decides and queues the token ids; from then on the handler relays what
+each step produced. A streamed choice gets ``finish_reason`` only in its last chunk; with
+``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the
+stream, as OpenAI's and vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON, parse errors, unknown
+paths and wrong methods included.
 
 Staying healthy under abuse: each request is bounded (``protocol.ServerLimits``, bodies by ``http_guards``),
 admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine thread
@@ -97,6 +98,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     # Before the engine thread starts: the tokenizer routes take their own copy of the tokenizer (tokenization.py)
     tokenization = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
                                 engine.config.max_model_len)
+    # ... and generation's prompts another (its own thread: a long /tokenize does not hold up a chat's prompt)
+    prompts = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
+                           engine.config.max_model_len, thread_name="minipaged-prompts")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,6 +108,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         yield
         async_engine.stop()
         tokenization.close()
+        prompts.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
@@ -274,8 +279,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                        temperature=0.0 if body.temperature is None else body.temperature)
         try:
             return await chat_completions(chat, request)
-        except (p.ServerError, InvalidRequestError):     # refused before it ran (too long, the server busy)
-            controls.refused(client, teacher)
+        except p.ServerError as exc:
+            # Only "the server is busy or draining" gives the prompt back: a prompt refused for itself (too long
+            # for the context) cost its tokenising, and given back it could be sent again without end (issue 48).
+            if exc.status == 503:
+                controls.refused(client, teacher)
             raise
 
     # ---------------------------------------------------------------- the live view (static files)
@@ -305,20 +313,29 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         echo = Echo(echo_only) if body.echo else None
 
-        def prepare_for(index: int, prompt: Union[str, list[int]]) -> Any:
-            def prepare(eng: Any) -> tuple[list[int], Any]:
-                if not isinstance(prompt, str):               # before decoding them for echo
-                    check_token_ids("prompt", prompt, eng.inputs.vocab_size)
-                token_ids = list(eng.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
-                check_context(len(token_ids), max_tokens, max_model_len)
-                body.check_prompt_logprobs(params, len(token_ids), settings.limits)
-                if echo is not None:                      # the engine thread decodes (the tokenizer lives there)
-                    echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else eng.tokenizer.decode(
-                        token_ids))
-                return token_ids, params
+        async def prompt_ids(index: int, prompt: Union[str, list[int]]) -> list[int]:
+            """One prompt's token ids and checks, off the engine thread (tokenising and echo's decoding on the
+            ``prompts`` worker)."""
+            if isinstance(prompt, str):
+                token_ids = await prompts.encode(prompt)
+            else:
+                check_context(len(prompt), max_tokens, max_model_len)   # the length first, then each id
+                check_token_ids("prompt", prompt, engine.inputs.vocab_size)
+                token_ids = list(prompt)
+            check_context(len(token_ids), max_tokens, max_model_len)
+            body.check_prompt_logprobs(params, len(token_ids), settings.limits)
+            if echo is not None:
+                echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else await prompts.decode(
+                    token_ids))
+            return token_ids
+
+        def prepare_for(token_ids: list[int]) -> Any:
+            def prepare(_eng: Any) -> tuple[list[int], Any]:
+                return token_ids, params                  # the engine thread only queues them
             return prepare
-        return await respond("completion", body, [prepare_for(i, pr) for i, pr in enumerate(body.prompts())],
-                             request, echo)
+        async_engine.check_admission(body.num_samples())  # a busy server says so before it tokenises
+        all_ids = [await prompt_ids(i, pr) for i, pr in enumerate(body.prompts())]
+        return await respond("completion", body, [prepare_for(ids) for ids in all_ids], request, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
@@ -327,14 +344,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         await parse_grammar(body.sampling_params(asked or max(1, body.min_tokens)))   # bad values fail here
+        async_engine.check_admission(body.num_samples())  # a busy server says so before it tokenises
+        try:                                              # the template and the tokenizer, off the engine thread
+            token_ids = await prompts.chat(messages, body.continue_final_message)
+        except InvalidRequestError:                       # no template at all: its own message says what to send
+            raise
+        except (TemplateError, ValueError) as exc:        # e.g. roles that the template does not take, or
+            # continue_final_message with a last message the template leaves out
+            raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
+                                "messages") from None
 
         def prepare(eng: Any) -> tuple[list[int], Any]:
-            try:
-                token_ids = eng.inputs.chat_prompt(messages, body.continue_final_message)
-            except (TemplateError, ValueError) as exc:    # e.g. roles that the template does not take, or
-                # continue_final_message with a last message the template leaves out
-                raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
-                                    "messages") from None
             if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
                 if len(token_ids) >= max_model_len:
                     raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "

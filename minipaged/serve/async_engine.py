@@ -6,9 +6,11 @@ handlers run on the asyncio event loop and talk to that thread through a command
     handler --submit(request_id, prepare)--> command queue --> engine thread: prepare, add_request
     handler <--Accepted / RequestDelta / error-- its asyncio.Queue <-- engine thread: step().outputs
 
-``prepare`` runs in the engine thread (tokenising uses the engine's tokenizer, which the detokenizer uses
-there too; fast tokenizers must not be used from two threads at once). A handler whose client goes away
-sends an abort command; the engine thread aborts the request before its next step, which frees its blocks.
+``prepare`` runs in the engine thread and should only check what the engine's state decides: the routes
+tokenise before they submit, on a worker with a tokenizer of its own (``tokenization``; fast tokenizers must not
+be used from two threads at once, and the engine's is the detokenizer's), so no prompt's tokenising pauses a step.
+A handler whose client goes away sends an abort command; the engine thread aborts the request before its next
+step, which frees its blocks.
 Clients' tokens come from what ``step()`` returns (its ``outputs``: one ``RequestDelta`` per request that
 changed). Observers get the step's ``StepEvent``: the engine thread serialises it, once, for ``/v1/events``;
 ``event_hub`` fans the bytes out to the watchers on the event loop.

@@ -11,6 +11,14 @@ own copy of the engine's tokenizer, taken before the engine thread starts: a fas
 from two threads at once (``async_engine``), so the copy is never shared, and the single worker never uses it
 twice at once. The tokens are the engine's: the same functions (``input_processor.encode_text`` and
 ``render_chat``) make a completion's and a chat's prompt.
+
+Completions' and chats' prompts are tokenised the same way, on a second such worker (``prompts`` in
+``api_server``), before the request is submitted: the engine thread only queues token ids (issue 48: a few-MB
+prompt tokenised there paused every stream for seconds). A worker of its own, so that a long text sent to
+``/tokenize`` (counted, never refused) does not hold up the next chat. Tokenizers' Rust code lets go of the GIL
+while it encodes, so the engine thread keeps stepping meanwhile. Before any of that, ``check_prompt_chars``
+refuses a text with more characters than the context's tokens could ever cover, so the worker is never busy
+for long with a prompt that would be refused anyway.
 """
 from __future__ import annotations
 
@@ -30,11 +38,14 @@ from . import protocol as p
 class Tokenization:
     """The three routes' work, on the front end's own tokenizer and thread."""
 
-    def __init__(self, tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int,
+                 thread_name: str = "minipaged-tokenize") -> None:
         self.tokenizer = copy.deepcopy(tokenizer)         # the engine thread keeps the original
         self.model_name, self.vocab_size, self.max_model_len = model_name, vocab_size, max_model_len
         self.info = tokenizer_info(self.tokenizer)        # fixed for the server's life: built once
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minipaged-tokenize")
+        self.chars_per_token = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = max_model_len * self.chars_per_token
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -42,6 +53,36 @@ class Tokenization:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
+    # ------------------------------------------------------------ generation's prompts (the ``prompts`` worker)
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenising, a text that cannot fit the context: no token covers more than
+        ``chars_per_token`` characters, so a text longer than ``max_model_len`` times that has more tokens than the
+        context holds. (Generous on purpose: a prompt that fits is never refused here; one over the context by less
+        is tokenised and refused by its token count, as before.)"""
+        if num_chars > self.max_prompt_chars:
+            raise p.ServerError(400, f"This model's maximum context length is {self.max_model_len} tokens, and this "
+                                     f"prompt has {num_chars} characters: more than any text that fits (no token of "
+                                     f"this model spans more than {self.chars_per_token} characters, so at most "
+                                     f"{self.max_prompt_chars} characters can). Please reduce the length of the "
+                                     f"{param} (POST /tokenize counts a text's tokens).", param)
+
+    async def encode(self, text: str) -> list[int]:
+        """A completion's text prompt, as the engine would tokenise it (with the tokenizer's special tokens)."""
+        self.check_prompt_chars(len(text), "prompt")
+        return await self._run(encode_text, self.tokenizer, text)
+
+    async def chat(self, messages: list[dict[str, Any]], continue_final_message: bool) -> list[int]:
+        """A chat's prompt through the template, as ``InputProcessor.chat_prompt`` makes it: a generation prompt
+        unless the last message is continued; a template's refusal (``TemplateError``, ``ValueError``) is raised."""
+        self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        return await self._run(render_chat, self.tokenizer, self.model_name, messages, not continue_final_message,
+                               continue_final_message)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (completions' ``echo`` of a prompt of ids)."""
+        return await self._run(self.tokenizer.decode, token_ids)
+
+    # ------------------------------------------------------------ vLLM's tokenizer routes
     async def tokenize(self, body: p.TokenizeRequest) -> dict[str, Any]:
         """vLLM's ``TokenizeResponse``. A prompt longer than the context is counted, not refused: lm-eval
         tokenizes whole documents and cuts them into windows itself; ``count`` and ``max_model_len`` let a
@@ -76,6 +117,15 @@ class Tokenization:
         (and bound) as a completions prompt of token ids."""
         check_token_ids("tokens", body.tokens, self.vocab_size)
         return {"prompt": await self._run(self.tokenizer.decode, body.tokens)}
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: its vocabulary's longest entry (a byte-level
+    vocabulary spells each byte as one character, sentencepiece's a space as one, byte-fallback's a byte as six:
+    never fewer characters than the text they decode to), added tokens included. Measured, not guessed: the
+    prompt length bound built on it refuses nothing that fits."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(piece) for piece in vocab), default=16) or 16
 
 
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
