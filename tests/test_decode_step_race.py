@@ -125,6 +125,7 @@ def test_bench_calibrate_measures_again_and_rewrites_the_cache(tiny_model_untied
     assert again.calls > 0
     out = capsys.readouterr().out
     assert "decode_step" in out and "the layer loop as one call" in out and str(path) in out
+    assert "decode_step@1" in out.split("medians:")[1]                       # the medians it decided by
     assert cached_files(tmp_path) == [path] and json.loads(path.read_text())["choice"] == vars(CpuChoice())
     later = measuring(FakeTimer({COMPILED: 2.0, TORCH: 1.0}))
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)

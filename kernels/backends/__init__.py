@@ -39,13 +39,15 @@ def triton_available() -> bool:
 
 
 def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None, cpu_ops: Optional[str] = None,
-                    compiled_decode: bool = True, remeasure: bool = False) -> CpuBackend:
+                    compiled_decode: bool = True, remeasure: bool = False,
+                    record: Optional[dict] = None) -> CpuBackend:
     """The cpu backend for a model of ``shapes``, each op from the side that measured faster here (or from the
     side ``cpu_ops`` names), and the decode step's layer loop one call where the whole step measured faster so.
-    ``remeasure``: measure again even where a verdict is cached, and cache the new one (``bench calibrate``)."""
+    ``remeasure``: measure again even where a verdict is cached, and cache the new one; ``record``: filled with
+    the medians measured (both for ``bench calibrate``)."""
     choice, source = calibrated_choice(shapes, shapes.head_dim, timer, cpu_ops,
                                        step_race=lambda choice, races: race_decode_step(shapes, choice, races),
-                                       remeasure=remeasure)
+                                       remeasure=remeasure, record=record)
     return CpuBackend(shapes.head_dim, choice, source, compiled_decode)
 
 

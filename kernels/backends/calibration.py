@@ -390,12 +390,13 @@ def measure(shapes: ModelShapes, head_dim: int, timer: Timer,
 
 def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer] = None,
                       cpu_ops: Optional[str] = None, step_race: Optional[StepRace] = None,
-                      remeasure: bool = False) -> tuple[CpuChoice, str]:
+                      remeasure: bool = False, record: Optional[dict[str, Any]] = None) -> tuple[CpuChoice, str]:
     """The verdict for these shapes on this machine (cached, else measured now with ``timer``, by default the
     wall clock) and where it came from; ``cpu_ops`` (the engine option, None: ``DEFAULT_CPU_OPS``) may take
     every op from one side instead, without measuring. ``step_race`` decides the compiled layer loop by timing
     the whole decode step (``measure``); ``remeasure`` ignores a cached verdict and overwrites it
-    (``minipaged bench calibrate``). A measurement whose races stayed noisy is used but not cached."""
+    (``minipaged bench calibrate``, which also passes ``record``: filled with what was measured, cached or not).
+    A measurement whose races stayed noisy is used but not cached."""
     forced = DEFAULT_CPU_OPS if cpu_ops is None else cpu_ops
     if forced == COMPILED:
         return CpuChoice(), "every op compiled: cpu_ops='compiled'"
@@ -410,17 +411,19 @@ def calibrated_choice(shapes: ModelShapes, head_dim: int, timer: Optional[Timer]
     # (the module's wall_clock looked up now, not bound at definition: tests replace it)
     choice, medians_ms, races = measure(shapes, head_dim, timer or wall_clock, step_race)
     seconds = time.perf_counter() - start
+    measured = {"choice": dataclasses.asdict(choice), "median_ms": medians_ms, "seconds": round(seconds, 2),
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "shapes": dataclasses.asdict(shapes),
+                "retried": races.retried}
+    if record is not None:
+        record.update(measured, noisy=dict(races.noisy))
     if races.noisy:
         worst = ", ".join(f"{op} {spread:.0%}" for op, spread in sorted(races.noisy.items()))
         return choice, (f"measured now in {seconds:.1f} s, not cached: the machine was busy (repeats disagreed "
                         f"after {races.retried} retries: {worst}); the next start measures again")
-    record = {"choice": dataclasses.asdict(choice), "median_ms": medians_ms, "seconds": round(seconds, 2),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "shapes": dataclasses.asdict(shapes),
-              "retried": races.retried}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
+        tmp.write_text(json.dumps(measured, indent=1))
         os.replace(tmp, path)
     except OSError:
         return choice, f"measured now in {seconds:.1f} s (not cached: {path.parent} is not writable)"

@@ -130,4 +130,4 @@ class _Step:
         return run
 
 
-__all__ = ["race_decode_step", "OP", "PER_OP", "TORCH"]
+__all__ = ["race_decode_step", "OP", "PER_OP"]

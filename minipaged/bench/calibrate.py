@@ -9,7 +9,6 @@ and prints the verdicts with the medians they came from.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from ..options import MODEL_HELP
@@ -40,7 +39,7 @@ def model_shapes(model: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from ..config import EngineConfig
     from ..kernels.backends import cpu_backend_for
-    from ..kernels.backends.calibration import MEASURE, cache_path, read_cached
+    from ..kernels.backends.calibration import MEASURE
     from ..kernels.build import cpu_kernel_problem
     from ..memory import apply_num_threads
     try:
@@ -50,13 +49,12 @@ def run(args: argparse.Namespace) -> int:
     if problem := cpu_kernel_problem(shapes.head_dim):
         raise BenchError(f"the compiled CPU kernels are unavailable here: {problem}")
     threads = apply_num_threads(EngineConfig(model=args.model, num_threads=args.num_threads))
-    backend = cpu_backend_for(shapes, cpu_ops=MEASURE, remeasure=True)
+    measured: dict[str, Any] = {}
+    backend = cpu_backend_for(shapes, cpu_ops=MEASURE, remeasure=True, record=measured)
     print(f"{args.model}, {threads} thread(s): {backend.describe()}")
     for op, verdict in vars(backend.choice).items():
         print(f"  {op:20} {verdict}")
-    record = read_cached(cache_path(shapes, shapes.head_dim))
-    if record is not None and "cached in" in backend.source:
-        for op, medians in record["median_ms"].items():
-            print(f"  {op:20} " + ", ".join(f"{option} {ms:.3f} ms" for option, ms in medians.items()))
-        print(json.dumps({"cache": str(cache_path(shapes, shapes.head_dim))}))
+    print("medians:")
+    for op, medians in measured.get("median_ms", {}).items():
+        print(f"  {op:20} " + ", ".join(f"{option} {ms:.3f} ms" for option, ms in medians.items()))
     return 0
