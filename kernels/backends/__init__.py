@@ -18,6 +18,7 @@ from ..build import cpu_kernel_problem
 from .base import Backend, ModelShapes
 from .calibration import ALL_TORCH, COMPILED, IN_OUT, TORCH, CpuChoice, Timer, calibrated_choice
 from .cpu_backend import CpuBackend
+from .step_race import race_decode_step
 from .torch_backend import TORCH_BACKEND, TorchBackend
 from .triton_backend import TritonBackend
 
@@ -38,10 +39,15 @@ def triton_available() -> bool:
 
 
 def cpu_backend_for(shapes: ModelShapes, timer: Optional[Timer] = None, cpu_ops: Optional[str] = None,
-                    compiled_decode: bool = True) -> CpuBackend:
+                    compiled_decode: bool = True, remeasure: bool = False,
+                    record: Optional[dict] = None) -> CpuBackend:
     """The cpu backend for a model of ``shapes``, each op from the side that measured faster here (or from the
-    side ``cpu_ops`` names)."""
-    choice, source = calibrated_choice(shapes, shapes.head_dim, timer, cpu_ops)
+    side ``cpu_ops`` names), and the decode step's layer loop one call where the whole step measured faster so.
+    ``remeasure``: measure again even where a verdict is cached, and cache the new one; ``record``: filled with
+    the medians measured (both for ``bench calibrate``)."""
+    choice, source = calibrated_choice(shapes, shapes.head_dim, timer, cpu_ops,
+                                       step_race=lambda choice, races: race_decode_step(shapes, choice, races),
+                                       remeasure=remeasure, record=record)
     return CpuBackend(shapes.head_dim, choice, source, compiled_decode)
 
 

@@ -13,8 +13,10 @@ slowly through torch, each used only where it measured faster than torch on this
                      vocabulary slices;
   layer ops          cpu_layer_ops.c: norm with the residual add, RoPE with the K/V write, SiLU times up;
   argmax             cpu_argmax.c;
-  a decode step      cpu_decode_layers.c: for a step of one to seven decode rows where every kernel above is the
-                     compiled one, the model's whole layer loop as one call (the CPU's CUDA graph);
+  a decode step      cpu_decode_layers.c: for a step of one to seven decode rows, the model's whole layer loop as
+                     one call (the CPU's CUDA graph), where the whole step raced faster that way than op by op
+                     (step_race.py: the verdict's ``decode_step``); it runs every op compiled, whatever the
+                     per-op verdicts, which keep choosing the ops of every other step;
   int8 linear        (``--quantization int8``) cpu_int8_matvec.c and the tiled multiply for one to seven rows,
                      always (they read a quarter of fp32's bytes): for one to three rows, the one-row loop over
                      activations in fixed point or the widening one, whichever measured faster; for more, the
@@ -75,11 +77,10 @@ class CpuBackend(TorchBackend):
                                 tiled_many_rows=choice.int8_batch_linear == COMPILED,
                                 fixed_point=choice.int8_one_row == FIXED_POINT)
         self._argmax = CpuArgmax(head_dim) if choice.argmax == COMPILED else torch_argmax
-        # The layer loop in one call needs every kernel it replays to be the chosen one (fp32 matmuls: the few-row
-        # verdict; int8's are always compiled for a few rows).
-        replays_choice = every_op_compiled and choice.decode_attention == COMPILED
+        # The layer loop in one call where the whole decode step raced faster so (not where each op it replays
+        # won its own race: a near-tie on one op said nothing of the step); the engine option may turn it off.
         self._decode_layers = (cpu_decode_layers.CompiledDecodeLayers(head_dim)
-                               if replays_choice and compiled_decode else None)
+                               if choice.decode_step == COMPILED and compiled_decode else None)
 
     def __reduce__(self) -> tuple:
         # Sent to tensor-parallel workers inside each step's metadata: rebuilt there from the verdict.
@@ -109,8 +110,9 @@ class CpuBackend(TorchBackend):
                       kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> Optional[torch.Tensor]:
         compiled = self._decode_layers
         done = None
-        if (compiled is not None and not _profiling()         # (a profile shows the loop's parts)
-                and (isinstance(model.layers[0].qkv, Int8Weight) or self.choice.few_row_linear == COMPILED)):
+        # (a profile shows the loop's parts; fp32 weights stored [in, out] for torch are not what the loop reads)
+        if (compiled is not None and not _profiling()
+                and (isinstance(model.layers[0].qkv, Int8Weight) or self.choice.few_row_linear != IN_OUT)):
             done = compiled(model, h, cos, sin, meta, kv_cache, plan,
                             fixed_point=self.choice.int8_one_row == FIXED_POINT, before_call=meta.before_model_call)
         if done is None:

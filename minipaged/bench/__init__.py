@@ -2,7 +2,8 @@
 
 One module per subcommand: ``throughput`` (an offline batch, optionally against transformers' ``generate``),
 ``latency`` (a batch-size sweep split into prefill and decode) and ``serve`` (an OpenAI-compatible server
-under Poisson load); ``compare`` sets results side by side. ``requests`` makes the workloads,
+under Poisson load); ``compare`` sets results side by side; ``calibrate`` measures the cpu backend's choices
+again and overwrites their cached verdict. ``requests`` makes the workloads,
 ``run`` drives the engine, ``report`` writes JSON and pictures, ``baseline`` is the transformers reference.
 
 The repository's ``bench/`` scripts, which produce the docs' figures, take what they share from here too:
@@ -16,11 +17,11 @@ import sys
 
 from .requests import BenchError
 
-SUBCOMMANDS = ("throughput", "latency", "serve", "compare")
+SUBCOMMANDS = ("throughput", "latency", "serve", "compare", "calibrate")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import compare, latency, serve, throughput
+    from . import calibrate, compare, latency, serve, throughput
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     from ..options import HelpFormatter as fmt
     throughput.add_arguments(sub.add_parser("throughput", formatter_class=fmt, description=throughput.__doc__,
@@ -31,11 +32,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                                        help="TTFT, TPOT, ITL and throughput of an OpenAI-compatible server"))
     compare.add_arguments(sub.add_parser("compare", formatter_class=fmt, description=compare.__doc__,
                                          help="side-by-side table (and plot) of bench results"))
+    calibrate.add_arguments(sub.add_parser("calibrate", formatter_class=fmt, description=calibrate.__doc__,
+                                           help="measure the cpu backend's op choices again and cache them"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from . import compare, latency, serve, throughput
-    commands = {"throughput": throughput.run, "latency": latency.run, "serve": serve.run, "compare": compare.run}
+    from . import calibrate, compare, latency, serve, throughput
+    commands = {"throughput": throughput.run, "latency": latency.run, "serve": serve.run, "compare": compare.run,
+                "calibrate": calibrate.run}
     command = commands[args.bench_command]
     try:
         return command(args)
