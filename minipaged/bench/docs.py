@@ -296,6 +296,12 @@ def spec_verify_cost_table(record: dict[str, Any]) -> str:
             + markdown_table(["part", "decode step", "verify step"], step_rows))
 
 
+def one_request_table(r: dict[str, Any]) -> str:
+    """bench/one_request.py: each tree's best and median speed, and its best over the working tree's."""
+    rows = [(name, t["commit"], t["best"], t["median"], t["best_over_working_tree"]) for name, t in r["trees"].items()]
+    return markdown_table(["tree", "commit", "best tok/s", "median tok/s", "best / working tree's"], rows, ".2f")
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "spec_decode_load": spec_decode_load_table,
@@ -303,7 +309,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
     "long_prefill": long_prefill_table,
-    "spec_verify_cost": spec_verify_cost_table}
+    "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
