@@ -15,7 +15,8 @@ another request computed.
 **The change log.** Every change is appended to ``log`` as a small plain record (below) and nothing else: the
 pool does not know who watches. Observers (``minipaged.kv_recorder``: the step event's block changes, vLLM's
 KV cache events, the explanations of prefix-cache misses) fold the log once a step, outside the core. One
-log, one writer, in the order things happened: that order is what lets an observer rebuild the block map.
+log, written by the pool and the KV cache manager above it (nobody else), in the order things happened: that
+order is what lets an observer rebuild the block map.
 """
 from __future__ import annotations
 

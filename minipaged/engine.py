@@ -121,6 +121,7 @@ class Engine:
         ended += self.core.finish_requests(self.outputs.take_failed(), RequestStatus.FINISHED_ABORTED)
         self._finish(ended, time.perf_counter())
         drained = self.outputs.drain()                     # the step's deltas, and the same as observers see it
+        self.core.drop_finished_state()                    # idle now: nothing waits for a next step to drop it
         event = self.recorder.record(core_out, drained, start)
         if self.speculator is not None and core_out.scheduler_output is not None:   # the automatic k learns
             self.speculator.observe_step(core_out.scheduler_output.chunks, event.duration_s, event.draft_s)
@@ -174,8 +175,8 @@ class Engine:
 
     @property
     def counters(self) -> dict[str, float]:
-        """Running totals only: steps, tokens, preemptions, seconds ... (they only grow)."""
-        return self.core.counters.totals
+        """Running totals only: steps, tokens, preemptions, finished requests, seconds ... (they only grow)."""
+        return {**self.core.counters.totals, "requests_finished": self.core.scheduler.num_finished}
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals, as every StepEvent carries."""

@@ -9,13 +9,14 @@
 The front end (``engine.py``: input and output processors) sends requests in with ``add_request`` and ends
 them with ``finish_requests`` (a stop string it found in the text, an abort); both reach the scheduler's one
 way a request ends. Per-request state of the forward pass is dropped by the executor on the next scheduler
-output's ``finished_req_ids``, so nobody here calls ``forget``.
+output's ``finished_req_ids`` (or, when the engine goes idle, at once: ``drop_finished_state``).
 
 Async output processing (``async_output_processing=True``, vLLM v0's name for it): ``step()`` starts step N's
 forward pass in a model thread and returns step N-1's outputs at once, so that the front end turns them into
 text, stop strings, deltas and the event while N computes. The next ``step()`` joins N, accounts for it and
-schedules N+1 (scheduling waits for the join: nothing touches blocks meanwhile). A stop string found in N-1's
-text ends a request that N is computing a token for: ``update_from_output`` skips it, as if never generated.
+schedules N+1 (scheduling waits for the join: nothing allocates blocks meanwhile; the front end may free some,
+ending requests). A stop string found in N-1's text ends a request that N is computing a token for:
+``update_from_output`` skips it, as if never generated.
 On a CPU the compiled decode call and torch's ops let go of Python's GIL, so the two threads overlap; what it
 can win is bounded by the model's GIL-free time, which is why it is off by default
 (``bench/async_output_processing.py``). vLLM v1's async scheduling goes further: it schedules N+1 before N's tokens
@@ -107,7 +108,17 @@ class EngineCore:
         return self.scheduler.finish_requests(reqs, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.logits.has_waiting() or self._in_flight is not None
+        """Work left: a request waits, runs or is swapped out; a forward pass is in flight; or a request that
+        ended in the core between steps (its grammar failed) still has to be handed to the front end."""
+        return (self.scheduler.has_unfinished() or self.logits.has_waiting() or self._in_flight is not None
+                or bool(self._ended))
+
+    def drop_finished_state(self) -> None:
+        """Idle, with nothing in flight: drop the ended requests' per-request state now rather than at a next
+        step that may not come (vLLM v1 runs an empty step for them instead)."""
+        if not self.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            self.executor.forget(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
 
     def stats(self) -> dict[str, float]:
         """Gauges (blocks, queues, prefix-cache hit rate) and running totals."""

@@ -28,11 +28,15 @@ class KVRecorder:
         self.misses = MissRecord(num_blocks)
         self.kv_events: Optional[list[KVCacheEvent]] = None   # a list: record vLLM's KV events (kv_events.py)
         self.step = 1                 # the engine step whose changes are being read (an eviction's "when")
+        # Each looked-up request's latest lookup, explained, until the event of the step that admitted it takes
+        # it: with async output processing that event is built a step after the lookup was logged.
+        self.lookups: dict[str, PrefixLookup] = {}
 
     def fold(self, log: list[BlockChange]) -> tuple[KVChanges, dict[str, PrefixLookup]]:
-        """One step's changes: its ``KVChanges``, and each looked-up request's latest lookup, explained."""
+        """One step's changes: its ``KVChanges``, and the lookups not yet taken (``lookups``), this step's
+        explained and added."""
         changes = KVChanges()
-        lookups: dict[str, PrefixLookup] = {}
+        lookups = self.lookups
         forward_done = False
         stored: list[Cached] = []          # a run of blocks one request published together (one BlockStored)
         for entry in log:

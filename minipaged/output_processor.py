@@ -15,7 +15,8 @@ happens here, after each step (as in vLLM v1's ``OutputProcessor``):
 ``drain()`` ends a step: it returns the step's ``RequestDelta``s (the engine's outputs, for clients) and what
 observers are shown of the same change (tokens, text and log-probabilities per sample, for the ``StepEvent``).
 Nobody else spells the sample-id scheme or keeps per-request output state. It reads requests, never writes them:
-what a client sees (tokens, text, finish reason) is kept here.
+what a client sees (tokens, text, finish reason) is kept here (``fail_request`` records why a request whose
+text could not be made fails, as every part that fails one request does).
 """
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ class OutputProcessor:
     def record_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprobs]) -> None:
         """Prompt tokens ``first, first + 1, ...`` scored (a recompute after preemption writes the same again)."""
         state = self._states.get(req.request_id)
-        if state is None:
+        if state is None or state.request is not req:    # ended (its id may have a new owner already)
             return
         for i, entry in enumerate(entries):
             state.prompt_logprobs[first + i] = self.position_logprobs(entry)

@@ -49,6 +49,7 @@ class StepRecorder:
     def finish(self, state: RequestState) -> None:
         """A sample ended (its output state, as the front end kept it): its record goes in the next event."""
         req, times = state.request, state.token_times
+        self.kv.lookups.pop(req.request_id, None)          # looked up, never admitted: nothing will take it
         itls = [b - a for a, b in zip(times, times[1:])]
         self._finishes.append(RequestFinish(
             req.request_id, state.finish_reason, req.num_prompt_tokens, len(state.token_ids),
@@ -106,7 +107,7 @@ class StepRecorder:
         req = chunk.request
         record = ScheduledRequest(req.request_id, chunk.kind, chunk.start, chunk.end, req.num_prompt_tokens,
                                   chunk.num_cached_tokens, len(req.output_token_ids),
-                                  prefix_lookup=lookups.get(req.request_id) if chunk.admitted else None,
+                                  prefix_lookup=lookups.pop(req.request_id, None) if chunk.admitted else None,
                                   spec_k=req.spec_k, spec_acceptance=req.spec_acceptance)
         if verdict is None:
             return record

@@ -117,10 +117,9 @@ def test_events_build_the_block_managers_map_after_every_step(tiny_engine_factor
             engine.kv.check_invariants()
             assert step < 2000
         assert_all_free(engine)
-        # The last finished ids go out with the next scheduler output; the executor drops their state there.
-        assert engine.scheduler.finished_req_ids or not engine.logits._processors
-        engine.step()
+        # Idle at last: the ended requests' state is dropped then, not at a next step that may not come.
         assert not engine.sampler._generators and not engine.logits._processors
+        assert not engine.scheduler.finished_req_ids
     check()
 
 
@@ -353,3 +352,50 @@ def test_a_header_recorded_under_the_old_name_still_loads(tmp_path):
     info, events = read_trace(str(old))
     assert info.async_output_processing and len(events) == len(lines) - 1
     assert parse_record(json.dumps(header)) == info
+
+
+# ------------------------------------------------------------------ found in review of the engine-core boundary
+def test_prefix_lookups_reach_the_event_that_shows_the_admission_with_and_without_async(tiny_engine_factory):
+    """With async output processing an admission's event is built a step after its lookup was logged: the
+    recorder keeps the explanation until that event takes it, so both modes show the same lookups."""
+    shown = {}
+    for on in (False, True):
+        engine = tiny_engine_factory(async_output_processing=on)
+        events: list = []
+        engine.subscribe(events.append)
+        prompt = list(range(10, 24))
+        for name in ("a", "b"):
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                               request_id=name)
+            while engine.has_unfinished_requests():
+                engine.step()
+        shown[on] = {s.request_id: s.prefix_lookup for ev in events for s in ev.scheduled if s.prefix_lookup}
+        engine.close()
+    assert shown[False]["a"].reason == "never" and shown[False]["b"].reason == "all_hit"
+    assert shown[True] == shown[False]
+
+
+def test_an_id_used_again_while_its_last_owners_prompt_is_scored_in_flight(tiny_engine_factory):
+    """The old owner's prompt log-probabilities arrive after it was aborted and its id taken again: they are
+    dropped, never written into the new owner's state."""
+    engine = tiny_engine_factory(async_output_processing=True)
+    engine.add_request(list(range(10, 30)), SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1),
+                       request_id="x")
+    engine.step()                                          # its prefill (and prompt scoring) is in flight
+    engine.abort("x")
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), request_id="x")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [d.output for d in engine.step().outputs if d.output is not None]
+    assert [len(o.token_ids) for o in outputs] == [2] and outputs[0].prompt_logprobs is None
+
+
+def test_an_idle_engine_keeps_no_ended_requests_state(tiny_engine_factory):
+    """Seeded sampling, logit biases and log-probabilities keep state per request; once the engine has nothing
+    left to do it holds none of it (without async output processing too)."""
+    engine = tiny_engine_factory()
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True, logit_bias={5: 1.0}, logprobs=1)
+    engine.generate([list(range(10, 24)), list(range(30, 40))], params)
+    assert not engine.sampler._generators and not engine.logits._processors and not engine.logits._users
+    assert not engine.scheduler.finished_req_ids and not engine.has_unfinished_requests()
+    assert engine.counters["requests_finished"] == 2

@@ -5,8 +5,9 @@ stage, then a sample from each request's last row or the rejection sampler's ver
 The ``ModelExecutor`` owns the parts that keep per-request state for the forward pass (the sampler's seeded
 generators, the logits stage's processors, the speculator's drafts). It drops a request's state when the
 scheduler's output names it finished (``finished_req_ids``), at the start of the next step, in the thread that
-runs the forward pass: nobody else calls ``forget`` on them, and nothing a step computes stays behind for
-someone to drain afterwards: it all travels in the output.
+runs the forward pass; the core calls ``forget`` itself only when no forward pass is in flight (an idle engine,
+an id used again). Nothing a step computes stays behind for someone to drain afterwards: it all travels in the
+output.
 
 It also says where the time went (``StepTimes``): building the batch's tensors, the forward pass itself (timed by
 the backend's ``ForwardTimer``: the host's clock, and CUDA events on CUDA), and the logits stage and sampling
