@@ -71,7 +71,7 @@ class StepRecorder:
         event = StepEvent(
             step=self._step_index, time_s=0.0, duration_s=0.0, schedule_s=0.0,
             model_s=times.model_s if times else 0.0, draft_s=core_out.draft_s,
-            budget_limit=self.config.max_num_batched_tokens, budget_used=sum(c.num_new_tokens for c in chunks),
+            budget_limit=self.config.max_num_batched_tokens, budget_used=plan.num_batched_tokens if plan else 0,
             max_num_seqs=self.config.max_num_seqs, arrivals=tuple(arrivals),
             preempted=tuple(Preemption(p.request.request_id, p.mode, p.num_blocks,
                                        "not enough free KV blocks for a running request")
