@@ -163,26 +163,44 @@ def send_workload(scenario: FleetScenario, url: str, tokenizer: Any, model_name:
     student started, so the fleet page shows the lesson's workload land."""
     import httpx
 
+    import threading
+
+    # Each request leaves only once the one before it has its answer's headers, i.e. the router has chosen its
+    # replica: ``in_flight`` threads alone would race to the router, and round_robin's choices would follow the
+    # race instead of the list (a tenant could land on one replica only).
+    routed = [threading.Event() for _ in scenario.requests]
+
+    def user(i: int) -> str:
+        if i:
+            routed[i - 1].wait()
+        spec = scenario.requests[i]
+        return _send(client, spec.messages(tokenizer), spec.max_tokens, spec.request_id, model_name, routed[i])
+
     with httpx.Client(base_url=url.rstrip("/"), timeout=REQUEST_TIMEOUT_S) as client, \
             ThreadPoolExecutor(scenario.in_flight) as users:          # taken up in list order
-        sent = users.map(lambda spec: _send(client, spec.messages(tokenizer), spec.max_tokens, spec.request_id,
-                                            model_name), scenario.requests)
+        sent = list(users.map(user, range(len(scenario.requests))))
         return dict(zip((spec.request_id for spec in scenario.requests), sent))
 
 
-def _send(client: Any, messages: list[dict[str, str]], max_tokens: int, name: str, model_name: str) -> str:
-    """One streamed chat request through the router, read to its end; the id the replica gave it."""
+def _send(client: Any, messages: list[dict[str, str]], max_tokens: int, name: str, model_name: str,
+          routed: Any) -> str:
+    """One streamed chat request through the router, read to its end; the id the replica gave it. Sets
+    ``routed`` once the answer's headers are in (or the request failed), so the next request may leave."""
     import json
 
     body = {"model": model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     server_id = None
-    with client.stream("POST", "/v1/chat/completions", json=body) as answer:
-        if answer.status_code != 200:
-            raise RuntimeError(f"{name} through the router: {answer.status_code} {answer.read()[:300]!r}")
-        for line in answer.iter_lines():
-            if line.startswith("data: {"):
-                server_id = server_id or json.loads(line[len("data: "):])["id"]
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+            routed.set()
+            if answer.status_code != 200:
+                raise RuntimeError(f"{name} through the router: {answer.status_code} {answer.read()[:300]!r}")
+            for line in answer.iter_lines():
+                if line.startswith("data: {"):
+                    server_id = server_id or json.loads(line[len("data: "):])["id"]
+    finally:
+        routed.set()
     if server_id is None:
         raise RuntimeError(f"{name} through the router: the stream carried no chunk")
     return server_id
