@@ -38,11 +38,11 @@ class EngineMetrics:
 
     def __init__(self, engine: Any = None, registry: Optional[CollectorRegistry] = None,
                  subscribe: Optional[Callable[[Callable[[StepEvent], None]], Any]] = None,
-                 model_name: Optional[str] = None) -> None:
+                 model_name: Optional[str] = None, since: Optional[dict[str, float]] = None) -> None:
         """``subscribe``: how ``observe`` is to get the engine's StepEvents (by default ``engine.subscribe``: in
         the engine's thread; a server passes ``AsyncEngine.subscribe_in_loop``, to fold them on its event loop).
         ``model_name``: the ``model_name`` label of the ``vllm:`` copies (a server's served model name; by
-        default the engine's model)."""
+        default the engine's model). ``since``: without ``engine``, the engine's stats when counting starts."""
         self.registry = registry or CollectorRegistry()
         if model_name is None:
             model_name = engine.info.model if engine is not None else "minipaged"
@@ -100,12 +100,12 @@ class EngineMetrics:
         # minipaged's own metrics again under vLLM's names (read when scraped: nothing is counted twice)
         self.registry.register(VllmNames([m for m in vars(self).values() if isinstance(m, MetricWrapperBase)],
                                          model_name))
-        self._counters_seen: dict[str, float] = {}
-        if engine is not None:
-            # Count from now on, like every other metric here, even if the engine has run before.
-            stats = engine.stats()
-            self._counters_seen = {name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits",
-                                                                       "communication_seconds") if name in stats}
+        # Count from now on, like every other metric here, even if the engine has run before.
+        stats = engine.stats() if engine is not None else (since or {})
+        self._counters_seen: dict[str, float] = {
+            name: float(stats[name]) for name in ("prefix_cache_queries", "prefix_cache_hits", "communication_seconds")
+            if name in stats}
+        if engine is not None or subscribe is not None:
             (subscribe or engine.subscribe)(self.observe)
 
     def observe(self, event: StepEvent) -> None:

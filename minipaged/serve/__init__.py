@@ -1,7 +1,9 @@
 """``minipaged serve``: an OpenAI-compatible server over one engine, with /metrics and a live event stream.
 
-Pieces: ``protocol`` (the OpenAI request and response shapes, the limits), ``async_engine`` (the one engine
-thread and a queue per request), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
+Two processes: the engine core (``core_process``: the scheduler, the KV cache, the model; ``core_loop`` is its
+busy loop) and this one, the API server. Pieces of the API server: ``protocol`` (the OpenAI request and response
+shapes, the limits), ``core_client`` (how it reaches the core), ``async_engine`` (a queue per request, the
+watchers, the metrics), ``api_server`` (the FastAPI routes), ``http_guards`` (body limit, HEAD),
 ``liveness`` (heartbeat and goodbye on the event stream), ``shutdown`` (drain on SIGTERM), ``header_limit``
 (431 for headers too large), ``connections`` (open connections bounded, slow headers timed out), ``teacher``
 (the teacher's controls over the page). FastAPI and uvicorn are imported only when the server runs, so other
@@ -12,11 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import fields
-from typing import Optional, get_args
+from typing import Optional
 
-from minipaged.options import add_engine_arguments, build_engine, engine_options
+from minipaged.options import add_engine_arguments, engine_options
 
-from .limits import DEFAULTS, HandOff, PageSettings, ServerLimits, ServerSettings, limit_names
+from .limits import DEFAULTS, PageSettings, ServerLimits, ServerSettings, limit_names
 
 DEFAULT_HOST = "127.0.0.1"        # reachable from this machine only, unless --host says otherwise
 DEFAULT_PORT = 8000
@@ -61,10 +63,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' "
                         "(binds tcp://127.0.0.1:5557; they carry every client's prompt tokens to whoever reaches "
                         "the endpoint; needs the [kv-events] extra; default: off)%(default).0s")
-    g.add_argument("--hand-off", dest="hand_off_point", choices=get_args(HandOff), default=DEFAULTS.hand_off_point,
-                   help="when the engine thread hands a step's tokens to the HTTP thread: just before the next "
-                        "step's model call, which lets go of Python's lock (the cpu backend's), or when the step "
-                        "ends (to measure what the first is worth: bench/peer_llamacpp.py)")
     add_page_arguments(parser)
     add_engine_arguments(parser)
 
@@ -137,8 +135,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           event_buffer_bytes=max(1, int(args.event_buffer_mb * (1 << 20))), host=args.host,
                           allowed_hosts=tuple(h for h in args.allowed_hosts.split(",") if h.strip()),
                           max_client_samples=client_samples(args),
-                          max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args),
-                          hand_off_point=args.hand_off_point)
+                          max_client_prompt_tokens=args.max_client_prompt_tokens, page=page_settings(args))
 
 
 def client_samples(args: argparse.Namespace) -> int:
@@ -159,16 +156,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
-    engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
+    from .core_client import ProcessCore
+    from .core_process import CoreStartError
+    try:                             # the engine core loads the model in its own process, and says when it is ready
+        core = ProcessCore(args.model, engine_options(args), args.kv_events_config,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except CoreStartError as exc:
+        print(f"minipaged serve: the engine core could not start: {exc}", file=sys.stderr)
+        return 1
     settings = server_settings(args)
-    app = build_app(engine, settings)
-    from .kv_publisher import KVEventsConfig, KVEventsConfigError, start_kv_events
+    app = build_app(core, settings)
+    from .kv_publisher import KVEventsConfig
     kv_events = KVEventsConfig.parse(args.kv_events_config)
-    try:
-        stop_kv_events = start_kv_events(engine, kv_events)
-    except KVEventsConfigError as exc:
-        print(f"minipaged serve: {exc}", file=sys.stderr)
-        return 2
     print(f"minipaged serve: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(OpenAI API under /v1, metrics at /metrics, events at /v1/events, "
           f"the live view at /)" + (f"; KV cache events on {kv_events.endpoint}" if kv_events.enabled else ""),
@@ -187,10 +186,21 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2, http=protocol,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES, **NO_FORWARDED_HEADERS)
+    server = DrainingServer(config, drain=app.state.drain)
+    core_gone: list[str] = []
+
+    def stop_serving(why: str) -> None:                  # the core died: nothing can be served any more
+        core_gone.append(why)
+        server.should_exit = True
+    app.state.async_engine.on_core_exit = stop_serving
     try:
-        DrainingServer(config, drain=app.state.drain).run()
+        server.run()
     finally:
-        stop_kv_events()
+        core.close()
+    if core_gone:
+        print(f"minipaged serve: {core_gone[0]}; stopped (the requests in flight got an error)", file=sys.stderr,
+              flush=True)
+        return 1
     print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0
 

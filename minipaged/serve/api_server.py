@@ -3,21 +3,21 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events when
 asked), ``GET /v1/models``, ``GET /v1/events`` (every StepEvent, for ``minipaged watch --attach``),
 ``GET /health`` and ``GET /metrics`` (Prometheus: vLLM's ``vllm:`` names, and ``minipaged:`` copies), vLLM's
-``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (``tokenization``: off the engine thread),
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (``tokenization``: the API server's own),
 and ``GET /``: the live view, a page each browser draws from ``/v1/events`` (``minipaged.web``).
 
 How a request flows: the handler checks the body (pydantic, then the engine's own ``SamplingParams``
 checks), tokenises the prompt on a worker thread of its own (``tokenization``: a text too long for the context
-is refused by its length first), then hands a ``prepare`` function to the engine thread (``async_engine``),
-which checks what the engine's state decides and queues the token ids; from then on the handler relays what
-each step produced. A streamed choice gets ``finish_reason`` only in its last chunk; with
+is refused by its length first), then sends the token ids and sampling parameters to the engine core
+(``async_engine``; under ``minipaged serve`` the core runs in a process of its own: ``core_client``), which
+queues them (a bad grammar is refused there); from then on the handler relays what each step produced. A streamed choice gets ``finish_reason`` only in its last chunk; with
 ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage; ``data: [DONE]`` ends the
 stream, as OpenAI's and vLLM's servers do. Errors are OpenAI's ``{"error": {...}}`` JSON, parse errors, unknown
 paths and wrong methods included.
 
 Staying healthy under abuse: each request is bounded (``protocol.ServerLimits``, bodies by ``http_guards``),
-admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine thread
-is stuck or the server drains, and ``drain`` (on SIGTERM, see ``shutdown``) lets running requests finish for
+admission counts samples, ``/health`` answers 503 with the reason while the queue is full, the engine core
+is stuck or gone, or the server drains, and ``drain`` (on SIGTERM, see ``shutdown``) lets running requests finish for
 a while before ending the rest with an error event. Connections are bounded (``connections``: a cap, a header
 timeout, ``/health`` always answered) and so are event streams (``event_hub.StreamLimits``). There are no
 ``/docs``: Swagger's page would load its scripts from a CDN; ``/openapi.json`` describes the API (behind the key
@@ -83,24 +83,27 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
 
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app serving ``engine`` (already loaded). The engine thread runs while the app does."""
+    """The FastAPI app serving ``engine``: a ``core_client.ProcessCore`` (the engine core in its own process, as
+    ``minipaged serve`` runs it) or an ``Engine`` object (its core then runs in a thread). The core runs while
+    the app does."""
     async_engine = AsyncEngine(engine, settings.max_waiting_requests,
-                               ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens),
-                               hand_off_at_model_call=settings.hand_off_point == "model-call")
-    # Folded on the event loop (off the engine thread's path), each step before its tokens reach their requests:
-    # a client that got its answer finds it counted.
-    metrics = EngineMetrics(engine, subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name)
+                               ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens))
+    served = async_engine.served
+    # Folded on the event loop, each step before its tokens reach their requests: a client that got its answer
+    # finds it counted.
+    metrics = EngineMetrics(subscribe=async_engine.subscribe_in_loop, model_name=settings.served_model_name,
+                            since=async_engine.stats)
     controls = PageControls(settings.page)             # the teacher's controls over the page (teacher.py)
     limits = settings.limits                           # event streams never hold more than half the connections
     streams = StreamLimits(limits.max_client_event_streams,
                            min(limits.max_event_streams, max(1, limits.max_connections // 2)))
     async_engine.hide_text = settings.page.hide_others_text
-    # Before the engine thread starts: the tokenizer routes take their own copy of the tokenizer (tokenization.py)
-    tokenization = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
-                                engine.config.max_model_len)
+    # The tokenizer routes take their own copy of the tokenizer (tokenization.py) ...
+    tokenization = Tokenization(served.tokenizer, settings.served_model_name, served.vocab_size,
+                                served.max_model_len)
     # ... and generation's prompts another (its own thread: a long /tokenize does not hold up a chat's prompt)
-    prompts = Tokenization(engine.tokenizer, settings.served_model_name, engine.inputs.vocab_size,
-                           engine.config.max_model_len, thread_name="minipaged-prompts")
+    prompts = Tokenization(served.tokenizer, settings.served_model_name, served.vocab_size,
+                           served.max_model_len, thread_name="minipaged-prompts")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,7 +118,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     goodbye = asyncio.Event()                # set when the server drains: every event stream says goodbye
     app.state.drain = lambda: drain(async_engine, goodbye, settings.shutdown_timeout_s)
     app.state.metrics = metrics
-    max_model_len = engine.config.max_model_len
+    max_model_len = served.max_model_len
 
     # ---------------------------------------------------------------- errors and the API key
     @app.exception_handler(p.ServerError)
@@ -180,7 +183,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 when the server can take a request; 503 with the reason when a load balancer should look
-        elsewhere (the queue is full, the engine thread is stuck, the server is draining)."""
+        elsewhere (the queue is full, the engine core is stuck or gone, the server is draining)."""
         s = async_engine.stats
         reason = not_ready_reason(async_engine, settings)
         return JSONResponse({"status": "ok" if reason is None else "unavailable", "reason": reason,
@@ -196,23 +199,23 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": p.now_s(),
-                                            "owned_by": "minipaged", "root": engine.config.model,
+                                            "owned_by": "minipaged", "root": served.model,
                                             "max_model_len": max_model_len}]}
 
     # ---------------------------------------------------------------- what a router asks (worker_info)
     @app.get("/server_info")
     @app.get("/get_server_info", include_in_schema=False)
     async def get_server_info() -> dict[str, Any]:
-        return server_info(settings.served_model_name, engine.config.model, engine.info, max_model_len)
+        return server_info(settings.served_model_name, served.model, served.info, max_model_len)
 
     @app.get("/model_info")
     @app.get("/get_model_info", include_in_schema=False)
     async def get_model_info() -> dict[str, Any]:
-        return model_info(settings.served_model_name, engine.config.model)
+        return model_info(settings.served_model_name, served.model)
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, int]]:
-        return load(async_engine.stats, async_engine.num_waiting, engine.info.block_size)
+        return load(async_engine.stats, async_engine.num_waiting, served.info.block_size)
 
     # ---------------------------------------------------------------- vLLM's tokenizer routes (tokenization.py)
     @app.post("/tokenize")
@@ -254,7 +257,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise p.ServerError(403, "the teacher hides other clients' text on this server (minipaged serve "
                                      "--hide-others-text): whole prompts are for the API key's holder; your page "
                                      "shows your own prompts itself.", "request_id")
-        text = await async_engine.prompt_text(request_id)
+        text = await async_engine.prompt_text(request_id, prompts.decode)
         if text is None:
             raise p.ServerError(404, f"no request {request_id!r} runs or waits in the engine, or finished lately: a "
                                      f"prompt can be fetched while its request is in the engine and for the last "
@@ -307,20 +310,19 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         # echo with max_tokens=0 (how evaluation harnesses score a text): one token is generated and dropped
         echo_only = body.echo and asked == 0
         max_tokens = 1 if echo_only else asked
-        params = body.sampling_params(max_tokens)         # bad values fail here, before queueing
-        await parse_grammar(params)
+        params = body.sampling_params(max_tokens)         # bad values fail here (a bad grammar: in the core)
         if body.echo and body.logprobs is not None:       # echo scores the prompt's tokens too
             params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
         echo = Echo(echo_only) if body.echo else None
 
         async def prompt_ids(index: int, prompt: Union[str, list[int]]) -> list[int]:
-            """One prompt's token ids and checks, off the engine thread (tokenising and echo's decoding on the
+            """One prompt's token ids and checks, off the event loop (tokenising and echo's decoding on the
             ``prompts`` worker)."""
             if isinstance(prompt, str):
                 token_ids = await prompts.encode(prompt)
             else:
                 check_context(len(prompt), max_tokens, max_model_len)   # the length first, then each id
-                check_token_ids("prompt", prompt, engine.inputs.vocab_size)
+                check_token_ids("prompt", prompt, served.vocab_size)
                 token_ids = list(prompt)
             check_context(len(token_ids), max_tokens, max_model_len)
             body.check_prompt_logprobs(params, len(token_ids), settings.limits)
@@ -329,13 +331,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                     token_ids))
             return token_ids
 
-        def prepare_for(token_ids: list[int]) -> Any:
-            def prepare(_eng: Any) -> tuple[list[int], Any]:
-                return token_ids, params                  # the engine thread only queues them
-            return prepare
         async_engine.check_admission(body.num_samples())  # a busy server says so before it tokenises
         all_ids = [await prompt_ids(i, pr) for i, pr in enumerate(body.prompts())]
-        return await respond("completion", body, [prepare_for(ids) for ids in all_ids], request, echo)
+        return await respond("completion", body, [(ids, params) for ids in all_ids], request, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
@@ -343,9 +341,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         messages = [m.as_template_dict() for m in body.messages]
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        await parse_grammar(body.sampling_params(asked or max(1, body.min_tokens)))   # bad values fail here
+        body.sampling_params(asked or max(1, body.min_tokens))   # bad values fail here (a bad grammar: in the core)
         async_engine.check_admission(body.num_samples())  # a busy server says so before it tokenises
-        try:                                              # the template and the tokenizer, off the engine thread
+        try:                                              # the template and the tokenizer, off the event loop
             token_ids = await prompts.chat(messages, body.continue_final_message)
         except InvalidRequestError:                       # no template at all: its own message says what to send
             raise
@@ -354,36 +352,29 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise p.ServerError(400, f"the model's chat template refused these messages: {exc}",
                                 "messages") from None
 
-        def prepare(eng: Any) -> tuple[list[int], Any]:
-            if asked is None:       # vLLM: whatever room the context leaves (here also: what the KV pool holds)
-                if len(token_ids) >= max_model_len:
-                    raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                                             f"However, your messages resulted in {len(token_ids)} tokens. Please "
-                                             f"reduce the length of the messages.", "messages")
-                room = min(max_model_len, eng.info.num_blocks * eng.info.block_size) - len(token_ids)
-                max_tokens = max(room, 1)
-            else:
-                max_tokens = asked
-                check_context(len(token_ids), max_tokens, max_model_len)
-            params = body.sampling_params(max_tokens)
-            body.check_prompt_logprobs(params, len(token_ids), settings.limits)
-            return token_ids, params
-        return await respond("chat", body, [prepare], request)
+        if asked is None:           # vLLM: whatever room the context leaves (here also: what the KV pool holds)
+            if len(token_ids) >= max_model_len:
+                raise p.ServerError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                                         f"However, your messages resulted in {len(token_ids)} tokens. Please "
+                                         f"reduce the length of the messages.", "messages")
+            room = min(max_model_len, served.info.num_blocks * served.info.block_size) - len(token_ids)
+            max_tokens = max(room, 1)
+        else:
+            max_tokens = asked
+            check_context(len(token_ids), max_tokens, max_model_len)
+        params = body.sampling_params(max_tokens)
+        body.check_prompt_logprobs(params, len(token_ids), settings.limits)
+        return await respond("chat", body, [(token_ids, params)], request)
 
-    async def parse_grammar(params: Any) -> None:
-        """Parse a structured-output grammar (a bad one is a 400 here) and start its compilation, in a worker
-        thread: the engine thread then finds the compilation under way, and parses nothing itself."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(engine.logits.compiler.compile, params.structured_outputs)
-
-    async def respond(kind: p.Kind, body: p.SamplingFields, prepares: list[Any], request: Request,
+    async def respond(kind: p.Kind, body: p.SamplingFields, prompts_params: list[tuple[list[int], Any]],
+                      request: Request,
                       echo: Optional[Echo] = None) -> Response:
         """Queue one engine request per prompt (all accepted, or none), then answer: choice i * n + j is prompt
         i's sample j, as OpenAI numbers them."""
         request_id = p.new_id(p.ID_PREFIX[kind])
         async_engine.check_admission(body.num_samples())  # all the prompts' samples, or none of them
-        all_updates = [async_engine.generate(request_id if len(prepares) == 1 else f"{request_id}-{i}", prepare,
-                                             body.n) for i, prepare in enumerate(prepares)]
+        all_updates = [async_engine.generate(request_id if len(prompts_params) == 1 else f"{request_id}-{i}", ids,
+                                             params, body.n) for i, (ids, params) in enumerate(prompts_params)]
         try:
             accepted = [await updates.__anext__() for updates in all_updates]   # a refusal raises (400/503) here
         except BaseException:
@@ -524,11 +515,11 @@ def not_ready_reason(async_engine: AsyncEngine, settings: ServerSettings) -> Opt
     """Why the server should not be sent requests now (None: it should)."""
     if async_engine.draining:
         return f"draining: {async_engine.draining}"
-    if not async_engine.engine_thread_alive:
-        return "the engine thread has stopped"
+    if not async_engine.core_alive:
+        return async_engine.dead or async_engine.core.exit_reason()
     silent_s = time.monotonic() - async_engine.last_alive
     if silent_s > settings.engine_stall_s:
-        return (f"the engine thread has been busy for {silent_s:.0f} s without finishing a step or command "
+        return (f"the engine core has been busy for {silent_s:.0f} s without finishing a step or command "
                 f"(more than {settings.engine_stall_s:g} s)")
     limit = settings.max_waiting_requests
     if limit is not None and async_engine.num_waiting >= limit:
@@ -557,7 +548,7 @@ async def drain(async_engine: AsyncEngine, goodbye: asyncio.Event, timeout_s: fl
 
 @dataclass
 class Echo:
-    """Completions' ``echo``: each prompt's token ids and text (filled in the engine thread), and whether the
+    """Completions' ``echo``: each prompt's token ids and text (filled in by the routes), and whether the
     request generates nothing (``max_tokens=0``)."""
 
     only: bool

@@ -6,12 +6,9 @@ Plain data without pydantic or FastAPI, so that building the CLI parser does not
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 WATCHER_BUFFER_BYTES = 4 << 20        # unsent bytes a watcher may hold before it is dropped (~2,000 steps)
-# When the engine thread hands a step's tokens to the HTTP thread (async_engine.py): just before the next step's
-# model call (the cpu backend's, which lets go of the GIL), or when the step ends (to measure what that is worth).
-HandOff = Literal["model-call", "step-end"]
 
 
 def limit(default: int, help_text: str) -> Any:
@@ -45,7 +42,7 @@ class ServerLimits:
     max_choices: int = limit(1024, "the most choices in structured_outputs.choice")
     max_word_length: int = limit(256, "the longest bad word or choice, in characters")
     max_grammar_bytes: int = limit(65536, "the largest JSON schema (as JSON text), regex or grammar, in bytes")
-    # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each decoded into text on the engine thread
+    # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each decoded into text in the engine core
     # (the LM head over the prompt's rows costs like prefill, and is chunked with it).
     max_prompt_logprobs: int = limit(16_384, "the most prompt log-probability entries one prompt may ask for: "
                                              "prompt tokens x (prompt_logprobs + 1), echo with logprobs included")
@@ -98,7 +95,7 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)
     event_heartbeat_s: float = 5.0           # an SSE comment on /v1/events after this long without a line
     shutdown_timeout_s: float = 30.0         # SIGTERM: how long running requests may go on finishing
-    engine_stall_s: float = 30.0             # /health says 503 when the engine thread is silent this long
+    engine_stall_s: float = 30.0             # /health says 503 when the engine core is silent this long
     event_buffer_bytes: int = WATCHER_BUFFER_BYTES   # a /v1/events watcher this far behind is dropped
     host: Optional[str] = None               # the address it listens on: which Host names it answers to (None:
                                              # an app built in-process, as tests do, checks no Host)
@@ -107,7 +104,6 @@ class ServerSettings:
                                                      # the flag's default is half of max_waiting_requests)
     max_client_prompt_tokens: Optional[int] = 1 << 17    # per client in the engine at once: n=16 of an 8k prompt
     page: PageSettings = field(default_factory=PageSettings)   # the teacher's controls over the page
-    hand_off_point: HandOff = "model-call"       # --hand-off: when the engine thread hands tokens over
 
 
 DEFAULTS = ServerSettings(served_model_name="")     # every default, for the flags
