@@ -11,7 +11,7 @@ test checks that the two give the same logits, bit for bit. The engine option ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -78,10 +78,8 @@ class CompiledDecodeLayers:
         return _WeightTable(torch.tensor(weights, dtype=torch.int64), torch.tensor(scales, dtype=torch.int64), int8)
 
     def __call__(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta: Any, kv_cache: torch.Tensor, plan: Any, fixed_point: bool,
-                 before_call: Callable[[], None] = lambda: None) -> Optional[torch.Tensor]:
-        """``h`` after the layers, or None where this call does not cover the step (the model's loop runs it).
-        ``before_call`` runs last before the compiled call (which releases the GIL for the whole step)."""
+                 meta: Any, kv_cache: torch.Tensor, plan: Any, fixed_point: bool) -> Optional[torch.Tensor]:
+        """``h`` after the layers, or None where this call does not cover the step (the model's loop runs it)."""
         rows = h.shape[0]
         if not (1 <= rows <= SMALL_BATCH_ROWS and plan.num_decodes == rows and plan.decode_rows is None
                 and not plan.prefills and h.dtype == torch.float32 and h.is_contiguous()
@@ -100,7 +98,6 @@ class CompiledDecodeLayers:
         qkv_width = (model.num_heads + 2 * model.num_kv_heads) * self.head_dim
         scratch = torch.empty(rows * (2 * hidden + qkv_width + model.num_heads * self.head_dim + 3 * inter))
         int8_loop = (FIXED_POINT if fixed_point else WIDENING) if table.int8 else 0
-        before_call()
         with profiler_name(PROFILER_NAME):
             result = self.library.decode_layers(
                 table.weights.data_ptr(), table.scales.data_ptr(), int8_loop,

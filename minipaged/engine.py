@@ -15,7 +15,7 @@ Follow a request from top to bottom:
   5. ``step`` returns a ``StepResult``: ``outputs``, the deltas clients read, and ``event``.
 
 The engine's surface: ``add_request``, ``abort``, ``step``, ``has_unfinished_requests``, ``info``, ``stats``,
-``subscribe`` (observers), ``before_model_call`` (the server's hand-off), and ``generate`` / ``chat`` on top.
+``subscribe`` (observers), and ``generate`` / ``chat`` on top.
 Its parts (``engine_builder.EngineParts``) are attributes, for those who study or test them.
 """
 from __future__ import annotations
@@ -85,21 +85,6 @@ class Engine:
             if callback in self.recorder.subscribers:
                 self.recorder.subscribers.remove(callback)
         return unsubscribe
-
-    def before_model_call(self, hook: Callable[[], None]) -> Callable[[], None]:
-        """Run ``hook()`` in each step just before the model's long call that lets go of Python's GIL, where the
-        backend has one (the cpu backend's compiled decode step; the start of its other steps). A server hands
-        the previous step's outputs to its HTTP thread there. Not with async output processing (the model
-        computes in its own thread while ``step()`` returns). Returns a function that removes the hook."""
-        if self.config.async_output_processing:
-            return lambda: None
-        hooks = self.core.executor.model_call_hooks
-        hooks.append(hook)
-
-        def remove() -> None:                     # calling it twice is harmless
-            if hook in hooks:
-                hooks.remove(hook)
-        return remove
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:

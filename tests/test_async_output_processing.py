@@ -251,21 +251,6 @@ def test_the_start_up_line_says_whether_it_is_on(tiny_model):
 
 # ------------------------------------------------------------------------------------ the server
 
-def test_the_servers_engine_thread_hands_each_step_over_after_it_returns(tiny_model_untied):
-    """With async output processing the model-call hook does not run (the model thread must never touch the server's
-    outbox): each step's tokens go to the event loop from the engine thread when ``step()`` returns, which is
-    while the next forward pass runs; the tokens are the engine's own."""
-    from minipaged import Engine
-    from tests.test_serve_hand_off import MAX_TOKENS, serve_one_request
-    expected = Engine(tiny_model_untied, block_size=4, num_blocks=64).generate(
-        [[3, 4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
-    tokens, wake_ups = serve_one_request(Engine(tiny_model_untied, block_size=4, num_blocks=64,
-                                                async_output_processing=True))
-    assert tokens == list(expected)
-    # one step more than without it: the last one only processes the last forward pass's outputs
-    assert [w for w in wake_ups if w[1] > 0] == [(False, n) for n in range(1, MAX_TOKENS + 2)], wake_ups
-
-
 def test_a_server_with_async_output_processing_streams_the_engines_own_outputs(tiny_model, tiny_engine_factory,
                                                                               tmp_path):
     """A real ``minipaged serve --async-output-processing``: concurrent streams (stop strings among them) get the text

@@ -140,46 +140,6 @@ def test_a_bad_slot_raises_instead_of_writing_outside_the_cache(tiny_model):
         engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=3))
 
 
-class _Recording:
-    """A stand-in for the compiled library that notes each decode_layers call in ``order``, then makes it."""
-
-    def __init__(self, library, order: list[str]) -> None:
-        self.library, self.order = library, order
-
-    def __getattr__(self, name):
-        call = getattr(self.library, name)
-        if name != "decode_layers":
-            return call
-
-        def noted(*args):
-            self.order.append("compiled call")
-            return call(*args)
-        return noted
-
-
-def test_the_backend_hands_off_once_a_step_just_before_the_compiled_call(tiny_model_untied):
-    """The engine's ``before_model_call`` hook (a server's engine thread passes its last step's tokens on there)
-    runs once in every step: in a decode step the last thing before the compiled call (which releases the GIL for
-    the whole step), in a prefill step at the start of the loop."""
-    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
-    order: list[str] = []
-    engine.before_model_call(lambda: order.append("hand off"))
-    compiled = engine.backend._decode_layers
-    compiled.library = _Recording(compiled.library, order)
-    engine.subscribe(lambda event: order.append("step " + "+".join(s.kind for s in event.scheduled)))
-    engine.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    steps, current = [], []
-    for entry in order:
-        if entry.startswith("step "):
-            steps.append((entry.removeprefix("step "), current))
-            current = []
-        else:
-            current.append(entry)
-    assert [kind for kind, _ in steps] == ["prefill", "decode", "decode", "decode"], order
-    assert steps[0][1] == ["hand off"]
-    assert all(calls == ["hand off", "compiled call"] for kind, calls in steps[1:]), order
-
-
 def test_the_no_compiled_decode_option_keeps_decode_steps_on_the_loop(tiny_model_untied):
     """--no-compiled-decode (compiled_decode=False) reaches the cpu backend, and its copy in a parallel worker."""
     engine = Engine(tiny_model_untied, compiled_decode=False, block_size=4, num_blocks=32)

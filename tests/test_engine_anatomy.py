@@ -194,10 +194,10 @@ def test_the_sample_id_scheme_is_spelled_once():
 
 
 def test_nothing_assigns_to_the_backends_methods():
-    """A server hooks into the step with ``Engine.before_model_call``, not by replacing a backend's method (tests
-    may patch what they study; the code may not)."""
+    """Nothing changes what a step runs by replacing a backend's method: the backend is chosen once and the model
+    only calls it (tests may patch what they study; the code may not)."""
     from minipaged.kernels import Backend
-    methods = {name for name, value in vars(Backend).items() if callable(value)} | {"hand_off"}
+    methods = {name for name, value in vars(Backend).items() if callable(value)}
     roots = [PACKAGE, *(PACKAGE.parent / folder for folder in ("kernels", "tui", "lessons", "bench"))]
     for path in (p for root in roots for p in root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -19,12 +19,6 @@ A backend owns:
   cuda_graphs_problem           whether its decode steps can be captured as CUDA graphs (cuda_graphs.py);
   forward_timer                 how a forward pass is timed: the host's clock, and CUDA events on CUDA
                                 (forward_timer.py: the device's time is what StepEvent.device_s reports).
-
-A backend whose step spends most of its time in one call that releases Python's GIL (the cpu backend's compiled
-decode step) runs the step's ``meta.before_model_call`` (the engine's hook, ``Engine.before_model_call``) just
-before that call; the cpu backend runs it at the start of its other steps. A server hands the previous step's
-tokens to its HTTP thread there, so that the HTTP thread's Python runs while the model runs, not while the model
-waits for the GIL. A backend that never runs it loses nothing: the server then hands off after each step.
 """
 from __future__ import annotations
 

@@ -109,15 +109,12 @@ class CpuBackend(TorchBackend):
     def decode_layers(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Any,
                       kv_cache: torch.Tensor, plan: TorchAttentionPlan) -> Optional[torch.Tensor]:
         compiled = self._decode_layers
-        done = None
         # (a profile shows the loop's parts; fp32 weights stored [in, out] for torch are not what the loop reads)
         if (compiled is not None and not _profiling()
                 and (isinstance(model.layers[0].qkv, Int8Weight) or self.choice.few_row_linear != IN_OUT)):
-            done = compiled(model, h, cos, sin, meta, kv_cache, plan,
-                            fixed_point=self.choice.int8_one_row == FIXED_POINT, before_call=meta.before_model_call)
-        if done is None:
-            meta.before_model_call()  # the loop in Python: its first call that lets go of the GIL is as good as any
-        return done
+            return compiled(model, h, cos, sin, meta, kv_cache, plan,
+                            fixed_point=self.choice.int8_one_row == FIXED_POINT)
+        return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):         # --quantization int8: the int8 loop for a few rows

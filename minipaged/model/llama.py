@@ -38,9 +38,6 @@ class AttentionMetadata:
     host_query_start_loc: list[int]
     backend: Backend = TORCH_BACKEND  # the engine's: attention, linear layers and small ops all come from it
     all_slots_new: bool = False       # no slot is -1: nothing to skip when writing K/V
-    # The engine's model-call hook (``Engine.before_model_call``): a backend whose step spends most of its time
-    # in one call without Python's GIL runs it just before that call (see kernels/backends/base.py).
-    before_model_call: Callable[[], None] = lambda: None
 
 
 class CompactLlama(LlamaWeights):

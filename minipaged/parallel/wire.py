@@ -2,8 +2,7 @@
 
 The walk is generic over dataclass fields, so a field added to ``ModelInput`` or ``AttentionMetadata`` (by
 speculative decoding, say) reaches the workers without touching this file. Only fields that hold rank 0's
-own bookkeeping (``Request`` objects, the engine's model-call hook) stay behind: workers compute, they never
-sample.
+own bookkeeping (``Request`` objects) stay behind: workers compute, they never sample.
 """
 from __future__ import annotations
 
@@ -13,13 +12,8 @@ from typing import Any, Callable
 import torch
 
 
-
-def _no_hook() -> None:
-    """A worker's model call has no hook: the engine (and whoever hooked into it) lives on rank 0."""
-
-
-# What stays on rank 0, and what workers get instead: its Request objects, and the engine's model-call hook.
-LOCAL_ONLY_FIELDS: dict[str, Callable[[], Any]] = {"sampled_requests": list, "before_model_call": lambda: _no_hook}
+# What stays on rank 0, and what workers get instead: its Request objects.
+LOCAL_ONLY_FIELDS: dict[str, Callable[[], Any]] = {"sampled_requests": list}
 
 
 def _map_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -17,7 +17,7 @@ after it. A StepEvent carries them, so that the TUI and the web page can show ho
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..logits.logprobs import StageResult, prompt_logprobs, sampled_logprobs
 from .outputs import ModelRunnerOutput, StepTimes
@@ -41,12 +41,6 @@ class ModelExecutor:
     def __init__(self, runner: ModelRunner, logits_stage: LogitsStage, sampler: Sampler,
                  speculator: Optional[Speculator]) -> None:
         self.runner, self.logits_stage, self.sampler, self.speculator = runner, logits_stage, sampler, speculator
-        self.model_call_hooks: list[Callable[[], None]] = []   # the server's hand-off (serve/async_engine.py)
-
-    def _before_model_call(self) -> None:
-        """Run the hooks, in the order they were added, just before the backend's long GIL-free call."""
-        for hook in list(self.model_call_hooks):
-            hook()
 
     def forget(self, request_ids: set[str]) -> None:
         """Drop the per-request state of requests that ended (the scheduler output's ``finished_req_ids``)."""
@@ -66,7 +60,7 @@ class ModelExecutor:
         if not plan.chunks:
             return ModelRunnerOutput()
         begin = time.perf_counter()
-        model_input = self.runner.prepare(plan.chunks, before_model_call=self._before_model_call)
+        model_input = self.runner.prepare(plan.chunks)
         forward_start = time.perf_counter()
         timer = self.runner.forward_timer
         timer.start()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -54,17 +54,14 @@ class ModelRunner:
         # Times each step's forward pass (executor.py): the host's clock, and the device's on CUDA.
         self.forward_timer = backend.forward_timer(self.device)
 
-    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
-                before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
         """``with_prompt_rows``: also compute the prompt rows of requests that ask for prompt log-probabilities
-        (a draft model's forward pass does not need them). ``before_model_call``: the engine's hook, which the
-        backend runs just before its long call (``AttentionMetadata.before_model_call``)."""
+        (a draft model's forward pass does not need them)."""
         if chunks and plain_decodes(chunks):
-            return self._prepare_decodes(chunks, before_model_call)
-        return self._prepare_any(chunks, with_prompt_rows, before_model_call)
+            return self._prepare_decodes(chunks)
+        return self._prepare_any(chunks, with_prompt_rows)
 
-    def _prepare_any(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True,
-                     before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
+    def _prepare_any(self, chunks: list[ScheduledChunk], with_prompt_rows: bool = True) -> ModelInput:
         """Any mix of prefill chunks, decodes and drafts, built token by token from the chunks."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -110,12 +107,11 @@ class ModelRunner:
             slot_mapping=tensor(slots), block_tables=tensor(block_tables, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), query_start_loc=tensor(query_start_loc, torch.int32),
             host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend,
-            all_slots_new=min(slots, default=0) >= 0, before_model_call=before_model_call)
+            all_slots_new=min(slots, default=0) >= 0)
         return ModelInput(tensor(input_ids), tensor(positions), meta, tensor(logits_indices + prompt_indices), sampled,
                           num_rows, prompt_rows)
 
-    def _prepare_decodes(self, chunks: list[ScheduledChunk],
-                         before_model_call: Callable[[], None] = lambda: None) -> ModelInput:
+    def _prepare_decodes(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """One token per request, each sampled: the persistent batch's tensors, moved to the device."""
         input_ids, positions, slots, block_tables, seq_lens, query_start_loc = self.decode_inputs.build(
             chunks, self.block_size)
@@ -124,8 +120,7 @@ class ModelRunner:
             slot_mapping=slots.to(device), block_tables=block_tables.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend, all_slots_new=True,
-            before_model_call=before_model_call)
+            host_seq_lens=seq_lens, host_query_start_loc=query_start_loc, backend=self.backend, all_slots_new=True)
         return ModelInput(input_ids.to(device), positions.to(device), meta,
                           torch.arange(len(chunks), device=device), [c.request for c in chunks], [1] * len(chunks))
 
