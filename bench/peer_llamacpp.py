@@ -44,7 +44,6 @@ from minipaged.model.loader import embedded_gguf_path
 
 SERVED_NAME = "smollm2"
 IN_FLIGHT = 16
-AFTER_STEP = "-hand-off-after-step"          # the fp32 server handing tokens over after each step
 
 
 def find_llama_cpp(given: Optional[str]) -> Optional[Path]:
@@ -89,14 +88,11 @@ def measure(url: str, prompts_file: Path, args: argparse.Namespace, label: str, 
 
 
 def run_minipaged(server: str, prompts_file: Path, args: argparse.Namespace, work: Path) -> dict:
-    """``server``: minipaged-fp32, minipaged-int8, or minipaged-fp32-hand-off-after-step (fp32 with
-    ``--hand-off step-end``: tokens handed to the HTTP thread after each step, as before the hand-off point, to
-    measure what that point is worth in the same run)."""
+    """``server``: minipaged-fp32 or minipaged-int8."""
     port = free_port()
-    quantization = server.removeprefix("minipaged-").removesuffix(AFTER_STEP)
+    quantization = server.removeprefix("minipaged-")
     flags = ["--threads", "1", "--served-model-name", SERVED_NAME] + (["--quantization", quantization]
                                                                      if quantization != "fp32" else [])
-    flags += ["--hand-off", "step-end"] if server.endswith(AFTER_STEP) else []
     label = server
     print(f"\n=== {label}", flush=True)
     with running(minipaged_serve_command("smollm2", port, flags), port, what=label,
@@ -163,8 +159,7 @@ def median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def ratios(results: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets as ratios (> 1: minipaged ahead): alone, fp32 against llama.cpp F32 and int8 against
-    Q8_0; under load, each minipaged server against the fastest llama.cpp server (named). Where the fp32 server
-    also ran handing its tokens over after each step: what the hand-off point gains alone."""
+    Q8_0; under load, each minipaged server against the fastest llama.cpp server (named)."""
     def tok_s(name: str, phase: str) -> Optional[float]:
         return results.get(name, {}).get(phase, {}).get("output_tok_s")
     out: dict[str, Any] = {}
@@ -172,8 +167,6 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                               ("alone_int8_vs_q8_0", "minipaged-int8", "llama.cpp-Q8_0")):
         if tok_s(ours, "alone") and tok_s(theirs, "alone"):
             out[key] = tok_s(ours, "alone") / tok_s(theirs, "alone")
-    if tok_s("minipaged-fp32", "alone") and tok_s("minipaged-fp32" + AFTER_STEP, "alone"):
-        out["alone_hand_off_gain"] = tok_s("minipaged-fp32", "alone") / tok_s("minipaged-fp32" + AFTER_STEP, "alone")
     peers = {name: tok_s(name, "loaded") for name in results if name.startswith("llama.cpp-")}
     if peers:
         best = max(peers, key=lambda name: peers[name] or 0.0)
@@ -191,7 +184,7 @@ def main() -> int:
     parser.add_argument("--alone-requests", type=int, default=4, help="requests sent one at a time")
     parser.add_argument("--loaded-requests", type=int, default=32, help=f"requests sent {IN_FLIGHT} in flight")
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8", "minipaged-fp32" + AFTER_STEP,
+    parser.add_argument("--servers", nargs="+", default=["minipaged-fp32", "minipaged-int8",
                                                          "F32", "Q8_0", "Q4_1"])
     parser.add_argument("--rounds", type=int, default=3, help="times every server is measured, in turns")
     parser.add_argument("--out-dir", default=str(BENCH_OUT), help="where peer_llamacpp.json goes (a smoke run: elsewhere)")

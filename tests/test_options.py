@@ -185,21 +185,18 @@ def test_the_former_environment_switches_are_flags_of_every_command(command):
         parse([command, "--cpu-ops", "fast"])
 
 
-def test_server_limits_and_the_hand_off_are_serve_flags_spelled_once(capsys):
-    """Each ServerLimits field is a flag of its name with dashes whose help is the field's; --hand-off sets when
-    the engine thread hands tokens over."""
+def test_server_limits_are_serve_flags_spelled_once(capsys):
+    """Each ServerLimits field is a flag of its name with dashes whose help is the field's."""
     from minipaged.serve import server_settings
     from minipaged.serve.limits import ServerLimits
     args = make_parser().parse_args(["serve", "--max-n", "3", "--max-prompt-logprobs", "5"])
     settings = server_settings(args)
-    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5) and settings.hand_off_point == "model-call"
-    assert server_settings(make_parser().parse_args(["serve", "--hand-off", "step-end"])).hand_off_point == "step-end"
+    assert settings.limits == ServerLimits(max_n=3, max_prompt_logprobs=5)
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for limit in fields(ServerLimits):
         assert f"{ServerLimits.flag(limit.name)} " in text and limit.metadata["help"] in text, limit.name
-    assert "--hand-off {model-call,step-end}" in text
 
 
 def test_the_grammar_timeout_option_reaches_the_logits_stage(tiny_engine_factory):

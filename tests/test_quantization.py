@@ -266,8 +266,6 @@ def test_peer_llamacpp_reads_llama_servers_own_timing_and_states_the_targets_as_
     assert ratios["loaded_fp32_vs_best"] == pytest.approx(150 / 160)
     assert ratios["loaded_int8_vs_best"] == pytest.approx(180 / 160)
     assert peer_llamacpp.ratios({"minipaged-int8": rates(80.0, 180.0)}) == {}       # a smoke run: no peers
-    after_step = {"minipaged-fp32": rates(40.0, 150.0), "minipaged-fp32" + peer_llamacpp.AFTER_STEP: rates(32.0, 150.0)}
-    assert peer_llamacpp.ratios(after_step) == {"alone_hand_off_gain": pytest.approx(1.25)}
 
 
 def test_peer_llamacpp_takes_each_servers_median_over_its_rounds(tmp_path, monkeypatch):

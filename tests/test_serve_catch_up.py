@@ -4,9 +4,7 @@ of falling further behind, and the client gets exactly the same tokens, text and
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
-import time
 
 from minipaged import Engine
 from minipaged.outputs import RequestDelta, SampleDelta
@@ -26,47 +24,27 @@ def test_merging_two_deltas_keeps_the_first_prompt_logprobs_and_the_last_finish(
     assert both.samples[0].logprobs == ({1: None},) and both.prompt_logprobs == [None] and not both.finished
 
 
-class _CountedBatches(queue.SimpleQueue):
-    """The AsyncEngine's queue of outboxes for its courier, counting them and noting the one that carries the
-    request's last delta."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count, self.last_is_in = 0, threading.Event()
-
-    def put(self, item, block=True, timeout=None):
-        if item is not None:
-            self.count += 1
-            if any(isinstance(args[0], RequestDelta) and args[0].finished for _callback, args in item if args):
-                self.last_is_in.set()
-        super().put(item, block, timeout)
-
-
 def test_a_reader_that_falls_behind_gets_the_missed_steps_merged_and_nothing_lost(tiny_model_untied):
     engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2, logprobs=2)
 
     async def main() -> tuple[list[RequestDelta], object]:
-        loop = asyncio.get_running_loop()
-        async_engine = AsyncEngine(engine)
-        async_engine._batches = batches = _CountedBatches()
-        handed, call_soon_threadsafe = [0], loop.call_soon_threadsafe
+        async_engine = AsyncEngine(engine)            # its core runs in a thread (core_client.ThreadCore)
+        core_loop = async_engine.core._core
+        last_is_out, emit = threading.Event(), core_loop.emit
 
-        def counted_call(*args):                      # the courier hands each outbox to the loop
-            handed[0] += 1
-            return call_soon_threadsafe(*args)
-        loop.call_soon_threadsafe = counted_call
-        async_engine.start(loop)
+        def noted_emit(messages):                     # the core hands the loop each pass's messages
+            emit(messages)
+            if any(m[0] == "step" and any(d.finished for d in m[1]) for m in messages):
+                last_is_out.set()
+        core_loop.emit = noted_emit
+        async_engine.start(asyncio.get_running_loop())
         deltas: list[RequestDelta] = []
         try:
-            async for item in async_engine.generate("r1", lambda _engine: ([3, 4, 5, 6, 7], params), num_samples=2):
+            async for item in async_engine.generate("r1", [3, 4, 5, 6, 7], params, num_samples=2):
                 if isinstance(item, Accepted):
                     # The event loop is busy elsewhere (blocked here) until every step's deltas wait for it.
-                    assert batches.last_is_in.wait(30), "the request never finished"
-                    deadline = time.monotonic() + 30
-                    while handed[0] < batches.count:
-                        assert time.monotonic() < deadline, "the courier never handed the outboxes over"
-                        time.sleep(0.001)
+                    assert last_is_out.wait(30), "the request never finished"
                     continue
                 deltas.append(item)
         finally:

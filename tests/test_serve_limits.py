@@ -405,7 +405,7 @@ def test_health_is_503_while_the_engine_thread_is_stuck(tiny_engine_factory):
         stuck = http.get("/health")
         release.set()
         sender.join(30)
-        assert stuck.status_code == 503 and "engine thread" in stuck.json()["reason"], stuck.text
+        assert stuck.status_code == 503 and "engine core has been busy" in stuck.json()["reason"], stuck.text
         deadline = time.monotonic() + 10
         while http.get("/health").status_code != 200:
             assert time.monotonic() < deadline

@@ -100,12 +100,12 @@ class AsyncEngine:
         return self.core.alive and self.dead is None
 
     def fail_all(self, error: ServerError) -> None:
-        """End every request in flight with ``error`` (the server drains and its grace period is over)."""
+        """End every request in flight with ``error`` (the server drains and its grace period is over; the event
+        streams say goodbye themselves)."""
         for request_id in list(self._streams):
             stream = self._streams[request_id]
             self.abort(request_id)
             stream.queue.put_nowait(error)
-        self.hub.close_all()
 
     @property
     def num_waiting(self) -> int:
