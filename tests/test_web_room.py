@@ -56,11 +56,13 @@ def keep_busy(url: str, enough: threading.Event, who: int) -> None:
     for k in range(30):
         if enough.is_set():
             return
-        body = {"prompt": f"classmate {who} request {k} " + "fills the pool " * 6, "max_tokens": 300,
+        # Lengths differ, so that the classmates do not finish in step and leave the own request alone.
+        body = {"prompt": f"classmate {who} request {k} " + "fills the pool " * 6, "max_tokens": 300 + 70 * who,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             for _ in response.iter_lines():
-                pass
+                if enough.is_set():       # hang up: the steps that show the own request stay in the page's buffer
+                    return
 
 
 # What the page shows, measured in the page: sideways scrolling, the header's lines, the own output's box, every
@@ -133,7 +135,7 @@ def test_a_room_reads_its_own_answer_and_the_pool_at_1366x768(server, layout, tm
             await wait_for(page, "window.minipaged && window.minipaged.view.connected && !!window.minipaged.state",
                            "the page never connected to /v1/events")
             enough = threading.Event()
-            classmates = [threading.Thread(target=keep_busy, args=(server, enough, who)) for who in range(2)]
+            classmates = [threading.Thread(target=keep_busy, args=(server, enough, who)) for who in range(3)]
             for t in classmates:
                 t.start()
             try:
