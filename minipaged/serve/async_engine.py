@@ -18,6 +18,7 @@ The whole prompt of a request on demand is decoded here too, from the token ids 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -137,12 +138,15 @@ class AsyncEngine:
         steps it missed merged into one delta. Raises ServerError if it is refused. Leaving early (the client
         went away, the task was cancelled) aborts the request."""
         self.check_admission(num_samples)
-        ticket = self.quotas.take_samples(CLIENT.get() or "local", num_samples)
+        client = CLIENT.get() or "local"                  # the connection's address, never what the body says
+        ticket = self.quotas.take_samples(client, num_samples)
         done = False
         try:
             if ticket is not None:                        # the client's prompt tokens, once per sample
                 self.quotas.take_tokens(ticket, len(prompt))
             q: asyncio.Queue = asyncio.Queue()
+            if hasattr(params, "client"):                 # the scheduler shares the engine fairly by client
+                params = dataclasses.replace(params, client=client)
             samples = tuple(sample_ids(request_id, params.n))
             self._streams[request_id] = _Stream(q, params, list(prompt), samples)
             # (a sample's id leads to its request: the whole prompt on demand is asked for by the ids events show)

@@ -12,9 +12,9 @@ throughput (docs/performance.md). In a process of its own the core steps while t
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .core_loop import CoreLoop, Message
-from .core_process import START_POLL_S, CoreStartError, Wire, run_core_process
+from .core_process import START_POLL_S, CoreStartError, Wire, write_arguments
 
 Deliver = Callable[[list[Message]], None]
 
@@ -92,14 +92,14 @@ class ProcessCore:
                  progress: Optional[Callable[[str], None]] = None) -> None:
         self.folder = tempfile.mkdtemp(prefix="minipaged-core-")     # 0700: only this user reaches the sockets
         self.wire = Wire(self.folder, bind=True)
-        context = multiprocessing.get_context("spawn")               # no fork of a process with threads
-        self.process = context.Process(target=run_core_process, name="minipaged-core", daemon=False,
-                                       args=(model, options, kv_events, self.folder, os.getpid()))
         self._receiver: Optional[threading.Thread] = None
         self._closing = False
         self.initial_stats: dict[str, float] = {}
+        # A plain child process (not multiprocessing's: it would leave a resource tracker process behind it), in
+        # this process's group, so that what stops the server's group stops the core too.
+        write_arguments(self.folder, model, options, kv_events, os.getpid())
+        self.process = subprocess.Popen([sys.executable, "-m", "minipaged.serve.core_process", self.folder])
         try:
-            self.process.start()
             self.served = self._wait_until_ready(progress or (lambda _m: None))
         except BaseException:
             self.close(timeout_s=2.0)
@@ -109,9 +109,9 @@ class ProcessCore:
         while True:
             message = self.wire.receive(timeout_s=START_POLL_S)
             if message is None:
-                if not self.process.is_alive():
+                if not self.alive:
                     raise CoreStartError(f"the engine core process exited while it started (exit code "
-                                         f"{self.process.exitcode}); its output above says why.")
+                                         f"{self.process.returncode}); its output above says why.")
                 continue
             kind = message[0]
             if kind == "progress":
@@ -131,7 +131,7 @@ class ProcessCore:
         def receive() -> None:
             while not self._closing:
                 batch = self.wire.receive_batch(timeout_s=0.2)
-                if not batch and not self.process.is_alive():
+                if not batch and not self.alive:
                     if not self._closing:
                         batch = [("exited", self.exit_reason())]
                     self._closing = True
@@ -150,10 +150,10 @@ class ProcessCore:
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
 
     def exit_reason(self) -> str:
-        code = self.process.exitcode
+        code = self.process.returncode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
         return f"the engine core process {how}"
 
@@ -162,18 +162,18 @@ class ProcessCore:
         again does nothing."""
         if self.wire.closed:
             return
-        if self.process.is_alive() and not self._closing:
+        if self.alive and not self._closing:
             try:
                 self.wire.send(("stop",))
-            except Exception:                     # the socket may be gone already; the join below decides
+            except Exception:                     # the socket may be gone already; the wait below decides
                 pass
         self._closing = True
-        if self.process.pid is not None:
-            self.process.join(timeout_s)
-            if self.process.is_alive():
-                print("minipaged serve: the engine core did not stop in time; killing it", file=sys.stderr)
-                self.process.kill()
-                self.process.join(2.0)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            print("minipaged serve: the engine core did not stop in time; killing it", file=sys.stderr)
+            self.process.kill()
+            self.process.wait(5.0)
         if self._receiver is not None:
             self._receiver.join(1.0)
         self.wire.close()

@@ -34,6 +34,7 @@ from .core_loop import CoreLoop, Message
 
 START_POLL_S = 0.2              # how often the API server looks whether a starting core is still alive
 PARENT_POLL_S = 0.5             # how often the core looks whether the API server is still alive
+ARGUMENTS = "arguments.json"    # in the private folder: the model, the engine's options ...
 
 # The fields of each kind of message, for msgspec to decode them into the types they were.
 FIELDS: dict[str, Any] = {
@@ -104,12 +105,29 @@ class Wire:
         self.context.term()
 
 
+def write_arguments(folder: str, model: str, options: dict[str, Any], kv_events: Optional[str],
+                    parent_pid: int) -> None:
+    """What the core is to run, in its private folder (``python -m minipaged.serve.core_process FOLDER``)."""
+    with open(os.path.join(folder, ARGUMENTS), "wb") as f:
+        f.write(msgspec.json.encode({"model": model, "options": options, "kv_events": kv_events,
+                                     "parent_pid": parent_pid}))
+
+
+def main(folder: str) -> None:
+    with open(os.path.join(folder, ARGUMENTS), "rb") as f:
+        args = msgspec.json.decode(f.read())
+    run_core_process(args["model"], args["options"], args["kv_events"], folder, args["parent_pid"])
+
+
 def run_core_process(model: str, options: dict[str, Any], kv_events: Optional[str], folder: str,
                      parent_pid: int) -> None:
     """The core process's main: load the engine, say ready (or why not), run the loop until told to stop."""
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the API server drains, then
-    logging.basicConfig(level=logging.WARNING)      # stops the core when the requests are done
+    # Ctrl-C and a SIGTERM to the server's group reach the core too: the API server drains (the core keeps
+    # serving meanwhile), then stops it. The core ends with its API server, whatever ends that.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING)
     wire = Wire(folder, bind=False)
     try:
         from ..options import build_engine
@@ -177,3 +195,7 @@ def die_with_parent(parent_pid: int) -> None:
             time.sleep(PARENT_POLL_S)
         os._exit(1)
     threading.Thread(target=watch, name="minipaged-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
