@@ -65,7 +65,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from .request import Request, RequestStatus
 
@@ -73,6 +73,7 @@ if TYPE_CHECKING:                      # the builder hands the parts in: the sch
     from .config import EngineConfig
     from .kv_cache_manager import KVCacheManager
     from .policies import RequestOrder, VictimPolicy
+    from .policies.client_share import ClientShare, StepShare
     from .swap import CpuBlockPool
 
 logger = logging.getLogger("minipaged.scheduler")
@@ -150,7 +151,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool,
                  eos_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0, *, order: RequestOrder,
-                 victim_policy: VictimPolicy) -> None:
+                 victim_policy: VictimPolicy, client_share: Optional[ClientShare] = None) -> None:
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens   # slots a draft model writes its guesses into
         self.kv = kv
@@ -164,6 +165,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()      # ended since the last schedule (SchedulerOutput carries them)
         self.order = order                           # which waiting request is admitted next (--scheduling-policy)
         self.victim_policy = victim_policy           # which running request is preempted (--preemption-victim)
+        self.client_share = client_share             # fair share by client (--fair-share); None: by request only
+        self._share: Optional[StepShare] = None      # this step's view of the clients (with fair share)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -224,6 +227,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         assert budget is not None
+        if self.client_share is not None:
+            threshold = (self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0
+            self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), threshold)
         if self.config.policy == "static":
             # The batch is running + swapped; it takes no newcomer until all of it has finished.
             budget = self._schedule_running(out, budget)
@@ -260,7 +266,11 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
-        for req in sorted(self.running, key=lambda r: r.is_prefill):
+        if self.client_share is not None:              # the lightest clients first: the heaviest can be preempted
+            running = self.client_share.running_order(self.running, self._holdings())
+        else:
+            running = sorted(self.running, key=lambda r: r.is_prefill)
+        for req in running:
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
@@ -268,6 +278,10 @@ class Scheduler:
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
+            if num_known > 1:                          # a prefill: within the step's share of prefill (fair share)
+                num_new = self._prefill_within(num_new, req.num_computed_tokens)
+                if num_new <= 0:
+                    continue
             while not self._allocate(req, num_new):
                 victim = self._choose_victim(scheduled_ids, req, out)
                 if victim is None:
@@ -282,12 +296,32 @@ class Scheduler:
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new, spec_token_ids=drafts))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
+                if num_known > 1:
+                    self._charge_prefill(num_new, req.num_computed_tokens)
         return budget
+
+    def _holdings(self) -> dict[str, int]:
+        """KV blocks each client holds now (fair share)."""
+        assert self.client_share is not None
+        return self.client_share.holdings(self.running, self.kv.blocks_of)
+
+    def _prefill_within(self, wanted: int, context: int) -> int:
+        """Prefill tokens a chunk may take of the step's allowance (fair share under contention; else all)."""
+        if self.client_share is None or self._share is None:
+            return wanted
+        return self.client_share.prefill_within(self._share, wanted, context)
+
+    def _charge_prefill(self, num_new: int, context: int) -> None:
+        if self.client_share is not None and self._share is not None:
+            self.client_share.charge(self._share, num_new, context)
 
     def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput) -> Optional[Request]:
         """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
         is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        if self.client_share is not None and self._share is not None:    # from the client holding the most
+            candidates = self.client_share.victims(candidates, needs_room, self._share, self._holdings(),
+                                                   self.kv.num_blocks)
         try:
             victim = self.victim_policy.choose(candidates, lambda r: len(self.kv.blocks_of(r.request_id)))
             if victim not in candidates:
@@ -349,9 +383,13 @@ class Scheduler:
             self.running.append(req)
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(num_known, budget, self._chunk_cap(num_known))
-            if self._allocate(req, num_new):
+            if num_known > 1:
+                num_new = self._prefill_within(num_new, req.num_computed_tokens)
+            if num_new > 0 and self._allocate(req, num_new):
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
+                if num_known > 1:
+                    self._charge_prefill(num_new, req.num_computed_tokens)
         return budget
 
     @property
@@ -390,13 +428,23 @@ class Scheduler:
         num_long, num_partial, prefilling_parents = self._partial_prefills(out)
         max_partial = self.config.max_num_partial_prefills if self._shares_steps else None
         skipped: list[Request] = []
+        turns: Optional[Iterator[Request]] = None        # fair share: the clients' turns, made once a step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(skipped) < MAX_SKIPPED_PER_STEP:
             try:
-                req = self.order.first(self.waiting)
+                if self.client_share is None:
+                    req = self.order.first(self.waiting)
+                else:
+                    if turns is None:
+                        turns = self.client_share.admission_order(self.waiting, self.order.first)
+                    next_req = next(turns, None)
+                    if next_req is None:
+                        break
+                    req = next_req
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:
+                turns = None                               # made again without the requests that failed
                 for culprit in self._keys_that_raise() or [self.waiting[0]]:
                     self._fail(culprit, "scheduling_policy", self.order, e, out)
                 continue
@@ -414,6 +462,9 @@ class Scheduler:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
+            num_new = self._prefill_within(num_new, num_cached)
+            if num_new <= 0:
+                break                                      # the step's prefill allowance is spent (fair share)
             if (is_long and num_long >= self.config.max_long_partial_prefills) or \
                     (num_new < num_uncached and max_partial is not None and num_partial >= max_partial):
                 self._take_waiting(req)                    # shorter ones behind it go first
@@ -422,6 +473,9 @@ class Scheduler:
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
+            if self.client_share is not None:
+                self.client_share.admitted(req)
+                self._charge_prefill(num_new, num_cached)
             num_long += is_long
             num_partial += num_new < num_uncached
             if req.params.n > 1 and num_cached + num_new < req.num_prompt_tokens:

@@ -159,7 +159,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
-    engine = build_engine(args.model, engine_options(args), progress=lambda m: print(m, file=sys.stderr))
+    # A shared server shares the engine by client (--no-fair-share turns it off; the library leaves it off).
+    options = {"fair_share": True, **engine_options(args)}
+    engine = build_engine(args.model, options, progress=lambda m: print(m, file=sys.stderr))
     settings = server_settings(args)
     app = build_app(engine, settings)
     from .kv_publisher import KVEventsConfig, KVEventsConfigError, start_kv_events
