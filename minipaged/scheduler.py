@@ -16,6 +16,12 @@ Policies
     (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
+Fair share by client (``fair_share``, on under ``minipaged serve``; ``minipaged.policies.client_share``)
+  * Admission takes turns between clients (``SamplingParams.client``), a preemption takes from the client
+    holding the most KV blocks (one over its fair share only from itself), the lightest clients' running
+    requests are scheduled first, and while two or more clients have requests the step's prefill chunks
+    together get at most ``long_prefill_token_threshold`` tokens, cached context charged.
+
 Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
 ``max_long_partial_prefills``, ``max_num_partial_prefills``)
   * A prompt with more than ``long_prefill_token_threshold`` tokens left to compute (uncached) is *long*: it
@@ -266,7 +272,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
-        if self.client_share is not None:              # the lightest clients first: the heaviest can be preempted
+        if self._contended:                            # the lightest clients first: the heaviest can be preempted
+            assert self.client_share is not None
             running = self.client_share.running_order(self.running, self._holdings())
         else:
             running = sorted(self.running, key=lambda r: r.is_prefill)
@@ -300,6 +307,11 @@ class Scheduler:
                     self._charge_prefill(num_new, req.num_computed_tokens)
         return budget
 
+    @property
+    def _contended(self) -> bool:
+        """Fair share is on and two or more clients have requests: alone, a client is scheduled as without it."""
+        return self._share is not None and self._share.contended
+
     def _holdings(self) -> dict[str, int]:
         """KV blocks each client holds now (fair share)."""
         assert self.client_share is not None
@@ -319,7 +331,8 @@ class Scheduler:
         """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
         is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
-        if self.client_share is not None and self._share is not None:    # from the client holding the most
+        if self._contended:                            # from the client holding the most
+            assert self.client_share is not None and self._share is not None
             candidates = self.client_share.victims(candidates, needs_room, self._share, self._holdings(),
                                                    self.kv.num_blocks)
         try:
@@ -432,9 +445,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(skipped) < MAX_SKIPPED_PER_STEP:
             try:
-                if self.client_share is None:
+                if not self._contended:
                     req = self.order.first(self.waiting)
                 else:
+                    assert self.client_share is not None
                     if turns is None:
                         turns = self.client_share.admission_order(self.waiting, self.order.first)
                     next_req = next(turns, None)
@@ -473,9 +487,10 @@ class Scheduler:
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
-            if self.client_share is not None:
+            if self._contended:
+                assert self.client_share is not None
                 self.client_share.admitted(req)
-                self._charge_prefill(num_new, num_cached)
+            self._charge_prefill(num_new, num_cached)
             num_long += is_long
             num_partial += num_new < num_uncached
             if req.params.n > 1 and num_cached + num_new < req.num_prompt_tokens:
