@@ -16,11 +16,8 @@ Policies
     (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
-Fair share by client (``fair_share``, on under ``minipaged serve``; ``minipaged.policies.client_share``)
-  * Admission takes turns between clients (``SamplingParams.client``), a preemption takes from the client
-    holding the most KV blocks (one over its fair share only from itself), the lightest clients' running
-    requests are scheduled first, and while two or more clients have requests the step's prefill chunks
-    together get at most ``long_prefill_token_threshold`` tokens, cached context charged.
+Fair share by client (``fair_share``; ``minipaged.policies.client_share``): admission takes turns between clients,
+the victim is the heaviest client's, the step's prefills together are bounded while two or more have requests.
 
 Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
 ``max_long_partial_prefills``, ``max_num_partial_prefills``)
@@ -172,7 +169,7 @@ class Scheduler:
         self.order = order                           # which waiting request is admitted next (--scheduling-policy)
         self.victim_policy = victim_policy           # which running request is preempted (--preemption-victim)
         self.client_share = client_share             # fair share by client (--fair-share); None: by request only
-        self._share: Optional[StepShare] = None      # this step's view of the clients (with fair share)
+        self._share: Optional[StepShare] = None      # its view of this step
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -234,8 +231,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         assert budget is not None
         if self.client_share is not None:
-            threshold = (self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0
-            self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), threshold)
+            self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), (
+                self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0)
         if self.config.policy == "static":
             # The batch is running + swapped; it takes no newcomer until all of it has finished.
             budget = self._schedule_running(out, budget)
@@ -272,12 +269,9 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
-        if self._contended:                            # the lightest clients first: the heaviest can be preempted
-            assert self.client_share is not None
-            running = self.client_share.running_order(self.running, self._holdings())
-        else:
-            running = sorted(self.running, key=lambda r: r.is_prefill)
-        for req in running:
+        fair = self._fair                              # the lightest clients first: the heaviest can be preempted
+        for req in fair.running_order(self.running, self.kv.blocks_of) if fair else \
+                sorted(self.running, key=lambda r: r.is_prefill):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
@@ -285,9 +279,9 @@ class Scheduler:
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
-            if num_known > 1:                          # a prefill: within the step's share of prefill (fair share)
-                num_new = self._prefill_within(num_new, req.num_computed_tokens)
-                if num_new <= 0:
+            if num_known > 1 and self._share:          # a prefill: within the step's share of prefill (fair share)
+                num_new = self._share.within(num_new, req.num_computed_tokens)
+                if num_new < 1:
                     continue
             while not self._allocate(req, num_new):
                 victim = self._choose_victim(scheduled_ids, req, out)
@@ -303,38 +297,21 @@ class Scheduler:
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new, spec_token_ids=drafts))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
-                if num_known > 1:
-                    self._charge_prefill(num_new, req.num_computed_tokens)
+                if num_known > 1 and self._share:
+                    self._share.charge(num_new, req.num_computed_tokens)
         return budget
 
     @property
-    def _contended(self) -> bool:
-        """Fair share is on and two or more clients have requests: alone, a client is scheduled as without it."""
-        return self._share is not None and self._share.contended
-
-    def _holdings(self) -> dict[str, int]:
-        """KV blocks each client holds now (fair share)."""
-        assert self.client_share is not None
-        return self.client_share.holdings(self.running, self.kv.blocks_of)
-
-    def _prefill_within(self, wanted: int, context: int) -> int:
-        """Prefill tokens a chunk may take of the step's allowance (fair share under contention; else all)."""
-        if self.client_share is None or self._share is None:
-            return wanted
-        return self.client_share.prefill_within(self._share, wanted, context)
-
-    def _charge_prefill(self, num_new: int, context: int) -> None:
-        if self.client_share is not None and self._share is not None:
-            self.client_share.charge(self._share, num_new, context)
+    def _fair(self) -> Optional[StepShare]:
+        """The step's fair share while two or more clients have requests (alone, one is scheduled as without)."""
+        return self._share if self._share is not None and self._share.contended else None
 
     def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput) -> Optional[Request]:
         """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
         is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
-        if self._contended:                            # from the client holding the most
-            assert self.client_share is not None and self._share is not None
-            candidates = self.client_share.victims(candidates, needs_room, self._share, self._holdings(),
-                                                   self.kv.num_blocks)
+        if fair := self._fair:                         # from the client holding the most blocks
+            candidates = fair.victims(candidates, needs_room, self.running, self.kv.blocks_of, self.kv.num_blocks)
         try:
             victim = self.victim_policy.choose(candidates, lambda r: len(self.kv.blocks_of(r.request_id)))
             if victim not in candidates:
@@ -396,13 +373,13 @@ class Scheduler:
             self.running.append(req)
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(num_known, budget, self._chunk_cap(num_known))
-            if num_known > 1:
-                num_new = self._prefill_within(num_new, req.num_computed_tokens)
+            if num_known > 1 and self._share:
+                num_new = self._share.within(num_new, req.num_computed_tokens)
             if num_new > 0 and self._allocate(req, num_new):
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
-                if num_known > 1:
-                    self._charge_prefill(num_new, req.num_computed_tokens)
+                if num_known > 1 and self._share:
+                    self._share.charge(num_new, req.num_computed_tokens)
         return budget
 
     @property
@@ -441,20 +418,14 @@ class Scheduler:
         num_long, num_partial, prefilling_parents = self._partial_prefills(out)
         max_partial = self.config.max_num_partial_prefills if self._shares_steps else None
         skipped: list[Request] = []
-        turns: Optional[Iterator[Request]] = None        # fair share: the clients' turns, made once a step
+        turns: Optional[Iterator[Request]] = None        # fair share: the clients' turns
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(skipped) < MAX_SKIPPED_PER_STEP:
             try:
-                if not self._contended:
+                if (fair := self._fair) is None:
                     req = self.order.first(self.waiting)
-                else:
-                    assert self.client_share is not None
-                    if turns is None:
-                        turns = self.client_share.admission_order(self.waiting, self.order.first)
-                    next_req = next(turns, None)
-                    if next_req is None:
-                        break
-                    req = next_req
+                else:                                      # (each waiting request has its turn: never exhausted)
+                    req = next(turns := turns or fair.turns(self.waiting, self.order.first))
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:
@@ -476,9 +447,8 @@ class Scheduler:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
-            num_new = self._prefill_within(num_new, num_cached)
-            if num_new <= 0:
-                break                                      # the step's prefill allowance is spent (fair share)
+            if self._share and (num_new := self._share.within(num_new, num_cached)) < 1:
+                break                                      # the step's share of prefill is spent (fair share)
             if (is_long and num_long >= self.config.max_long_partial_prefills) or \
                     (num_new < num_uncached and max_partial is not None and num_partial >= max_partial):
                 self._take_waiting(req)                    # shorter ones behind it go first
@@ -487,10 +457,8 @@ class Scheduler:
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
-            if self._contended:
-                assert self.client_share is not None
-                self.client_share.admitted(req)
-            self._charge_prefill(num_new, num_cached)
+            if self._share:
+                self._share.admitted(req, num_new, num_cached)
             num_long += is_long
             num_partial += num_new < num_uncached
             if req.params.n > 1 and num_cached + num_new < req.num_prompt_tokens:

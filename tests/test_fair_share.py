@@ -192,15 +192,16 @@ def test_greedy_outputs_are_identical_with_fair_share(tiny_engine_factory):
 
 def test_a_client_over_its_fair_share_evicts_only_itself():
     """Three clients share 30 blocks (10 each): one holding 11 that needs room takes from itself even though
-    another holds 18; holding 9, it takes from the one holding the most."""
-    share = ClientShare()
-    params = {c: SamplingParams(client=c) for c in ("greedy", "medium", "victim")}
-    reqs = {c: [Request(f"{c}{i}", [1, 2], p, 10 * i + k, 0.0) for i in range(2)]
-            for k, (c, p) in enumerate(params.items())}
-    candidates = [r for rs in reqs.values() for r in rs]
-    step = share.begin_step([candidates], threshold=0)
-    needs_room = reqs["medium"][0]
-    over = share.victims(candidates, needs_room, step, {"greedy": 18, "medium": 11, "victim": 1}, 30)
-    assert over == reqs["medium"]
-    under = share.victims(candidates, needs_room, step, {"greedy": 18, "medium": 9, "victim": 1}, 30)
-    assert under == reqs["greedy"]
+    another holds 18; holding 9, it takes from the one holding the most (blocks its requests share count once)."""
+    reqs = {c: [Request(f"{c}{i}", [1, 2], SamplingParams(client=c), 10 * i + k, 0.0) for i in range(2)]
+            for k, c in enumerate(("greedy", "medium", "victim"))}
+    everyone = [r for rs in reqs.values() for r in rs]
+    step = ClientShare().begin_step([everyone], threshold=0)
+
+    def victims(medium_blocks: int) -> list[Request]:
+        blocks = {"greedy0": range(10), "greedy1": range(2, 18), "medium0": range(100, 100 + medium_blocks),
+                  "medium1": range(100, 103), "victim0": [200], "victim1": []}
+        return step.victims(everyone, reqs["medium"][0], everyone, lambda rid: list(blocks[rid]), 30)
+
+    assert victims(11) == reqs["medium"]
+    assert victims(9) == reqs["greedy"]

@@ -51,10 +51,29 @@ def attention_context_per_token(model_config: Any) -> int:
     return max(1, linear // (2 * q_width))       # per (query, key): QK^T and PV, 2 FLOPs each per q element
 
 
+class ClientShare:
+    """Fair share's state across steps (the scheduler holds one when ``fair_share`` is on): the turns of
+    admission, an idle client's entry dropped. ``begin_step`` gives the step's view, which decides."""
+
+    def __init__(self, attention_context_per_token: int = 0) -> None:
+        self.context_per_token = attention_context_per_token      # 0: context is not charged
+        self.last_turn: dict[str, int] = {}                       # client -> when it was last admitted
+        self.turns = 0
+
+    def begin_step(self, queues: Iterable[Iterable[Request]], threshold: int) -> StepShare:
+        """This step's view: the clients with requests in ``queues``; ``threshold`` (0: none) bounds the step's
+        prefill while two or more of them have requests."""
+        clients = {client_of(r) for queue in queues for r in queue}
+        for gone in self.last_turn.keys() - clients:
+            del self.last_turn[gone]
+        return StepShare(self, clients, threshold if threshold > 0 and len(clients) > 1 else None)
+
+
 @dataclass
 class StepShare:
-    """One step's view of the clients: who has requests, the blocks each holds, the prefill left to grant."""
+    """One step's view of the clients (who has requests, the prefill left to grant) and its decisions."""
 
+    owner: ClientShare
     clients: set[str]
     prefill_left: Optional[int]       # tokens (context-weighted) the step's prefills may still take; None: no cap
     any_prefill: bool = False         # a prefill chunk was granted this step
@@ -63,42 +82,26 @@ class StepShare:
     def contended(self) -> bool:
         return len(self.clients) > 1
 
-
-class ClientShare:
-    """The scheduler's fair-share decisions (it holds one when ``fair_share`` is on); the turn order of
-    admission is its only state, and an idle client's entry is dropped."""
-
-    def __init__(self, attention_context_per_token: int = 0) -> None:
-        self.context_per_token = attention_context_per_token      # 0: context is not charged
-        self._last_turn: dict[str, int] = {}                      # client -> when it was last admitted
-        self._turns = 0
-
-    # ------------------------------------------------------------------ the step
-    def begin_step(self, queues: Iterable[Iterable[Request]], threshold: int) -> StepShare:
-        clients = {client_of(r) for queue in queues for r in queue}
-        for gone in self._last_turn.keys() - clients:
-            del self._last_turn[gone]
-        return StepShare(clients, threshold if threshold > 0 and len(clients) > 1 else None)
-
+    # ------------------------------------------------------------------ the step's prefill
     def prefill_cost(self, num_tokens: int, context: int) -> int:
         """What ``num_tokens`` of prefill after ``context`` computed tokens take from the step's allowance."""
-        if not self.context_per_token:
-            return num_tokens
-        return -(-num_tokens * (self.context_per_token + context) // self.context_per_token)
+        per = self.owner.context_per_token
+        return -(-num_tokens * (per + context) // per) if per else num_tokens
 
-    def prefill_within(self, share: StepShare, wanted: int, context: int) -> int:
-        """How many of ``wanted`` prefill tokens fit what is left of the step's allowance (at least one for the
-        step's first prefill, so that a long context never stalls)."""
-        if share.prefill_left is None:
+    def within(self, wanted: int, context: int) -> int:
+        """How many of ``wanted`` prefill tokens after ``context`` fit what is left of the step's allowance (at
+        least one for the step's first prefill, so that a long context never stalls)."""
+        if self.prefill_left is None:
             return wanted
-        per = self.context_per_token
-        fits = share.prefill_left if not per else share.prefill_left * per // (per + context)
-        return min(wanted, max(fits, 0 if share.any_prefill else 1))
+        per = self.owner.context_per_token
+        fits = self.prefill_left * per // (per + context) if per else self.prefill_left
+        return min(wanted, max(fits, 0 if self.any_prefill else 1))
 
-    def charge(self, share: StepShare, num_tokens: int, context: int) -> None:
-        share.any_prefill = True
-        if share.prefill_left is not None:
-            share.prefill_left = max(0, share.prefill_left - self.prefill_cost(num_tokens, context))
+    def charge(self, num_tokens: int, context: int) -> None:
+        """A prefill chunk of ``num_tokens`` after ``context`` was granted."""
+        self.any_prefill = True
+        if self.prefill_left is not None:
+            self.prefill_left = max(0, self.prefill_left - self.prefill_cost(num_tokens, context))
 
     # ------------------------------------------------------------------ blocks held
     @staticmethod
@@ -109,35 +112,35 @@ class ClientShare:
             held.setdefault(client_of(req), set()).update(blocks_of(req.request_id))
         return {client: len(blocks) for client, blocks in held.items()}
 
-    def running_order(self, running: Sequence[Request], holdings: dict[str, int]) -> list[Request]:
+    def running_order(self, running: Sequence[Request], blocks_of: Callable[[str], Sequence[int]]) -> list[Request]:
         """Decodes before prefills; within each, the clients holding fewest blocks first (then the running
         order), so that the heaviest client's requests are scheduled last and can still be preempted."""
-        return sorted(running, key=lambda r: (r.is_prefill, holdings.get(client_of(r), 0)))
+        held = self.holdings(running, blocks_of)
+        return sorted(running, key=lambda r: (r.is_prefill, held.get(client_of(r), 0)))
 
-    def victims(self, candidates: Sequence[Request], needs_room: Request, share: StepShare,
-                holdings: dict[str, int], num_blocks: int) -> list[Request]:
+    def victims(self, candidates: Sequence[Request], needs_room: Request, running: Iterable[Request],
+                blocks_of: Callable[[str], Sequence[int]], num_blocks: int) -> list[Request]:
         """The candidates the victim policy may choose from: the requester's own while its client holds more
-        than its fair share, else those of the client holding the most blocks (the newest among equals)."""
+        than its fair share (the pool over the clients), else the heaviest client's (the newest among equals)."""
+        held = self.holdings(running, blocks_of)
         own = client_of(needs_room)
-        fair = num_blocks / max(1, len(share.clients))
         by_client: dict[str, list[Request]] = {}
         for req in candidates:
             by_client.setdefault(client_of(req), []).append(req)
-        if holdings.get(own, 0) > fair and own in by_client:
+        if held.get(own, 0) > num_blocks / len(self.clients) and own in by_client:
             return by_client[own]
-        heaviest = max(by_client, key=lambda c: (holdings.get(c, 0), max(r.arrival_index for r in by_client[c])))
+        heaviest = max(by_client, key=lambda c: (held.get(c, 0), max(r.arrival_index for r in by_client[c])))
         return by_client[heaviest]
 
     # ------------------------------------------------------------------ admission
-    def admission_order(self, waiting: Iterable[Request], first: Callable[[Sequence[Request]], Request]
-                        ) -> Iterator[Request]:
+    def turns(self, waiting: Iterable[Request], first: Callable[[Sequence[Request]], Request]) -> Iterator[Request]:
         """The waiting requests in turn: the client admitted longest ago (never: first, in queue order) gives
         its first request in the policy's order (``first``), then the next client; a client whose request was
         offered goes to the back of the turn."""
         queues: dict[str, deque[Request]] = {}
         for req in waiting:
             queues.setdefault(client_of(req), deque()).append(req)
-        turn = deque(sorted(queues, key=lambda c: self._last_turn.get(c, -1)))
+        turn = deque(sorted(queues, key=lambda c: self.owner.last_turn.get(c, -1)))
         while turn:
             client = turn.popleft()
             queue = queues[client]
@@ -150,7 +153,9 @@ class ClientShare:
                 turn.append(client)
             yield req
 
-    def admitted(self, request: Request) -> None:
-        """``request`` was admitted: its client's turn comes after every other waiting client's."""
-        self._turns += 1
-        self._last_turn[client_of(request)] = self._turns
+    def admitted(self, request: Request, num_tokens: int, context: int) -> None:
+        """``request`` was admitted with a chunk of ``num_tokens`` after ``context`` cached ones: its client's
+        turn comes after every other waiting client's."""
+        self.owner.turns += 1
+        self.owner.last_turn[client_of(request)] = self.owner.turns
+        self.charge(num_tokens, context)
