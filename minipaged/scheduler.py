@@ -424,8 +424,9 @@ class Scheduler:
             try:
                 if (fair := self._fair) is None:
                     req = self.order.first(self.waiting)
-                else:                                      # (each waiting request has its turn: never exhausted)
-                    req = next(turns := turns or fair.turns(self.waiting, self.order.first))
+                else:                                      # (every waiting request has its turn in ``turns``)
+                    req = next(turns := turns or fair.turns(self.waiting, self.order.first), None) or \
+                        self.order.first(self.waiting)
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:
