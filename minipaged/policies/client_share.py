@@ -10,8 +10,8 @@ client) gets its turn first, and only then its requests share it:
     one client's 128 samples do not queue ahead of another's one request.
   * **Preemption takes from the heaviest.** When blocks run out, the victim comes from the client holding the
     most KV blocks (the victim policy then picks within that client: by default its newest request). A client
-    holding more than its fair share (the pool divided by the clients with requests) never takes blocks from
-    another: it preempts its own requests, or waits. The running requests of the lightest clients are
+    holding more than its fair share (the pool divided by the clients with requests) never preempts another
+    client's requests: it preempts its own, or waits. The running requests of the lightest clients are
     scheduled first, so the heaviest client's requests are still there to be preempted when others need room.
   * **A step's prefill is bounded across requests.** While two or more clients have requests, one step's
     prefill chunks together get at most ``long_prefill_token_threshold`` tokens (the per-prompt cap becomes the
@@ -20,8 +20,9 @@ client) gets its turn first, and only then its requests share it:
     ``1 + context / attention_context_per_token`` (``attention_context_per_token``: how many context positions
     one query attends to for the cost of its own linear layers, from the model's shape).
 
-One client alone (the library, a benchmark) meets none of this: the turns and the victim are its own, the
-step allowance applies only under contention, so it runs as it does without fair share.
+One client alone (the library, a benchmark) meets none of this: the scheduler takes its plain paths.
+Not yet shared: admission never preempts (vLLM's rule), so a newcomer waits for free blocks, and a client over
+its fair share still grows its running requests into free blocks while others wait for them.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class ClientShare:
     def __init__(self, attention_context_per_token: int = 0) -> None:
         self.context_per_token = attention_context_per_token      # 0: context is not charged
         self.last_turn: dict[str, int] = {}                       # client -> when it was last admitted
-        self.turns = 0
+        self.num_admitted = 0                                     # admissions counted, the clock of turns
 
     def begin_step(self, queues: Iterable[Iterable[Request]], threshold: int) -> StepShare:
         """This step's view: the clients with requests in ``queues``; ``threshold`` (0: none) bounds the step's
@@ -156,6 +157,6 @@ class StepShare:
     def admitted(self, request: Request, num_tokens: int, context: int) -> None:
         """``request`` was admitted with a chunk of ``num_tokens`` after ``context`` cached ones: its client's
         turn comes after every other waiting client's."""
-        self.owner.turns += 1
-        self.owner.last_turn[client_of(request)] = self.owner.turns
+        self.owner.num_admitted += 1
+        self.owner.last_turn[client_of(request)] = self.owner.num_admitted
         self.charge(num_tokens, context)
