@@ -83,6 +83,14 @@ class EngineConfig:
     max_long_partial_prefills: int = field(default=1, metadata={
         "help": "most long prompts (see --long-prefill-token-threshold) prefilling at once; shorter prompts "
                 "behind them are admitted first"})
+    # Fair share by client (minipaged/policies/client_share.py; not in vLLM). None: off in the library, on under
+    # ``minipaged serve`` (whose requests carry their client in SamplingParams.client).
+    fair_share: Optional[bool] = field(default=None, metadata={
+        "help": "share the engine between clients (SamplingParams.client) before requests: admission takes turns "
+                "between clients, a preemption takes from the client holding the most KV blocks, and while two "
+                "or more clients have requests one step's prefills together (cached context counted) get at most "
+                "--long-prefill-token-threshold tokens",
+        "shown_default": "on under serve, off in the library"})
     policy: Policy = field(default="continuous", metadata={"help": "static batching is a teaching baseline"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={"help": "what a preempted request loses"})
     # Policies (minipaged.policies): a name, or a user's class as path/to/file.py:ClassName. vLLM's are the defaults.
@@ -284,6 +292,8 @@ class EngineConfig:
         known."""
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = LONG_PREFILL_CPU if device_type == "cpu" else 0
+        if self.fair_share is None:
+            self.fair_share = False
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         elif self.max_model_len > model_max_len:

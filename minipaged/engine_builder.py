@@ -37,6 +37,7 @@ from .parallel.distributed_runner import DistributedRunner
 from .parallel.launch import serve_torchrun_worker, started_by_torchrun
 from .parallel.worker import WorkerSpec
 from .policies import load_policy
+from .policies.client_share import ClientShare, attention_context_per_token
 from .runner.executor import ModelExecutor
 from .runner.model_runner import ModelRunner
 from .sampling import Sampler
@@ -144,7 +145,9 @@ def build_engine_parts(model_name: str, options: dict[str, Any],
     lookahead = spec.num_speculative_tokens if draft_model is not None else 0
     scheduler = Scheduler(config, kv, cpu_pool, loaded.eos_token_ids, lookahead,
                           order=load_policy("scheduling_policy", config.scheduling_policy)(),
-                          victim_policy=load_policy("preemption_victim", config.preemption_victim)())
+                          victim_policy=load_policy("preemption_victim", config.preemption_victim)(),
+                          client_share=ClientShare(attention_context_per_token(loaded.config))
+                          if config.fair_share else None)
     if layout.world_size == 1:
         runner = ModelRunner(model, kv_cache, config.block_size, backend)
         if graphs_wanted(config):

@@ -162,6 +162,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     priority: int = 0              # --scheduling-policy priority: lower values are admitted first (vLLM's rule)
+    # Who sent it (the server's API key or address), for fair share by client (EngineConfig.fair_share): the
+    # scheduler shares steps and KV blocks between clients first. None: the one anonymous client. Not vLLM's.
+    client: Optional[str] = None
     # The output text (vLLM's names): special tokens left out of it, and the stop string cut off it, by default.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -214,6 +217,9 @@ class SamplingParams:
         if not is_int(self.priority):
             raise InvalidRequestError(f"priority must be an integer (lower is served first), got {self.priority!r}.",
                                       "priority")
+        if self.client is not None and not isinstance(self.client, str):
+            raise InvalidRequestError(f"client must be None or a string (who sent the request), got "
+                                      f"{self.client!r}.", "client")
         if self.seed is not None and not is_int(self.seed):
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):

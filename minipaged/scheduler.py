@@ -16,6 +16,9 @@ Policies
     (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
+Fair share by client (``fair_share``; ``minipaged.policies.client_share``): admission takes turns between clients,
+the victim is the heaviest client's, the step's prefills together are bounded while two or more have requests.
+
 Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
 ``max_long_partial_prefills``, ``max_num_partial_prefills``)
   * A prompt with more than ``long_prefill_token_threshold`` tokens left to compute (uncached) is *long*: it
@@ -65,7 +68,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from .request import Request, RequestStatus
 
@@ -73,6 +76,7 @@ if TYPE_CHECKING:                      # the builder hands the parts in: the sch
     from .config import EngineConfig
     from .kv_cache_manager import KVCacheManager
     from .policies import RequestOrder, VictimPolicy
+    from .policies.client_share import ClientShare, StepShare
     from .swap import CpuBlockPool
 
 logger = logging.getLogger("minipaged.scheduler")
@@ -150,7 +154,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, cpu_pool: CpuBlockPool,
                  eos_token_ids: Sequence[int] = (), num_lookahead_tokens: int = 0, *, order: RequestOrder,
-                 victim_policy: VictimPolicy) -> None:
+                 victim_policy: VictimPolicy, client_share: Optional[ClientShare] = None) -> None:
         self.config = config
         self.num_lookahead_tokens = num_lookahead_tokens   # slots a draft model writes its guesses into
         self.kv = kv
@@ -164,6 +168,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()      # ended since the last schedule (SchedulerOutput carries them)
         self.order = order                           # which waiting request is admitted next (--scheduling-policy)
         self.victim_policy = victim_policy           # which running request is preempted (--preemption-victim)
+        self.client_share = client_share             # fair share by client (--fair-share); None: by request only
+        self._share: Optional[StepShare] = None      # its view of this step
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -224,6 +230,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         assert budget is not None
+        if self.client_share is not None:
+            self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), (
+                self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0)
         if self.config.policy == "static":
             # The batch is running + swapped; it takes no newcomer until all of it has finished.
             budget = self._schedule_running(out, budget)
@@ -260,7 +269,9 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
-        for req in sorted(self.running, key=lambda r: r.is_prefill):
+        fair = self._fair                              # the lightest clients first: the heaviest can be preempted
+        for req in fair.running_order(self.running, self.kv.blocks_of) if fair else \
+                sorted(self.running, key=lambda r: r.is_prefill):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
@@ -268,6 +279,10 @@ class Scheduler:
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
+            if num_known > 1 and self._share:          # a prefill: within the step's share of prefill (fair share)
+                num_new = self._share.within(num_new, req.num_computed_tokens)
+                if num_new < 1:
+                    continue
             while not self._allocate(req, num_new):
                 victim = self._choose_victim(scheduled_ids, req, out)
                 if victim is None:
@@ -282,12 +297,21 @@ class Scheduler:
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new, spec_token_ids=drafts))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
+                if num_known > 1 and self._share:
+                    self._share.charge(num_new, req.num_computed_tokens)
         return budget
+
+    @property
+    def _fair(self) -> Optional[StepShare]:
+        """The step's fair share while two or more clients have requests (alone, one is scheduled as without)."""
+        return self._share if self._share is not None and self._share.contended else None
 
     def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput) -> Optional[Request]:
         """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
         is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
         candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        if fair := self._fair:                         # from the client holding the most blocks
+            candidates = fair.victims(candidates, needs_room, self.running, self.kv.blocks_of, self.kv.num_blocks)
         try:
             victim = self.victim_policy.choose(candidates, lambda r: len(self.kv.blocks_of(r.request_id)))
             if victim not in candidates:
@@ -349,9 +373,13 @@ class Scheduler:
             self.running.append(req)
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(num_known, budget, self._chunk_cap(num_known))
-            if self._allocate(req, num_new):
+            if num_known > 1 and self._share:
+                num_new = self._share.within(num_new, req.num_computed_tokens)
+            if num_new > 0 and self._allocate(req, num_new):
                 out.chunks.append(self._chunk(req, req.num_computed_tokens, num_new))
                 budget -= num_new
+                if num_known > 1 and self._share:
+                    self._share.charge(num_new, req.num_computed_tokens)
         return budget
 
     @property
@@ -390,13 +418,19 @@ class Scheduler:
         num_long, num_partial, prefilling_parents = self._partial_prefills(out)
         max_partial = self.config.max_num_partial_prefills if self._shares_steps else None
         skipped: list[Request] = []
+        turns: Optional[Iterator[Request]] = None        # fair share: the clients' turns
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and len(skipped) < MAX_SKIPPED_PER_STEP:
             try:
-                req = self.order.first(self.waiting)
+                if (fair := self._fair) is None:
+                    req = self.order.first(self.waiting)
+                else:                                      # (every waiting request has its turn in ``turns``)
+                    req = next(turns := turns or fair.turns(self.waiting, self.order.first), None) or \
+                        self.order.first(self.waiting)
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:
+                turns = None                               # made again without the requests that failed
                 for culprit in self._keys_that_raise() or [self.waiting[0]]:
                     self._fail(culprit, "scheduling_policy", self.order, e, out)
                 continue
@@ -414,6 +448,8 @@ class Scheduler:
                 if not chunked:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
+            if self._share and (num_new := self._share.within(num_new, num_cached)) < 1:
+                break                                      # the step's share of prefill is spent (fair share)
             if (is_long and num_long >= self.config.max_long_partial_prefills) or \
                     (num_new < num_uncached and max_partial is not None and num_partial >= max_partial):
                 self._take_waiting(req)                    # shorter ones behind it go first
@@ -422,6 +458,8 @@ class Scheduler:
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
                 break                                      # nobody jumps the queue the policy set
             self._take_waiting(req)
+            if self._share:
+                self._share.admitted(req, num_new, num_cached)
             num_long += is_long
             num_partial += num_new < num_uncached
             if req.params.n > 1 and num_cached + num_new < req.num_prompt_tokens:

@@ -209,6 +209,16 @@ def long_prefill_derived(r: dict[str, Any], default_threshold: int) -> dict[str,
     return {"before": by_threshold[0], "default": by_threshold[default_threshold]}
 
 
+def fair_share_table(r: dict[str, Any]) -> str:
+    """bench/fair_share.py: each case with fair share off and on (seconds of the engine thread's CPU time)."""
+    rows = [[x["case"], "on" if x["fair_share"] else "off", f"{x['victim_max_gap_cpu_s']:.2f} s",
+             f"{x['victim_done_cpu_s']:.2f} s", f"{x['greedy_done_cpu_s']:.2f} s", x["steps_after_flood"],
+             f"{x['preemptions']} ({x['victim_preemptions']})", "yes" if x["same_tokens"] else "**no**"]
+            for x in r["results"]]
+    return markdown_table(["case", "fair share", "victim: longest pause", "victim: done", "greedy client: done",
+                           "steps", "preemptions (the victim's)", "same tokens"], rows)
+
+
 def preemption_table(r: dict[str, Any]) -> str:
     rows = [["big pool (no preemption)" if x["mode"].startswith("none") else x["mode"],
              f"{short(x['throughput_tok_s'])} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
@@ -308,7 +318,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
-    "long_prefill": long_prefill_table,
+    "long_prefill": long_prefill_table, "fair_share": fair_share_table,
     "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 

@@ -8,6 +8,9 @@
   * ``FreeBlockQueue`` (``--eviction-policy``): the order in which free blocks are taken, so which cached
     prefix is evicted first. ``lru`` (vLLM's), ``mru`` (Hugging Face transformers' continuous batching).
 
+  * ``ClientShare`` (``--fair-share``, ``client_share``): not a choice by name but a layer over the others,
+    sharing admission turns, a step's prefill and the KV pool between clients before requests.
+
 Each option takes a name from ``REGISTRY`` or ``path/to/file.py:ClassName``, a user's class (``loading``).
 The scheduler and the block manager each call one method of one object; they never compare policy names.
 """

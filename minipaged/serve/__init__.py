@@ -158,8 +158,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from .core_client import ProcessCore
     from .core_process import CoreStartError
+    # A shared server shares the engine by client (--no-fair-share turns it off; the library leaves it off).
+    options = {"fair_share": True, **engine_options(args)}
     try:                             # the engine core loads the model in its own process, and says when it is ready
-        core = ProcessCore(args.model, engine_options(args), args.kv_events_config,
+        core = ProcessCore(args.model, options, args.kv_events_config,
                            progress=lambda m: print(m, file=sys.stderr, flush=True))
     except CoreStartError as exc:
         print(f"minipaged serve: the engine core could not start: {exc}", file=sys.stderr)

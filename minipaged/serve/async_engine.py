@@ -145,8 +145,7 @@ class AsyncEngine:
             if ticket is not None:                        # the client's prompt tokens, once per sample
                 self.quotas.take_tokens(ticket, len(prompt))
             q: asyncio.Queue = asyncio.Queue()
-            if hasattr(params, "client"):                 # the scheduler shares the engine fairly by client
-                params = dataclasses.replace(params, client=client)
+            params = dataclasses.replace(params, client=client)   # the scheduler shares the engine by client
             samples = tuple(sample_ids(request_id, params.n))
             self._streams[request_id] = _Stream(q, params, list(prompt), samples)
             # (a sample's id leads to its request: the whole prompt on demand is asked for by the ids events show)

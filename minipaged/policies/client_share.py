@@ -1,0 +1,162 @@
+"""Fair share by client (``--fair-share``): the scheduler shares the engine between clients before requests.
+
+vLLM shares a step's token budget and the KV pool between *requests*, so a client's share grows with what it
+sends: 16 prompts at once, n=128 samples, a long cached prefix. A workshop server has thirty students and one
+engine; here each client (``SamplingParams.client``: the server's API key or address, ``None`` one anonymous
+client) gets its turn first, and only then its requests share it:
+
+  * **Admission takes turns.** Waiting requests are admitted round robin across clients (the client admitted
+    longest ago first, the turns kept from step to step), in the scheduling policy's order within a client:
+    one client's 128 samples do not queue ahead of another's one request.
+  * **Preemption takes from the heaviest.** When blocks run out, the victim comes from the client holding the
+    most KV blocks (the victim policy then picks within that client: by default its newest request). A client
+    holding more than its fair share (the pool divided by the clients with requests) never preempts another
+    client's requests: it preempts its own, or waits. The running requests of the lightest clients are
+    scheduled first, so the heaviest client's requests are still there to be preempted when others need room.
+  * **A step's prefill is bounded across requests.** While two or more clients have requests, one step's
+    prefill chunks together get at most ``long_prefill_token_threshold`` tokens (the per-prompt cap becomes the
+    step's), after every running decode got its token. A chunk over a cached context costs more than its own
+    tokens (each of its queries attends to the whole context), so the allowance charges each token
+    ``1 + context / attention_context_per_token`` (``attention_context_per_token``: how many context positions
+    one query attends to for the cost of its own linear layers, from the model's shape).
+
+One client alone (the library, a benchmark) meets none of this: the scheduler takes its plain paths.
+Not yet shared: admission never preempts (vLLM's rule), so a newcomer waits for free blocks, and a client over
+its fair share still grows its running requests into free blocks while others wait for them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+from ..request import Request
+
+ANONYMOUS = ""                        # the client of requests that name none
+
+
+def client_of(request: Request) -> str:
+    return request.params.client or ANONYMOUS
+
+
+def attention_context_per_token(model_config: Any) -> int:
+    """Context positions one query token attends to for as many FLOPs as its own pass through the linear
+    layers of a layer (q, k, v, o and a gated MLP); layers cancel out. SmolLM2-135M: about 3,000; TinyLlama:
+    about 12,000. (A first approximation: on a CPU attention runs at a lower FLOP rate than matmuls.)"""
+    hidden = model_config.hidden_size
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    linear = hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * model_config.intermediate_size
+    return max(1, linear // (2 * q_width))       # per (query, key): QK^T and PV, 2 FLOPs each per q element
+
+
+class ClientShare:
+    """Fair share's state across steps (the scheduler holds one when ``fair_share`` is on): the turns of
+    admission, an idle client's entry dropped. ``begin_step`` gives the step's view, which decides."""
+
+    def __init__(self, attention_context_per_token: int = 0) -> None:
+        self.context_per_token = attention_context_per_token      # 0: context is not charged
+        self.last_turn: dict[str, int] = {}                       # client -> when it was last admitted
+        self.num_admitted = 0                                     # admissions counted, the clock of turns
+
+    def begin_step(self, queues: Iterable[Iterable[Request]], threshold: int) -> StepShare:
+        """This step's view: the clients with requests in ``queues``; ``threshold`` (0: none) bounds the step's
+        prefill while two or more of them have requests."""
+        clients = {client_of(r) for queue in queues for r in queue}
+        for gone in self.last_turn.keys() - clients:
+            del self.last_turn[gone]
+        return StepShare(self, clients, threshold if threshold > 0 and len(clients) > 1 else None)
+
+
+@dataclass
+class StepShare:
+    """One step's view of the clients (who has requests, the prefill left to grant) and its decisions."""
+
+    owner: ClientShare
+    clients: set[str]
+    prefill_left: Optional[int]       # tokens (context-weighted) the step's prefills may still take; None: no cap
+    any_prefill: bool = False         # a prefill chunk was granted this step
+
+    @property
+    def contended(self) -> bool:
+        return len(self.clients) > 1
+
+    # ------------------------------------------------------------------ the step's prefill
+    def prefill_cost(self, num_tokens: int, context: int) -> int:
+        """What ``num_tokens`` of prefill after ``context`` computed tokens take from the step's allowance."""
+        per = self.owner.context_per_token
+        return -(-num_tokens * (per + context) // per) if per else num_tokens
+
+    def within(self, wanted: int, context: int) -> int:
+        """How many of ``wanted`` prefill tokens after ``context`` fit what is left of the step's allowance (at
+        least one for the step's first prefill, so that a long context never stalls)."""
+        if self.prefill_left is None:
+            return wanted
+        per = self.owner.context_per_token
+        fits = self.prefill_left * per // (per + context) if per else self.prefill_left
+        return min(wanted, max(fits, 0 if self.any_prefill else 1))
+
+    def charge(self, num_tokens: int, context: int) -> None:
+        """A prefill chunk of ``num_tokens`` after ``context`` was granted."""
+        self.any_prefill = True
+        if self.prefill_left is not None:
+            self.prefill_left = max(0, self.prefill_left - self.prefill_cost(num_tokens, context))
+
+    # ------------------------------------------------------------------ blocks held
+    @staticmethod
+    def holdings(running: Iterable[Request], blocks_of: Callable[[str], Sequence[int]]) -> dict[str, int]:
+        """Blocks each client holds, a block shared by its requests (n samples of one prompt) counted once."""
+        held: dict[str, set[int]] = {}
+        for req in running:
+            held.setdefault(client_of(req), set()).update(blocks_of(req.request_id))
+        return {client: len(blocks) for client, blocks in held.items()}
+
+    def running_order(self, running: Sequence[Request], blocks_of: Callable[[str], Sequence[int]]) -> list[Request]:
+        """Decodes before prefills; within each, the clients holding fewest blocks first (then the running
+        order), so that the heaviest client's requests are scheduled last and can still be preempted."""
+        held = self.holdings(running, blocks_of)
+        return sorted(running, key=lambda r: (r.is_prefill, held.get(client_of(r), 0)))
+
+    def victims(self, candidates: Sequence[Request], needs_room: Request, running: Iterable[Request],
+                blocks_of: Callable[[str], Sequence[int]], num_blocks: int) -> list[Request]:
+        """The candidates the victim policy may choose from: the requester's own while its client holds more
+        than its fair share (the pool over the clients), else the heaviest client's (the newest among equals)."""
+        held = self.holdings(running, blocks_of)
+        own = client_of(needs_room)
+        by_client: dict[str, list[Request]] = {}
+        for req in candidates:
+            by_client.setdefault(client_of(req), []).append(req)
+        if held.get(own, 0) > num_blocks / len(self.clients) and own in by_client:
+            return by_client[own]
+        heaviest = max(by_client, key=lambda c: (held.get(c, 0), max(r.arrival_index for r in by_client[c])))
+        return by_client[heaviest]
+
+    # ------------------------------------------------------------------ admission
+    def turns(self, waiting: Iterable[Request], first: Callable[[Sequence[Request]], Request]) -> Iterator[Request]:
+        """The waiting requests in turn: the client admitted longest ago (never: first, in queue order) gives
+        its first request in the policy's order (``first``), then the next client; a client whose request was
+        offered goes to the back of the turn."""
+        queues: dict[str, deque[Request]] = {}
+        for req in waiting:
+            queues.setdefault(client_of(req), deque()).append(req)
+        turn = deque(sorted(queues, key=lambda c: self.owner.last_turn.get(c, -1)))
+        while turn:
+            client = turn.popleft()
+            queue = queues[client]
+            req = first(queue)
+            if queue[0] is req:
+                queue.popleft()
+            else:
+                queue.remove(req)
+            if queue:
+                turn.append(client)
+            yield req
+
+    def admitted(self, request: Request, num_tokens: int, context: int) -> None:
+        """``request`` was admitted with a chunk of ``num_tokens`` after ``context`` cached ones: its client's
+        turn comes after every other waiting client's."""
+        self.owner.num_admitted += 1
+        self.owner.last_turn[client_of(request)] = self.owner.num_admitted
+        self.charge(num_tokens, context)
