@@ -40,11 +40,20 @@ from minipaged.bench.servers import free_port, minipaged_serve_command, running
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) process ``pid`` has used: unlike wall time, other work on a shared
-    machine does not inflate it."""
+    """CPU time (user + system, all threads) process ``pid`` and its children (the server's engine core) have
+    used: unlike wall time, other work on a shared machine does not inflate it."""
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(child) for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
 
 
 def pid_of_server(port: int) -> int:
@@ -98,14 +107,19 @@ async def one_client(http: httpx.AsyncClient, url: str, model: str, prompt: list
 
 
 async def through_server(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                         pid: int) -> tuple[float, float, int, float]:
-    """(seconds, mean TTFT seconds, output tokens, the server's CPU seconds) of all prompts streamed at once."""
+                         pid: int) -> tuple[float, float, int, float, float, float]:
+    """(seconds, mean TTFT seconds, output tokens, the server's CPU seconds, its engine core's CPU seconds, the
+    clients' CPU seconds) of all prompts streamed at once."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 1)) as http:
         await one_client(http, url, model, [5] * 8, 2)           # warm-up (not a prompt of the run: no cache hit)
-        start, cpu = time.perf_counter(), cpu_seconds(pid)
+        cores = children(pid)
+        start, cpu, core_cpu = time.perf_counter(), cpu_seconds(pid), sum(map(cpu_seconds, cores))
+        clients_cpu = time.process_time()
         results = await asyncio.gather(*[one_client(http, url, model, p, max_tokens) for p in prompts])
         seconds, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
-    return seconds, statistics.mean(r[0] for r in results), sum(r[1] for r in results), cpu
+        core_cpu, clients_cpu = sum(map(cpu_seconds, cores)) - core_cpu, time.process_time() - clients_cpu
+    return (seconds, statistics.mean(r[0] for r in results), sum(r[1] for r in results), cpu, core_cpu,
+            clients_cpu)
 
 
 def attach_rss_mb(url: str, seconds: float = 4.0) -> float:
@@ -154,13 +168,17 @@ def main() -> None:
         rss = attach_rss_mb(url)
     ratios = [local[0] / served[0] for local, served in pairs]       # served tok/s over in-process tok/s
     cpu_ratios = [served[3] / local[3] for local, served in pairs]   # the server's CPU per token over in-process
+    core_ratios = [served[4] / local[3] for local, served in pairs]  # ... its engine core's alone
+    api_ratios = [(served[3] - served[4]) / local[3] for local, served in pairs]   # ... its API server's alone
+    clients_ratios = [served[5] / local[3] for local, served in pairs]   # the clients' (this process) CPU
     middle = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]    # the median pair
-    (engine_s, engine_ttft, engine_tokens, _), (server_s, server_ttft, server_tokens, _) = pairs[middle]
+    (engine_s, engine_ttft, engine_tokens, _), (server_s, server_ttft, server_tokens, *_) = pairs[middle]
     engine_tps, server_tps = engine_tokens / engine_s, server_tokens / server_s
     loss = 1 - server_tps / engine_tps
     cpu_ratio = statistics.median(cpu_ratios)
     model = "tiny random Llama" if args.tiny else args.model
-    rows = [[f"round {i + 1}", local[2] / local[0], served[2] / served[0], ratio, served[1] / local[1], cpu]
+    rows = [[f"round {i + 1}", local[2] / local[0], served[2] / served[0], ratio, served[1] / local[1], cpu,
+             core_ratios[i], api_ratios[i], clients_ratios[i]]
             for i, ((local, served), ratio, cpu) in enumerate(zip(pairs, ratios, cpu_ratios))]
     md = (f"### Server overhead: {args.clients} concurrent clients, prompts 40-120 tokens, {args.max_tokens} new "
           f"tokens each (ignore_eos, greedy), {model}\n\n{machine_line()}\n\n"
@@ -168,18 +186,23 @@ def main() -> None:
                   [["Engine.generate, in-process", engine_s, engine_tps, engine_ttft],
                    [f"minipaged serve, {args.clients} streaming HTTP clients", server_s, server_tps, server_ttft]])
           + "\n\n" + table(["alternating pair", "in-process tok/s", "served tok/s", "served / in-process",
-                                "TTFT served / in-process", "server CPU / in-process CPU"], rows)
+                                "TTFT served / in-process", "server CPU / in-process CPU", "its engine core's",
+                                "its API server's", "the clients' CPU"], rows)
           + f"\n\n**throughput lost to the server: {loss:.1%}** (the median of {len(pairs)} alternating pairs; "
           f"target: under 10%); TTFT {server_ttft / engine_ttft:.2f}x in-process. CPU time for the same tokens "
           f"(all the server's threads, which other work on the machine does not inflate): **{cpu_ratio:.2f}x** "
-          f"in-process.\n\nPeak resident memory of one `watch --attach --no-tui` client: **{rss:.0f} MB** "
+          f"in-process: its engine core's process {statistics.median(core_ratios):.2f}x, its API server's "
+          f"{statistics.median(api_ratios):.2f}x. The clients (one Python process on the same machine) spent "
+          f"{statistics.median(clients_ratios):.2f}x.\n\nPeak resident memory of one `watch --attach --no-tui` client: **{rss:.0f} MB** "
           f"(target: under 100 MB).")
     print(md)
     save("serve_tiny" if args.tiny else "serve",
          {"engine_s": engine_s, "engine_tok_s": engine_tps, "engine_ttft_s": engine_ttft, "server_s": server_s,
           "server_tok_s": server_tps, "server_ttft_s": server_ttft, "throughput_loss": loss,
           "served_over_in_process": ratios, "server_cpu_over_in_process": cpu_ratios,
-          "server_cpu_ratio": cpu_ratio, "attach_rss_mb": rss, "clients": args.clients,
+          "server_cpu_ratio": cpu_ratio, "core_cpu_over_in_process": core_ratios,
+          "api_server_cpu_over_in_process": api_ratios, "clients_cpu_over_in_process": clients_ratios,
+          "attach_rss_mb": rss, "clients": args.clients,
           "max_tokens": args.max_tokens, "rounds": args.rounds, "model": model}, md)
 
 

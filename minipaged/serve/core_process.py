@@ -76,26 +76,32 @@ class Wire:
         return [message[0].encode(), self._encoder.encode(message[1:])]
 
     def send(self, message: Message) -> None:
-        self._out.send_multipart(self.encode(message), copy=False)
+        self._out.send_multipart(self.encode(message))
 
     def send_frames(self, frames: list[bytes]) -> None:
-        self._out.send_multipart(frames, copy=False)
+        self._out.send_multipart(frames)       # copied: cheaper than zero-copy for messages this small
 
     def receive(self, timeout_s: Optional[float] = None) -> Optional[Message]:
         """The next message (None if none came within ``timeout_s``; None as timeout: wait for one)."""
         if timeout_s is not None and not self._in.poll(int(timeout_s * 1000)):
             return None
-        kind, payload = self._in.recv_multipart()
+        return self._decode(self._in.recv_multipart())
+
+    def _decode(self, frames: list[bytes]) -> Message:
+        kind, payload = frames
         return (kind.decode(), *self._decoders[kind].decode(payload))
 
     def receive_batch(self, timeout_s: float) -> list[Message]:
         """Every message waiting (after waiting up to ``timeout_s`` for the first)."""
-        batch: list[Message] = []
-        message = self.receive(timeout_s)
-        while message is not None:
-            batch.append(message)
-            message = self.receive(0) if self._in.poll(0) else None
-        return batch
+        first = self.receive(timeout_s)
+        if first is None:
+            return []
+        batch = [first]
+        while True:
+            try:
+                batch.append(self._decode(self._in.recv_multipart(zmq.NOBLOCK)))
+            except zmq.Again:
+                return batch
 
     def close(self) -> None:
         """Sockets first, then their context (closing the context first would wait for them: a hang)."""
