@@ -106,21 +106,32 @@ def stream_until_error(url: str, seen_first: threading.Event, lines: list[str]) 
 
 
 def test_the_core_is_a_process_of_its_own_on_a_private_socket_and_dies_with_a_killed_server(tiny_model, tmp_path):
-    with server_process(tiny_model, log_path=str(tmp_path / "serve.log")) as (url, proc):
+    """Tensor parallel through the server (the core owns its worker): the same greedy tokens as one engine in
+    this process; the wire's sockets are in a private folder; the server killed with SIGKILL leaves neither core
+    nor worker."""
+    prompt, params = [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = Engine(tiny_model, block_size=4, num_blocks=64).generate([prompt], params)[0].token_ids
+    with server_process(tiny_model, "--tensor-parallel-size", "2", log_path=str(tmp_path / "serve.log")) as (url, proc):
         core = core_of(proc.pid)
+        workers = children(core)
+        assert workers, "the engine core started no tensor-parallel worker"
+        answer = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}).json()
+        assert [int(t.split(":")[1]) for t in answer["choices"][0]["logprobs"]["tokens"]] == expected, answer
         folder = Path(Path(f"/proc/{core}/cmdline").read_text().split("\0")[-2])
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
         assert {p.name for p in folder.iterdir()} >= {"commands", "outputs"}
-        assert not socket_inodes(core) & listening_inodes(), "the engine core listens on a TCP port"
         seen_first, lines = threading.Event(), []
         threading.Thread(target=stream_until_error, args=(url, seen_first, lines), daemon=True).start()
         assert seen_first.wait(30), lines
-        proc.send_signal(signal.SIGKILL)               # no goodbye: the core must notice by itself
+        proc.send_signal(signal.SIGKILL)               # no goodbye: the core and its worker must notice
         proc.wait(10)
-        deadline = time.monotonic() + 2.0
-        while not gone(core) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 3.0
+        while not all(map(gone, [core, *workers])) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone(core), "the engine core outlived its API server by more than 2 s"
+        assert gone(core), "the engine core outlived its API server by more than 3 s"
+        assert all(map(gone, workers)), "a tensor-parallel worker outlived the server by more than 3 s"
 
 
 def test_a_core_that_dies_fails_the_requests_in_flight_and_stops_the_server_with_the_cause(tiny_model, tmp_path):
@@ -130,7 +141,10 @@ def test_a_core_that_dies_fails_the_requests_in_flight_and_stops_the_server_with
         reader = threading.Thread(target=stream_until_error, args=(url, seen_first, lines), daemon=True)
         reader.start()
         assert seen_first.wait(30), lines
-        os.kill(core_of(proc.pid), signal.SIGKILL)
+        core = core_of(proc.pid)
+        # (with tensor parallelism rank 0 also listens, on 127.0.0.1, for its workers' rendezvous)
+        assert not socket_inodes(core) & listening_inodes(), "the engine core listens on a TCP port"
+        os.kill(core, signal.SIGKILL)
         reader.join(30)
         assert proc.wait(30) == 1
     errors = [json.loads(line[len("data: "):])["error"] for line in lines if line.startswith('data: {"error"')]

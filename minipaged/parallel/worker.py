@@ -7,6 +7,7 @@ all-reduces (tensor parallelism), send hidden states on (earlier stages), gather
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import Backend
+from ..parent_watch import die_with_parent
 from .comm import Communicator
 from .layout import ParallelLayout
 from .sharding import ShardedLlama, vocab_slice
@@ -126,6 +128,7 @@ def serve(rank: int, device: torch.device) -> None:
 def spawned_worker_main(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
                         device_type: str) -> None:
     """Entry point of a worker process started by rank 0 (torch.multiprocessing, spawn)."""
+    die_with_parent(os.getppid())               # rank 0 killed (SIGKILL) leaves no worker behind
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -10,8 +10,8 @@ where ``json.dumps`` of its ``asdict`` takes about a millisecond.
 
 In the core process three threads share the work, as in vLLM: one receives and decodes commands, one sends
 encoded outputs (socket waits let go of the GIL), and the main thread runs the ``CoreLoop``, which never waits on a
-socket. The core dies with the API server: a parent-death signal (Linux), and a watch on the parent's id (the
-rest), so a server killed with SIGKILL leaves no engine behind (vLLM's issues #55510 and #34643).
+socket. The core dies with the API server (``parent_watch``), so a server killed with SIGKILL leaves no engine
+behind.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ import zmq
 from ..events import EngineInfo, StepEvent
 from ..outputs import RequestDelta
 from ..request import SamplingParams
+from ..parent_watch import die_with_parent
 from .core_loop import CoreLoop, Message
 
 START_POLL_S = 0.2              # how often the API server looks whether a starting core is still alive
-PARENT_POLL_S = 0.5             # how often the core looks whether the API server is still alive
 ARGUMENTS = "arguments.json"    # in the private folder: the model, the engine's options ...
 
 # The fields of each kind of message, for msgspec to decode them into the types they were.
@@ -184,23 +184,6 @@ def start_kv_events(engine: Any, config: Optional[str]) -> Any:
     """--kv-events-config: vLLM's KV cache events, published from here, where the block pool's change log is."""
     from .kv_publisher import KVEventsConfig, start_kv_events as start
     return start(engine, KVEventsConfig.parse(config))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """End this process when ``parent_pid`` ends, however it ends (SIGKILL included)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:                          # also where prctl is missing, and if the parent died already
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(1)
-    threading.Thread(target=watch, name="minipaged-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
