@@ -74,7 +74,7 @@ class ThreadCore:
         return self._thread is None or self._thread.is_alive()
 
     def exit_reason(self) -> str:
-        return "the engine thread has stopped"
+        return "the engine core's thread has stopped"
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._core.commands.put(("stop",))

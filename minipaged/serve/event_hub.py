@@ -3,7 +3,7 @@ watcher; each watcher has a bounded buffer, and one that falls behind is dropped
 
 Why: a classroom is one engine and dozens of browsers. Serialising an event per watcher, or letting a stalled
 browser's backlog grow, would make the teacher's machine pay for every student; here a step costs one
-``json.dumps`` (in the engine thread), one framing, and one ``deque.append`` of the same ``bytes`` per
+``json.dumps`` (in the API server, of the event the core serialised once), one framing, and one ``deque.append`` of the same ``bytes`` per
 watcher (on the event loop).
 
 A watcher whose unsent bytes pass ``limit_bytes`` (counted as sent, and uncompressed: an event that gzip shrank
@@ -149,8 +149,8 @@ class Watcher:
 
 
 class EventHub:
-    """The watchers of one server, on the event loop. The engine thread calls ``publish`` (through the loop)
-    with each event's JSON, once."""
+    """The watchers of one server, on the event loop. ``async_engine`` calls ``publish`` with each event's JSON,
+    once."""
 
     def __init__(self) -> None:
         self.watchers: list[Watcher] = []
@@ -188,7 +188,7 @@ class EventHub:
 class StreamLimits:
     """How many ``/v1/events`` streams are open, per client and in all, with the refusals past the caps.
 
-    Why: each stream costs a snapshot on the engine thread, a backlog of up to ``--event-buffer-mb`` here and, when
+    Why: each stream costs a snapshot, a backlog of up to ``--event-buffer-mb`` here and, when
     its reader stops reading, the kernel's socket buffers: 240 streams that never read pinned 700-800 MB of TCP
     memory and paused another client's stream for seconds. One client (an address: a class shares one API key)
     past ``per_client`` gets 429, as a student with too many tabs; the API key's holder (the teacher) and this

@@ -10,9 +10,9 @@ own unless the prefix cache already holds it. Over the limit because of its own 
 gets 429 with Retry-After, as OpenAI's rate limits answer; a request that could never fit gets 400 naming the
 flag.
 
-Samples are counted on the event loop when a request is submitted; prompt tokens are known only once the
-engine thread has tokenised the prompt, so they are counted there. A lock keeps the two sides in step, and a
-``Ticket`` released before its tokens were counted takes no tokens afterwards (the client left early).
+Samples are counted on the event loop when a request is submitted, and its prompt tokens once its prompt is
+tokenised. A ``Ticket`` released before its tokens were counted takes no tokens afterwards (the client left
+early).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class ClientQuotas:
             return Ticket(client, samples)
 
     def take_tokens(self, ticket: Ticket, prompt_tokens: int) -> None:
-        """On the engine thread, once the prompt is tokenised: its tokens, once per sample."""
+        """Once the prompt is tokenised: its tokens, once per sample."""
         limit, tokens = self.max_prompt_tokens, prompt_tokens * ticket.samples
         with self._lock:
             if ticket.released:

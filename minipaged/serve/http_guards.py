@@ -8,8 +8,8 @@ request's step time), and health checkers that send HEAD get the GET route's sta
 Why plain ASGI classes and not ``@app.middleware("http")``: Starlette runs such a function as a
 ``BaseHTTPMiddleware``, which passes every chunk of a streamed response through a memory stream and a task of its
 own. With one token per chunk that was most of the server's own work per token (0.65 ms of CPU a token for one
-streamed request), and that work competes with the engine thread for the GIL: the engine's steps ran 1.3 ms
-slower inside the server than alone. These wrappers hand ``send`` through untouched.
+streamed request), which took the CPU from the engine (its steps ran 1.3 ms slower inside the server than
+alone, when the two shared a process). These wrappers hand ``send`` through untouched.
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def check_installed() -> None:
 
 
 class ZmqKVEventPublisher:
-    """Drains the block pool's events after each step (on the engine thread) and sends them as one batch."""
+    """Drains the block pool's events after each step (in the engine core's process) and sends them as one batch."""
 
     def __init__(self, engine: Any, config: KVEventsConfig) -> None:
         import msgpack

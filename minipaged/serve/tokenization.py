@@ -5,18 +5,16 @@ the served model's own tokenizer, through the server, instead of downloading it;
 read (``TokenizeResponse``: count, max_model_len, tokens, token_strs; ``DetokenizeResponse``: prompt; the
 tokenizer's config for ``/tokenizer_info``).
 
-Where they run: not on the engine thread, which would pause every running request for each call, and not
-on the event loop, which a long text would block. They run on one worker thread of their own, with their
-own copy of the engine's tokenizer, taken before the engine thread starts: a fast tokenizer must not be used
-from two threads at once (``async_engine``), so the copy is never shared, and the single worker never uses it
+Where they run: in the API server's process (the engine core's steps never wait for them), and not on the event
+loop, which a long text would block. They run on one worker thread of their own, with their own copy of the
+tokenizer: a fast tokenizer must not be used from two threads at once, so the copy is never shared, and the single worker never uses it
 twice at once. The tokens are the engine's: the same functions (``input_processor.encode_text`` and
 ``render_chat``) make a completion's and a chat's prompt.
 
 Completions' and chats' prompts are tokenised the same way, on a second such worker (``prompts`` in
-``api_server``), before the request is submitted: the engine thread only queues token ids (issue 48: a few-MB
-prompt tokenised there paused every stream for seconds). A worker of its own, so that a long text sent to
-``/tokenize`` (counted, never refused) does not hold up the next chat. Tokenizers' Rust code lets go of the GIL
-while it encodes, so the engine thread keeps stepping meanwhile. Before any of that, ``check_prompt_chars``
+``api_server``), before the request is submitted: the engine core only queues token ids (issue 48: a few-MB
+prompt tokenised in the engine paused every stream for seconds). A worker of its own, so that a long text sent
+to ``/tokenize`` (counted, never refused) does not hold up the next chat. Before any of that, ``check_prompt_chars``
 refuses a text with more characters than the context's tokens could ever cover, so the worker is never busy
 for long with a prompt that would be refused anyway.
 """
@@ -40,7 +38,7 @@ class Tokenization:
 
     def __init__(self, tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int,
                  thread_name: str = "minipaged-tokenize") -> None:
-        self.tokenizer = copy.deepcopy(tokenizer)         # the engine thread keeps the original
+        self.tokenizer = copy.deepcopy(tokenizer)         # never shared with another thread
         self.model_name, self.vocab_size, self.max_model_len = model_name, vocab_size, max_model_len
         self.info = tokenizer_info(self.tokenizer)        # fixed for the server's life: built once
         self.chars_per_token = longest_token_chars(self.tokenizer)
