@@ -115,11 +115,6 @@ class SampleDelta:
     logprobs: tuple[PositionLogprobs, ...] = () # one per new token, when SamplingParams.logprobs is set
     finish_reason: Optional[str] = None         # "stop", "length" or "abort", in the sample's last delta only
 
-    def followed_by(self, later: "SampleDelta") -> "SampleDelta":
-        """This delta and the same sample's next one as a single delta (a slow reader's catch-up)."""
-        return SampleDelta(self.index, self.text + later.text, self.token_ids + later.token_ids,
-                           self.logprobs + later.logprobs, later.finish_reason)
-
 
 @dataclass(slots=True)
 class RequestDelta:
@@ -135,17 +130,20 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.output is not None
 
-    def followed_by(self, later: "RequestDelta") -> "RequestDelta":
-        """This delta and the same request's next one as a single delta: what a reader that fell a step behind
-        sends at once (vLLM's output collector merges a slow consumer's outputs the same way), so the server
-        writes one chunk where it had two, and catches up instead of falling further behind."""
-        samples = {s.index: s for s in self.samples}
-        for sample in later.samples:
-            earlier = samples.get(sample.index)
-            samples[sample.index] = sample if earlier is None else earlier.followed_by(sample)
-        return RequestDelta(self.request_id, tuple(samples[i] for i in sorted(samples)),
-                            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                            later.output)
+    @staticmethod
+    def merged(deltas: list["RequestDelta"]) -> "RequestDelta":
+        """One request's consecutive deltas as a single one: what a reader that fell behind sends at once (vLLM's
+        output collector merges a slow consumer's outputs the same way), so the server writes one chunk where it
+        had several, and catches up instead of falling further behind. Each piece is joined once (linear)."""
+        pieces: dict[int, list[SampleDelta]] = {}
+        for delta in deltas:
+            for sample in delta.samples:
+                pieces.setdefault(sample.index, []).append(sample)
+        samples = tuple(SampleDelta(i, "".join(s.text for s in ss), tuple(t for s in ss for t in s.token_ids),
+                                    tuple(p for s in ss for p in s.logprobs), ss[-1].finish_reason)
+                        for i, ss in sorted(pieces.items()))
+        return RequestDelta(deltas[0].request_id, samples, next(
+            (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None), deltas[-1].output)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     ``minipaged serve`` runs it) or an ``Engine`` object (its core then runs in a thread). The core runs while
     the app does."""
     async_engine = AsyncEngine(engine, settings.max_waiting_requests,
-                               ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens))
+                               ClientQuotas(settings.max_client_samples, settings.max_client_prompt_tokens),
+                               settings.limits.max_stream_backlog)
     served = async_engine.served
     # Folded on the event loop, each step before its tokens reach their requests: a client that got its answer
     # finds it counted.

@@ -59,14 +59,18 @@ class _Stream:
     prompt: list[int]                        # the token ids sent: the whole prompt on demand
     samples: tuple[str, ...] = ()            # its samples' ids, which events show (output_processor.sample_ids)
     accepted: bool = False
+    backlog: int = 0                         # what its reader has not taken yet (backlog_size of its deltas)
 
 
 class AsyncEngine:
     """The engine core for asyncio callers: admission, a queue per request, the watchers and the metrics."""
 
     def __init__(self, core: Any, max_waiting_requests: Optional[int] = None,
-                 quotas: Optional[ClientQuotas] = None) -> None:
-        """``core``: a ``core_client.ProcessCore`` or ``ThreadCore`` (an ``Engine`` is run in a ``ThreadCore``)."""
+                 quotas: Optional[ClientQuotas] = None, max_stream_backlog: Optional[int] = None) -> None:
+        """``core``: a ``core_client.ProcessCore`` or ``ThreadCore`` (an ``Engine`` is run in a ``ThreadCore``).
+        ``max_stream_backlog``: a request whose reader leaves more than this unread (``backlog_size``) is aborted
+        with an error, and what waited for it is let go (None: no bound)."""
+        self.max_stream_backlog = max_stream_backlog
         self.core = core if hasattr(core, "served") else ThreadCore(core)
         self.served: ServedModel = self.core.served
         self.max_waiting_requests = max_waiting_requests
@@ -147,7 +151,7 @@ class AsyncEngine:
             q: asyncio.Queue = asyncio.Queue()
             params = dataclasses.replace(params, client=client)   # the scheduler shares the engine by client
             samples = tuple(sample_ids(request_id, params.n))
-            self._streams[request_id] = _Stream(q, params, list(prompt), samples)
+            self._streams[request_id] = stream = _Stream(q, params, list(prompt), samples)
             # (a sample's id leads to its request: the whole prompt on demand is asked for by the ids events show)
             self._sample_parent.update({sample: request_id for sample in samples})
             self._num_sent_not_accepted += num_samples
@@ -165,12 +169,15 @@ class AsyncEngine:
                         raise item
                     if isinstance(item, RequestDelta):
                         # Fell behind (the queue holds later steps' deltas too): send them as one.
-                        while not item.finished and not q.empty():
+                        run = [item]
+                        while not run[-1].finished and not q.empty():
                             later = q.get_nowait()
                             if not isinstance(later, RequestDelta):
                                 held = later
                                 break
-                            item = item.followed_by(later)
+                            run.append(later)
+                        stream.backlog -= sum(map(backlog_size, run))
+                        item = run[0] if len(run) == 1 else RequestDelta.merged(run)
                     yield item
                     if isinstance(item, RequestDelta) and item.finished:
                         done = True
@@ -247,7 +254,23 @@ class AsyncEngine:
         for delta in deltas:
             stream = self._forget(delta.request_id) if delta.finished else self._streams.get(delta.request_id)
             if stream is not None:                    # (None: aborted meanwhile)
+                stream.backlog += backlog_size(delta)
                 stream.queue.put_nowait(delta)
+                limit = self.max_stream_backlog
+                if limit is not None and stream.backlog > limit and not delta.finished:
+                    self._drop_slow_reader(delta.request_id, stream, limit)
+
+    def _drop_slow_reader(self, request_id: str, stream: _Stream, limit: int) -> None:
+        """The reader stopped reading (or reads slower than the engine writes): end its request rather than hold
+        its output without bound. The engine never waits for a reader; pausing the request instead would keep
+        its KV blocks from everyone else for as long as the reader sleeps."""
+        self.abort(request_id)
+        while not stream.queue.empty():               # what it left unread goes now, not when it reads again
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(ServerError(
+            503, f"this request was aborted: its reader left more than {limit} tokens (log-probabilities count) "
+                 f"unread, the most this server holds for one stream (minipaged serve --max-stream-backlog). Read "
+                 f"the stream as it comes, or ask for fewer samples or log-probabilities."))
 
     def _on_stats(self, stats: dict[str, float]) -> None:
         self.stats = stats
@@ -286,6 +309,12 @@ class AsyncEngine:
             while len(self._recent) > RECENT_PROMPTS:
                 self._recent.popitem(last=False)
         return stream
+
+
+def backlog_size(delta: RequestDelta) -> int:
+    """What a delta holds, as the slow-reader bound counts it: its tokens, and each of their log-probability
+    entries (with logprobs=20 a token brings 21 entries, each decoded into text)."""
+    return sum(len(s.token_ids) + sum(map(len, s.logprobs)) for s in delta.samples)
 
 
 def snapshot_event(view: EngineView) -> StepEvent:

@@ -44,6 +44,10 @@ class ServerLimits:
     max_grammar_bytes: int = limit(65536, "the largest JSON schema (as JSON text), regex or grammar, in bytes")
     # Prompt log-probabilities: prompt tokens x (top N + 1) entries, each decoded into text in the engine core
     # (the LM head over the prompt's rows costs like prefill, and is chunked with it).
+    # A paused reader's output waits in the API server; without a bound it grew by ~50 MB of log-probabilities.
+    max_stream_backlog: int = limit(1 << 17, "the most generated tokens (each log-probability entry counts one "
+                                             "more) one stream's reader may leave unread; past it the request is "
+                                             "aborted with an error (the engine never waits for a reader)")
     max_prompt_logprobs: int = limit(16_384, "the most prompt log-probability entries one prompt may ask for: "
                                              "prompt tokens x (prompt_logprobs + 1), echo with logprobs included")
 
