@@ -4,6 +4,7 @@ nobody else's; the presenter view (``?presenter``, with the key) selects the tea
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
@@ -100,3 +101,31 @@ def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_th
     assert "my own words" in seen["mine_row"] and "hidden" in seen["their_row"]
     assert "teacher secret" not in seen["body"] and "others' prompts and outputs hidden" in seen["settings"]
     assert shown["second"] in shown["title"] and "the second lesson prompt" in shown["body"]   # the teacher sees
+
+
+async def type_and_send(page, text: str) -> None:
+    await evaluate(page, "document.getElementById('prompt').focus()")
+    await page.call("Input.insertText", text=text)
+    await evaluate(page, "document.getElementById('prompt-form').requestSubmit()")
+
+
+@needs_chromium
+def test_a_429s_wait_counts_down_in_the_page(tiny_model, tmp_path):
+    """A class trial's page said "try again in 48 s" and never changed it: the wait counts down each second."""
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--page-prompt-rate", "1",
+                        log_path=str(tmp_path / "server.log")) as url:
+        async def run() -> list[str]:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "window.minipaged.view.settings", "the page never got the teacher's settings")
+                await type_and_send(page, "the first prompt")
+                await wait_for(page, "document.getElementById('prompt-status').textContent.includes('finished')",
+                               "the first prompt never finished")
+                await type_and_send(page, "one too many")
+                first = await wait_for(page, """(() => { const t = document.getElementById('prompt-status')
+                    .textContent; return t.includes('refused (429)') && t; })()""", "the second prompt was not refused")
+                await asyncio.sleep(2.5)
+                return [first, await evaluate(page, "document.getElementById('prompt-status').textContent")]
+        first, later = asyncio.run(run())
+
+    waits = [int(re.search(r"try again in (\d+) s", text).group(1)) for text in (first, later)]
+    assert 50 <= waits[0] <= 60 and waits[0] - waits[1] >= 2, (first, later)

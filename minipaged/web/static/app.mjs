@@ -38,7 +38,7 @@ const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null, countdown: null,
   streams: 0,                                      // event streams reading now: one (two for a moment on a new key)
   settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
@@ -605,8 +605,28 @@ $("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains(
 
 // Page prompts take their own route, with the teacher's limits (minipaged/serve/teacher.py): the server picks
 // the length (--page-max-tokens) and greedy decoding; the page asks for nothing more.
+/** A 429's "try again in N s" counted down each second (the Retry-After header, else the number in the message),
+ * then "you may send again"; a class trial's page said "try again in 48 s" for a whole minute. */
+function countDown(message, seconds) {
+  clearInterval(view.countdown);
+  const status = $("prompt-status");
+  const until = Date.now() + seconds * 1000;
+  const tick = () => {
+    const left = Math.ceil((until - Date.now()) / 1000);
+    if (left <= 0) {
+      clearInterval(view.countdown);
+      status.textContent = "you may send a prompt again now";
+      return;
+    }
+    status.textContent = message.replace(/try again in \d+ s/, `try again in ${left} s`);
+  };
+  tick();
+  view.countdown = setInterval(tick, 1000);
+}
+
 async function send(text) {
   const status = $("prompt-status");
+  clearInterval(view.countdown);
   status.textContent = "sending ...";
   let response;
   try {
@@ -617,7 +637,10 @@ async function send(text) {
   if (response.status === 401) { askKey(); status.textContent = "needs the API key"; return; }
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
-    status.textContent = `refused (${response.status}): ${(body.error && body.error.message) || response.statusText}`;
+    const message = `refused (${response.status}): ${(body.error && body.error.message) || response.statusText}`;
+    const wait = Number(response.headers.get("Retry-After")) || Number((/try again in (\d+) s/.exec(message) || [])[1]);
+    if (response.status === 429 && wait > 0) countDown(message, wait);
+    else status.textContent = message;
     return;
   }
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
