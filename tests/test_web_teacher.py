@@ -129,3 +129,24 @@ def test_a_429s_wait_counts_down_in_the_page(tiny_model, tmp_path):
 
     waits = [int(re.search(r"try again in (\d+) s", text).group(1)) for text in (first, later)]
     assert 50 <= waits[0] <= 60 and waits[0] - waits[1] >= 2, (first, later)
+
+
+@needs_chromium
+def test_with_others_text_hidden_a_student_reads_where_their_own_prompt_missed(tiny_model, tmp_path):
+    """Everyone's copy of a step leaves out where a prompt first differs from a cached one; the student's own
+    page says it for their own prompt (a class trial's page lost it)."""
+    with running_server(tiny_model, *SERVER, "--hide-others-text", log_path=str(tmp_path / "server.log")) as url:
+        async def run() -> str:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "window.minipaged.view.settings", "the page never got the teacher's settings")
+                for k, prompt in enumerate(["the blocks of a paged cache hold keys and values of every token",
+                                            "the blocks of a paged cache hold nothing else at all, said the class"]):
+                    await type_and_send(page, prompt)
+                    await wait_for(page, f"""(() => {{ const m = window.minipaged, ids = [...m.view.mine];
+                        const r = ids.length === {k + 1} && m.head.requests.get(ids[{k}]);
+                        return r && r.state === 'finished'; }})()""", f"prompt {k} never finished")
+                await evaluate(page, "window.minipaged.view.selected = [...window.minipaged.view.mine][1]")
+                await evaluate(page, "window.minipaged.draw()")
+                return await evaluate(page, "document.getElementById('output-cache').textContent")
+        said = asyncio.run(run())
+    assert re.search(r"block \d+ missed: tokens differ at position \d+", said), said

@@ -40,7 +40,7 @@ const view = {
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
   connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null, countdown: null,
   streams: 0,                                      // event streams reading now: one (two for a moment on a new key)
-  settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
+  settings: null, own: new Map(), ownLookups: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
 let drawPending = false;
 
@@ -135,6 +135,11 @@ async function connect() {
           else if (record.type === "step") receive(record, msg.data.length);
         } else if (msg.event === "teacher") {   // a request the teacher sent (only a keyed page hears these)
           view.teacherIds = [...view.teacherIds.slice(-63), JSON.parse(msg.data).request_id];
+          schedule();
+        } else if (msg.event === "own_lookup") {  // with others' text hidden: where my own prompt missed
+          const own = JSON.parse(msg.data);
+          view.ownLookups.set(own.request_id, own.prefix_lookup);
+          if (view.ownLookups.size > 64) view.ownLookups.delete(view.ownLookups.keys().next().value);
           schedule();
         } else if (msg.event === "dropped") {
           dropped = JSON.parse(msg.data).reason || "too far behind";
@@ -708,8 +713,12 @@ function withOwnTextOnly(st) {
   const requests = new Map();
   for (const [rid, r] of st.requests) {
     const own = view.own.get(rid) || view.own.get(rid.replace(/\.\d+$/, ""));
+    // The stream leaves out where a prompt first differs from a cached one; the server tells this page that of
+    // its own requests alone (own_lookup messages, teacher.py).
+    const lookup = view.ownLookups.get(rid);
     requests.set(rid, { ...r, prompt: own ? own.prompt : HIDDEN_TEXT,
-      text: own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : "") });
+      text: own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : ""),
+      prefix_lookup: lookup || r.prefix_lookup });
   }
   return { ...st, requests };
 }
