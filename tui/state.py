@@ -88,6 +88,24 @@ def prefill_span(s: ScheduledRequest, ev: StepEvent) -> str:
     return f"{s.start}→{s.end} of {s.prompt_len}{extra}"
 
 
+BUDGET_ZOOM_BELOW = 8       # a step using less than 1/8 of its token budget draws its bar on a smaller scale
+BUDGET_MIN_SCALE = 8
+
+
+def budget_scale(used: int, limit: int) -> int:
+    """The tokens the budget bar's whole width stands for: the budget, unless the step used less than an eighth of
+    it; then the smallest of 8, 16, 32 ... tokens that the step fills at most half of. On serve's defaults a step
+    of 2-13 tokens is under 1% of 2,048 (a sliver in a class trial); zoomed it fills an eighth to a half of the bar,
+    and the label says the scale. The web page uses the same rule (fold.mjs's budgetScale)."""
+    limit = max(limit, used, 1)
+    if used * BUDGET_ZOOM_BELOW >= limit:
+        return limit
+    scale = BUDGET_MIN_SCALE
+    while scale < 2 * used:
+        scale *= 2
+    return min(scale, limit)
+
+
 def verification_totals(ev: StepEvent) -> tuple[int, int, int]:
     """Speculative decoding in one step: (requests that verified drafts, drafts, drafts accepted)."""
     verified = [s for s in ev.scheduled if s.draft_token_ids]

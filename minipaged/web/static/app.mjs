@@ -4,7 +4,7 @@
 // act on the buffered events and never touch the engine.
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
-  FREE, CACHED, PALETTE, describeLookup, nameOf } from "./fold.mjs";
+  FREE, CACHED, PALETTE, describeLookup, nameOf, budgetScale } from "./fold.mjs";
 import { mapWindow, blocksInUse } from "./mapwindow.mjs";
 import { busyElement } from "./busy.mjs";
 import { speculationLines } from "./spec.mjs";
@@ -224,6 +224,7 @@ function draw() {
   const selected = view.selected && st.requests.has(view.selected) ? st.requests.get(view.selected) : null;
   const dim = selected && (selected.blocks.length || selected.cpu_blocks.length);
   drawMap(st, dim);
+  fitMapCells();
   drawCpuMap(st, dim);
   drawBatch(st);
   drawGauges(st);
@@ -299,6 +300,29 @@ function chooseWindow(st) {
   return chosen;
 }
 
+/** Projector mode: the map's cells as big as the space the layout gives the map lets them be (style.css makes the
+ * map take what its panel leaves), so that a 1920x1080 screen is filled as a 1366x768 one is; the desk view keeps
+ * its fixed cells. */
+function fitMapCells() {
+  const map = $("map");
+  if (!document.body.classList.contains("projector") || !map.children.length) {
+    map.style.removeProperty("--cell");
+    view.fitted = null;
+    return;
+  }
+  const width = map.clientWidth, height = map.clientHeight, n = map.children.length;
+  const key = `${width}x${height}:${n}`;
+  if (view.fitted === key) return;
+  view.fitted = key;
+  const gap = parseFloat(getComputedStyle(map).columnGap) || 0;
+  let size = 12;
+  for (let s = 160; s > 12; s--) {
+    const cols = Math.floor((width + gap) / (s + gap));
+    if (cols >= 1 && Math.ceil(n / cols) * (s + gap) - gap <= height) { size = s; break; }
+  }
+  map.style.setProperty("--cell", `${size}px`);
+}
+
 function drawMap(st, dim) {
   const owners = (b) => st.blockOwners[b];
   const w = chooseWindow(st);
@@ -339,8 +363,15 @@ function drawBatch(st) {
   bar.replaceChildren();
   drawSpeculation(ev);
   if (!ev) return;
-  const limit = ev.budget_limit || 1;
+  // The bar's width stands for the budget, or for 8, 16, 32 ... tokens when the step used under an eighth of it
+  // (budgetScale: 2 of serve's 2,048 were a sliver); the strip under it stays to the budget's scale.
+  const limit = budgetScale(ev.budget_used, ev.budget_limit || 1);
+  const zoomed = limit < Math.max(ev.budget_limit, ev.budget_used);
   const width = (n) => `${(100 * n) / limit}%`;
+  $("budget-scale").textContent = zoomed ? `bar: 0-${count(limit)} tokens, zoomed ×${Math.round(ev.budget_limit / limit)}`
+    + ` (the line: ${count(ev.budget_used)} of the ${count(ev.budget_limit)}-token budget)` : "";
+  $("budget-scale").hidden = !zoomed;
+  $("budget-whole-used").style.width = `${Math.min(100, (100 * ev.budget_used) / Math.max(1, ev.budget_limit))}%`;
   for (const s of ev.scheduled || []) {
     const c = colour(st, s.request_id);
     const drafts = (s.draft_token_ids || []).length;
@@ -590,6 +621,7 @@ $("live").onclick = () => live();
 $("play").onclick = () => play();
 $("slider").oninput = (e) => { view.frozen = true; goto(Number(e.target.value)); };
 $("projector").onclick = () => projector();
+window.addEventListener("resize", () => schedule());       // projector mode fits the map to the window again
 document.addEventListener("keydown", (e) => {
   if (e.target.tagName === "TEXTAREA" || e.target.tagName === "INPUT") return;
   if (e.key === " ") { e.preventDefault(); freeze(); } else if (e.key === "ArrowLeft") { view.frozen = true; goto(view.cursor - 1); }

@@ -174,6 +174,16 @@ function knownTokens(s, ev) {
   return s.prompt_len + s.num_output_tokens - (ev.new_token_ids && s.request_id in ev.new_token_ids ? 1 : 0);
 }
 
+/** tui/state.py's budget_scale: the tokens the budget bar's width stands for (the budget, or 8, 16, 32 ... when a
+ * step used less than an eighth of it: 2 tokens of 2,048 would be a sliver). */
+export function budgetScale(used, limit) {
+  limit = Math.max(limit, used, 1);
+  if (used * 8 >= limit) return limit;
+  let scale = 8;
+  while (scale < 2 * used) scale *= 2;
+  return Math.min(scale, limit);
+}
+
 export function verificationTotals(ev) {
   const verified = (ev.scheduled || []).filter((s) => (s.draft_token_ids || []).length);
   return [verified.length, verified.reduce((n, s) => n + s.draft_token_ids.length, 0),
