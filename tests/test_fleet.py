@@ -232,37 +232,6 @@ def test_worker_urls_are_routed_to_and_left_running(fleet, tmp_path):
         assert httpx.get(url + "/health", timeout=5).status_code == 200
 
 
-@needs_router
-def test_sigterm_stops_every_process_the_fleet_started(fleet):
-    urls = [*fleet["replicas"], fleet["router"], fleet["view"]]
-    fleet["proc"].send_signal(signal.SIGTERM)
-    assert fleet["proc"].wait(30) == 0
-    for url in urls:
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(url + "/health", timeout=2)
-    for pid in fleet["pids"]:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)              # no process of the groups it started is left
-    assert "stopped everything it started" in fleet["log"].read_text()
-
-
-@needs_router
-def test_a_replica_that_cannot_start_stops_the_fleet_with_its_log(tiny_model, tmp_path):
-    command = fleet_command(tiny_model, free_port(), free_port(), str(tmp_path), "--num-blocks 0")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, start_new_session=True)
-    assert done.returncode == 1, done.stderr
-    assert "replica 0" in done.stderr and "num_blocks must be a positive integer" in done.stderr, done.stderr
-    assert "stopped everything it started" in done.stderr
-
-
-def test_a_missing_router_is_named_with_the_install_line(monkeypatch, capsys):
-    from minipaged.cli import main
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else object())
-    assert main(["fleet", "--replicas", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "needs sglang-router, which is not installed" in err and "pip install 'minipaged[fleet]'" in err
-
-
 # Every visible text's font size in px, and whether the page scrolls (the projector layout's checks).
 TEXTS = """(() => {
   const se = document.scrollingElement, sizes = [];
@@ -318,3 +287,35 @@ def test_a_late_fleet_page_shows_which_replica_each_tenant_landed_on(fleet, tmp_
         assert f"replica {where}" in line["text"] and f"You are assistant number {tenant}" in line["text"], line
         assert f"You are assistant number {tenant}" in seen["here"][where], (tenant, where, seen["here"])
     assert not seen["scrolls"] and seen["smallest"][0] >= 18, (seen["scrolls"], seen["smallest"], tmp_path)
+
+
+@needs_router
+def test_sigterm_stops_every_process_the_fleet_started(fleet):
+    urls = [*fleet["replicas"], fleet["router"], fleet["view"]]
+    fleet["proc"].send_signal(signal.SIGTERM)
+    assert fleet["proc"].wait(30) == 0
+    for url in urls:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=2)
+    for pid in fleet["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)              # no process of the groups it started is left
+    assert "stopped everything it started" in fleet["log"].read_text()
+
+
+@needs_router
+def test_a_replica_that_cannot_start_stops_the_fleet_with_its_log(tiny_model, tmp_path):
+    command = fleet_command(tiny_model, free_port(), free_port(), str(tmp_path), "--num-blocks 0")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert done.returncode == 1, done.stderr
+    assert "replica 0" in done.stderr and "num_blocks must be a positive integer" in done.stderr, done.stderr
+    assert "stopped everything it started" in done.stderr
+
+
+def test_a_missing_router_is_named_with_the_install_line(monkeypatch, capsys):
+    from minipaged.cli import main
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else object())
+    assert main(["fleet", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs sglang-router, which is not installed" in err and "pip install 'minipaged[fleet]'" in err
+

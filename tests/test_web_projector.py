@@ -48,7 +48,8 @@ MEASURE = """(() => {
     if (!n.textContent.trim() || !e || !shown(e) || e.closest('[hidden]')) continue;
     const r = box(e);
     if (r.bottom <= 0 || r.top >= innerHeight) continue;          // scrolled away inside its panel
-    texts.push([parseFloat(getComputedStyle(e).fontSize), e.id || e.className || e.tagName, n.textContent.slice(0, 30)]);
+    texts.push([parseFloat(getComputedStyle(e).fontSize), e.id || e.className || e.tagName,
+                n.textContent.slice(0, 30)]);
   }
   const columns = {};
   for (const p of panels) {
@@ -58,7 +59,8 @@ MEASURE = """(() => {
   return {
     scroll_height: se.scrollHeight, client_height: se.clientHeight, scroll_width: se.scrollWidth,
     client_width: se.clientWidth, width: innerWidth, height: innerHeight,
-    out_of_view: panels.filter((p) => box(p).bottom > innerHeight + 1 || box(p).right > innerWidth + 1).map((p) => p.id),
+    out_of_view: panels.filter((p) => box(p).bottom > innerHeight + 1 || box(p).right > innerWidth + 1)
+      .map((p) => p.id),
     cell_share: cellArea / (innerWidth * innerHeight), cells: cells.length,
     column_bottoms: Object.values(columns).map((b) => b / innerHeight),
     smallest_text: texts.reduce((a, t) => (t[0] < a[0] ? t : a), [1e9, '', '']),

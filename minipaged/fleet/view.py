@@ -68,8 +68,8 @@ class RoutingHistory:
             if len(self.landed) == self.landed.maxlen:
                 self._ids.discard(self.landed[0]["request_id"])
             self._ids.add(rid)
-            self.landed.append({"request_id": rid, "replica": replica, "prompt": a.get("prompt", ""),
-                                "step": step})
+            self.landed.append({"request_id": rid, "name": a.get("name") or rid, "replica": replica,
+                                "prompt": a.get("prompt", ""), "step": step})
 
     def as_json(self) -> dict[str, Any]:
         return {"landed": list(reversed(self.landed)), "unread": {str(i): why for i, why in self.why_not.items()}}

@@ -120,7 +120,7 @@ class BatchPanel(Widget):
                 break
             text.append("\n")
             text.append("██", state.colour(s.request_id))
-            text.append(f" {s.request_id:<5}")
+            text.append(f" {state.short_name(s.request_id):<5}")
             if s.kind == "prefill":
                 text.append(f"prefill {s.num_new_tokens:>4}", style="bold")
                 text.append(f"  {prefill_span(s, ev)}", style="dim")

@@ -697,7 +697,7 @@ async function send(text) {
       if (chunk.id && !view.mine.has(chunk.id)) {
         view.mine.add(chunk.id);
         view.selected = chunk.id;
-        status.textContent = `your request ${chunk.id} is in the engine`;
+        status.textContent = `your request is in the engine, marked ★ (its id: ${chunk.id})`;
         schedule();
       }
     }

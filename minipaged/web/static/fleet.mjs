@@ -9,7 +9,7 @@
 // The fleet command follows the replicas from the start (view.py's RoutingHistory): a page that opens late is
 // given the routing so far (landed.json). ?projector=1 (or P) draws it for a room.
 import { SSEParser } from "./sse.mjs";
-import { newState, applyEvent, usedBlocks, queues } from "./fold.mjs";
+import { newState, applyEvent, usedBlocks, queues, nameOf } from "./fold.mjs";
 
 export const REPLICA_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7"];
 const MAX_CELLS = 512;            // per replica; a bigger pool draws 2, 4, 8 ... blocks per cell
@@ -78,7 +78,7 @@ function receive(replica, ev) {
   for (const a of ev.arrivals || []) {
     if (fleet.known.has(a.request_id)) continue;          // (a reconnection's snapshot repeats the live ones)
     replica.served += 1;
-    land({ rid: a.request_id, replica: replica.index, prompt: a.prompt || "" }, true);
+    land({ rid: a.request_id, replica: replica.index, prompt: a.prompt || "", name: nameOf(replica.state, a.request_id) }, true);
   }
   schedule();
 }
@@ -95,7 +95,9 @@ function land(entry, newest) {
 async function loadHistory() {
   try {
     const body = await (await fetch("landed.json", { cache: "no-store" })).json();
-    for (const l of body.landed || []) land({ rid: l.request_id, replica: l.replica, prompt: l.prompt || "" }, false);
+    for (const l of body.landed || []) {
+      land({ rid: l.request_id, replica: l.replica, prompt: l.prompt || "", name: l.name || l.request_id }, false);
+    }
   } catch { /* an older fleet command: the page shows what it sees from now on */ }
   schedule();
 }
@@ -157,11 +159,13 @@ function drawReplica(replica) {
     number("running", String(q.running.length)), number("waiting", String(q.waiting.length)),
     number("step", String(st.step)));
   nodes.queues.replaceChildren(...["running", "waiting"].map((name) => el("div", {},
-    el("h3", { textContent: `${name} (${q[name].length})` }), ...q[name].slice(0, 20).map((rid) => chip(rid, replica.index)))));
+    el("h3", { textContent: `${name} (${q[name].length})` }), ...q[name].slice(0, 20).map((rid) => chip(rid, replica.index, nameOf(st, rid))))));
 }
 
-function chip(rid, index) {
-  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: rid, title: `${rid}: replica ${index}` });
+/** A request's chip: its name (r0, r1 ...: the replica's engine names its requests, and every view of that replica
+ * says the same; the colour says which replica), its id on hover. */
+function chip(rid, index, name = rid) {
+  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: name, title: `${rid}: replica ${index}` });
   node.style.background = replicaColour(index);
   return node;
 }
@@ -172,9 +176,9 @@ export function preview(prompt) {
 }
 
 /** One request in a list: its chip in its replica's colour, the replica, and the start of its prompt. */
-function landedLine({ rid, replica, prompt }, withReplica = true) {
+function landedLine({ rid, replica, prompt, name }, withReplica = true) {
   const text = preview(prompt) || "(no text: hidden by the teacher)";
-  return el("li", { className: "landed-line", title: `${rid} on replica ${replica}: ${prompt}` }, chip(rid, replica),
+  return el("li", { className: "landed-line", title: `${rid} on replica ${replica}: ${prompt}` }, chip(rid, replica, name || rid),
     ...(withReplica ? [el("span", { className: "where", textContent: ` replica ${replica} ` })] : []),
     el("span", { className: "prompt", textContent: text }));
 }
@@ -227,7 +231,8 @@ async function send(text) {
     }
   }
   const where = rid ? whereIs(rid) : -1;
-  status.textContent = where >= 0 ? `your request ${rid} landed on replica ${where}; its blocks and chips are marked ★`
+  const name = where >= 0 ? nameOf(fleet.replicas[where].state, rid) : rid;
+  status.textContent = where >= 0 ? `your request ${name} (${rid}) landed on replica ${where}; its blocks and chips are marked ★`
     : `your request ${rid || ""} finished`;
 }
 
