@@ -101,9 +101,17 @@ def measure_smollm2(runs: dict[str, Run]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ checkpoints
 
 def _split(ev: StepEvent) -> str:
+    """A step's wall time split into forward and host time, and the forward pass's share of it. With async output
+    processing the forward pass that ends in a step began in the step before (the model thread runs it beside the
+    host's work), so it can be longer than the step: the whole step was then busy, 100%, and the line says why
+    (a class trial read "forward busy 124%", unexplained)."""
     busy = 100 * ev.forward_s / ev.duration_s if ev.duration_s else 0.0
-    return (f"{1e3 * ev.duration_s:.2f} ms: forward {1e3 * ev.forward_s:.2f} ms, host {1e3 * ev.host_s:.2f} ms "
-            f"(forward busy {busy:.0f}%)")
+    line = (f"{1e3 * ev.duration_s:.2f} ms: forward {1e3 * ev.forward_s:.2f} ms, host {1e3 * ev.host_s:.2f} ms "
+            f"(forward busy {min(busy, 100.0):.0f}%")
+    if ev.forward_s > ev.duration_s:
+        line += (": this forward pass began in the step before, beside the host's work (async output "
+                 "processing), so it is longer than the step that waited for it")
+    return line + ")"
 
 
 def _timed(ev: StepEvent) -> bool:

@@ -86,6 +86,7 @@ class RequestView:
     blocks: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
     prefix_lookup: Optional[PrefixLookup] = None   # its latest admission's (a recompute is admitted again)
+    name: Optional[str] = None                       # as its arrival named it (request_names.py)
 
 
 class EngineView:
@@ -108,7 +109,7 @@ class EngineView:
             shared = self.requests.get(a.prompt_of) if a.prompt_of is not None else None
             prompt = shared.prompt if shared is not None else a.prompt
             self.requests[a.request_id] = RequestView(a.request_id, a.prompt_len, a.max_tokens, prompt,
-                                                      prefix_lookup=a.prefix_lookup)
+                                                      prefix_lookup=a.prefix_lookup, name=a.name)
         kv = ev.kv
         for rid, pairs in kv.swapped_out.items():
             for _gpu, cpu in pairs:

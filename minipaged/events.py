@@ -91,6 +91,9 @@ class RequestArrival:
     prompt_of: Optional[str] = None
     # Only in a late watcher's snapshot (serve/async_engine.py): the lookup it was admitted with, long ago.
     prefix_lookup: Optional[PrefixLookup] = None
+    # The name every view shows it by (r0, r1 ...: request_names.py), given by the engine's recorder. None: a
+    # trace recorded before arrivals carried names (the watchers name it themselves, the same way).
+    name: Optional[str] = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RequestArrival":

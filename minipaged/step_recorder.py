@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .events import Preemption, RequestArrival, RequestFinish, ScheduledRequest, StepEvent, prompt_preview
+from .request_names import RequestNames
 from .kv_recorder import KVRecorder
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class StepRecorder:
         self._step_index = 0
         self._arrivals: list[RequestArrival] = []    # what happened between steps goes in the next event
         self._finishes: list[RequestFinish] = []
+        self.names = RequestNames()                  # one name per request, the same in every view
 
     def arrive(self, requests: list[Request], prompt_text: str) -> None:
         """A prompt's requests were queued (n samples: the prompt's text goes out once, with the first)."""
@@ -44,12 +46,14 @@ class StepRecorder:
             shared = req.request_id != first
             self._arrivals.append(RequestArrival(req.request_id, req.num_prompt_tokens, req.params.max_tokens,
                                                  "" if shared else preview, req.arrival_time - self.start_time,
-                                                 prompt_of=first if shared else None))
+                                                 prompt_of=first if shared else None,
+                                                 name=self.names.give(req.request_id)))
 
     def finish(self, state: RequestState) -> None:
         """A sample ended (its output state, as the front end kept it): its record goes in the next event."""
         req, times = state.request, state.token_times
         self.kv.lookups.pop(req.request_id, None)          # looked up, never admitted: nothing will take it
+        self.names.finished(req.request_id)
         itls = [b - a for a, b in zip(times, times[1:])]
         self._finishes.append(RequestFinish(
             req.request_id, state.finish_reason, req.num_prompt_tokens, len(state.token_ids),

@@ -19,7 +19,8 @@ from contextlib import suppress
 import httpx
 import pytest
 
-from browser_util import INSTALL_HINT, count_colour, decode_png, evaluate, find_chromium, open_page, screenshot
+from browser_util import (INSTALL_HINT, count_colour, decode_png, evaluate, find_chromium, open_page, screenshot,
+                          wait_for)
 from minipaged.bench.servers import metric_totals
 from serve_util import free_port, openai_client, wait_for_answer, wait_until_idle
 
@@ -231,6 +232,63 @@ def test_worker_urls_are_routed_to_and_left_running(fleet, tmp_path):
         assert httpx.get(url + "/health", timeout=5).status_code == 200
 
 
+# Every visible text's font size in px, and whether the page scrolls (the projector layout's checks).
+TEXTS = """(() => {
+  const se = document.scrollingElement, sizes = [];
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const e = n.parentElement, r = e && e.getBoundingClientRect();
+    if (!n.textContent.trim() || !e || e.offsetParent === null || r.bottom <= 0 || r.top >= innerHeight) continue;
+    sizes.push([parseFloat(getComputedStyle(e).fontSize), n.textContent.slice(0, 30)]);
+  }
+  return {smallest: sizes.reduce((a, t) => (t[0] < a[0] ? t : a), [1e9, '']),
+          scrolls: se.scrollHeight > se.clientHeight + 1 || se.scrollWidth > se.clientWidth + 1};
+})()"""
+
+
+@needs_router
+@needs_chromium
+def test_a_late_fleet_page_shows_which_replica_each_tenant_landed_on(fleet, tmp_path):
+    """Lesson 11's question, in a class trial the fleet page could not answer: requests sent before the page opened
+    are listed with their replica and their prompt's start (the tenant's system prompt), in the landed panel and
+    under each replica; ?projector=1 fits a 1920x1080 screen in letters a room reads."""
+    client = openai_client(fleet["router"])
+    sent: list[tuple[int, str, int]] = []                 # (tenant, request id, the replica that served it)
+    for tenant in (0, 1):
+        for question in range(2):
+            messages = [{"role": "system", "content": SYSTEM_PROMPTS[tenant]},
+                        {"role": "user", "content": f"question {question}?"}]
+            answer: list = []
+            where = served_by(fleet, lambda: answer.append(client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=2, temperature=0)))
+            sent.append((tenant, answer[0].id, where))
+    history = httpx.get(fleet["view"] + "/landed.json", timeout=5).json()["landed"]
+    recorded = {entry["request_id"]: entry["replica"] for entry in history}
+    assert all(recorded.get(rid) == where for _t, rid, where in sent), (sent, history[:8])
+
+    async def run() -> dict:
+        async with open_page(fleet["view"] + "/?projector=1", size=(1920, 1080)) as page:
+            ids = [rid for _t, rid, _w in sent]
+            await wait_for(page, f"""(() => {{ const lines = [...document.querySelectorAll('#landed li')]
+                .map((li) => li.title); return {ids!r}.every((rid) => lines.some((t) => t.startsWith(rid))); }})()""",
+                           "the late page never listed the requests sent before it opened", tolerate_errors=True)
+            await asyncio.sleep(0.5)
+            seen = await evaluate(page, """(() => ({
+                landed: [...document.querySelectorAll('#landed li')].map((li) => ({title: li.title,
+                    text: li.textContent})),
+                here: [0, 1].map((i) => document.querySelector(`#replica-${i} .here`).textContent)}))()""")
+            seen.update(await evaluate(page, TEXTS))
+            (tmp_path / "fleet-projector.png").write_bytes(await screenshot(page))
+            return seen
+
+    seen = asyncio.run(run())
+    for tenant, rid, where in sent:
+        line = next(line for line in seen["landed"] if line["title"].startswith(rid))
+        assert f"replica {where}" in line["text"] and f"You are assistant number {tenant}" in line["text"], line
+        assert f"You are assistant number {tenant}" in seen["here"][where], (tenant, where, seen["here"])
+    assert not seen["scrolls"] and seen["smallest"][0] >= 18, (seen["scrolls"], seen["smallest"], tmp_path)
+
+
 @needs_router
 def test_sigterm_stops_every_process_the_fleet_started(fleet):
     urls = [*fleet["replicas"], fleet["router"], fleet["view"]]
@@ -260,3 +318,4 @@ def test_a_missing_router_is_named_with_the_install_line(monkeypatch, capsys):
     assert main(["fleet", "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert "needs sglang-router, which is not installed" in err and "pip install 'minipaged[fleet]'" in err
+

@@ -88,3 +88,21 @@ def test_stored_figures_back_the_text():
     assert s["tiny_sync_batch_busy_pct"] < s["tiny_sync_alone_busy_pct"]
     assert s["tiny_sync_batch_host_us"] > s["tiny_sync_alone_host_us"]
     assert s["smollm2_sync_alone_host_pct"] < 5
+
+
+def test_a_forward_pass_longer_than_its_step_is_explained_not_shown_over_100_percent():
+    """A class trial's lesson 10 with async output processing printed "forward busy 124%": the forward pass that
+    ended in a step began in the step before (it runs in the model thread beside the host's work), so it can be
+    longer than the step that waited for it. The checkpoint caps the share and says why."""
+    from minipaged.events import StepEvent
+    from minipaged.lessons.lesson10_gpu_waits import _split
+
+    def event(duration_s: float, forward_s: float, host_s: float) -> StepEvent:
+        return StepEvent(step=7, time_s=1.0, duration_s=duration_s, schedule_s=0.0, model_s=forward_s,
+                         budget_limit=512, budget_used=1, max_num_seqs=16, host_s=host_s, forward_s=forward_s)
+
+    overlapped = _split(event(0.010, 0.0124, 0.003))
+    assert "124%" not in overlapped and "busy 100%" in overlapped, overlapped
+    assert "began in the step before" in overlapped and "async output processing" in overlapped, overlapped
+    plain = _split(event(0.010, 0.007, 0.003))
+    assert plain.endswith("(forward busy 70%)"), plain

@@ -296,3 +296,49 @@ def test_the_page_asks_for_a_stream_explicitly():
     app = app.decode() if isinstance(app, bytes) else app
     call = app[app.index('fetch("v1/page/prompt"'):]
     assert "stream: true" in call[:call.index("});")]
+
+
+def test_a_students_own_miss_position_reaches_that_student_alone_late_pages_included():
+    """Under --hide-others-text everyone's copy of a step leaves out where a prompt first differs from a cached one;
+    a class trial's student lost it for their own prompt too. The position of a student's own request goes to that
+    student's streams (an own_lookup message), to a page of theirs that opens later, and to nobody else's."""
+    from minipaged.events import PrefixLookup, RequestArrival, ScheduledRequest, StepEvent
+    from minipaged.serve.limits import PageSettings
+    from minipaged.serve.teacher import PageControls
+
+    class Stream:                                       # what PageControls needs of an event_hub.Watcher
+        def __init__(self) -> None:
+            self.said: list[str] = []
+
+        def say(self, text: str) -> None:
+            self.said.append(text)
+
+    def told(stream: Stream) -> list[dict]:
+        return [json.loads(m.split("data: ", 1)[1]) for m in stream.said if m.startswith("event: own_lookup\n")]
+
+    controls = PageControls(PageSettings(hide_others_text=True, open_page=True))
+    alice, bob, teacher = Stream(), Stream(), Stream()
+    controls.watch(alice, teacher=False, client="10.0.0.2")
+    controls.watch(bob, teacher=False, client="10.0.0.3")
+    controls.watch(teacher, teacher=True, client="10.0.0.1")
+    controls.sent("chatcmpl-alice", "10.0.0.2")
+    controls.sent("cmpl-bob", "10.0.0.3")
+    lookup = PrefixLookup(num_blocks=5, num_hit_blocks=2, reason="differs", differs_at=9)
+    event = StepEvent(step=3, time_s=0.1, duration_s=0.01, schedule_s=0.0, model_s=0.01, budget_limit=16,
+                      budget_used=8, max_num_seqs=4,
+                      arrivals=(RequestArrival("chatcmpl-alice", 20, 8, "", prefix_lookup=lookup),),
+                      scheduled=(ScheduledRequest("chatcmpl-alice", "prefill", 8, 16, 20, 8, 0, prefix_lookup=lookup),
+                                 ScheduledRequest("cmpl-bob-1.2", "prefill", 0, 8, 20, 0, 0,
+                                                  prefix_lookup=PrefixLookup(5, 1, "differs", differs_at=6))))
+    controls.own_lookups(event)
+    assert [t["request_id"] for t in told(alice)] == ["chatcmpl-alice", "chatcmpl-alice"]
+    assert told(alice)[0]["prefix_lookup"]["differs_at"] == 9 and told(alice)[0]["prefix_lookup"]["reason"] == "differs"
+    # Bob's second prompt's third sample is his request's; the teacher's stream has every position already
+    assert [(t["request_id"], t["prefix_lookup"]["differs_at"]) for t in told(bob)] == [("cmpl-bob-1.2", 6)]
+    assert not told(teacher)
+    later = Stream()                                     # Alice's page reopened: told again
+    controls.watch(later, teacher=False, client="10.0.0.2")
+    assert told(later) and told(later)[-1]["prefix_lookup"]["differs_at"] == 9
+    controls.unwatch(alice), controls.unwatch(later)
+    controls.own_lookups(event)
+    assert len(told(alice)) == 2 and "10.0.0.2" not in controls.student_watchers

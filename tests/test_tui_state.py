@@ -335,3 +335,26 @@ def test_the_automatic_k_is_shown_beside_each_decode():
     assert auto_k_note(s) == ""
     assert auto_k_note(replace(s, spec_k=2, spec_acceptance=0.613)) == "  next k=2, 61% kept"
     assert auto_k_note(replace(s, spec_k=0, spec_acceptance=0.05)) == "  next k=0 (speculation off, 5% kept)"
+
+
+def test_a_small_step_fills_a_visible_share_of_the_budget_bar_and_says_its_scale():
+    """On serve's defaults a step uses 2-13 of 2,048 tokens: a class trial saw a sliver. Under an eighth of the
+    budget the bar is drawn on 8, 16, 32 ... tokens (budget_scale), which the label says; a full step keeps the
+    budget's scale."""
+    from minipaged.tui.state import budget_scale
+    from minipaged.tui.widgets.batch import budget_bar, budget_label
+
+    assert [budget_scale(used, 2048) for used in (0, 2, 8, 13, 40, 255, 256, 2048)] == [8, 8, 16, 32, 128, 512,
+                                                                                          2048, 2048]
+    assert budget_scale(3, 8) == 8 and budget_scale(9, 8) == 9            # a small budget is its own scale
+    wide = dict(budget_limit=2048, max_num_seqs=256)
+    for used in (2, 13):
+        state = WatchState(replace(info(), max_num_batched_tokens=2048, max_num_seqs=256))
+        arrivals = tuple(RequestArrival(f"r{i}", 8, 4, "hi") for i in range(used))
+        state.apply(step(1, arrivals=arrivals, **wide))
+        state.apply(step(2, scheduled=tuple(ScheduledRequest(f"r{i}", "decode", 8, 9, 8, 0, 1) for i in range(used)),
+                         budget_used=used, **wide))
+        bar = budget_bar(state, 64).plain
+        assert len(bar) == 64 and bar.count("░") <= 64 - 64 * used // budget_scale(used, 2048), (used, bar)
+        assert 64 - bar.count("░") >= 8, (used, bar)                      # an eighth of the bar at least
+    assert budget_label(2, 2048) == " 2/2048 tok (bar: 8)" and budget_label(1024, 2048) == " 1024/2048 tok"

@@ -192,4 +192,49 @@ def test_requests_are_named_as_the_tui_names_them_with_samples_sharing_a_name(tr
     # the requests still shown, forgotten ones gone.
     live = {rid.rsplit(".", 1)[0] if rid.rsplit(".", 1)[-1].isdigit() and "." in rid else rid: name.split(".")[0]
             for rid, name in state.short_names.items()}
-    assert state._base_names == live and sorted(state._names_taken.elements()) == sorted(live.values())
+    held = state._names
+    assert held._base_names == live and sorted(held._names_taken.elements()) == sorted(live.values())
+
+
+def test_the_engine_names_each_request_once_and_a_late_watcher_says_the_same_names(tiny_engine_factory):
+    """A class trial's page opened late called the server's requests r0-r2 while the others said r30: each view
+    numbered the arrivals it saw. The engine names each request in its arrival (request_names.py), and a late
+    watcher's snapshot carries the names: every view, however late, says the same."""
+    from minipaged.event_view import EngineView
+    from minipaged.tui.plain import print_run
+
+    engine = tiny_engine_factory()
+    events: list[StepEvent] = []
+    engine.subscribe(events.append)
+    early = [f"cmpl-{i:024x}" for i in range(30)]
+    for rid in early:                                         # thirty requests come and go before the late page
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True), request_id=rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    late_ids = [f"chatcmpl-{i:024x}" for i in range(3)] + ["A1"]
+    for rid in late_ids:
+        engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True), request_id=rid)
+    engine.step()
+    named = {a.request_id: a.name for ev in events for a in ev.arrivals}
+    assert [named[rid] for rid in early[:3]] == ["r0", "r1", "r2"] and named[early[-1]] == "r29"
+    assert [named[rid] for rid in late_ids] == ["r30", "r31", "r32", "A1"]      # a short id names itself
+
+    watched_from_start = WatchState(engine.info)
+    view = EngineView(engine.info)                             # what serve keeps for late watchers
+    for ev in events:
+        watched_from_start.apply(ev)
+        view.apply(ev)
+        for f in ev.finished:
+            view.requests.pop(f.request_id, None)
+    late = WatchState(engine.info)
+    late.apply(StepEvent.from_dict(json.loads(snapshot_event(view).to_json())))
+    assert {rid: late.short_name(rid) for rid in late_ids} == {rid: named[rid] for rid in late_ids}
+    assert {rid: watched_from_start.short_name(rid) for rid in late_ids} == {rid: named[rid] for rid in late_ids}
+    # The TUI's printer (and its widgets) show the name, not the server's id
+    import io
+
+    from rich.console import Console
+    out = io.StringIO()
+    engine.step()
+    print_run(Console(file=out, width=200), engine.info, events)
+    assert "cmpl-" not in out.getvalue() and "r30" in out.getvalue(), out.getvalue()[-3000:]

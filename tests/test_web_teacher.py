@@ -4,6 +4,7 @@ nobody else's; the presenter view (``?presenter``, with the key) selects the tea
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
@@ -100,3 +101,52 @@ def test_hidden_text_shows_a_student_only_their_own_and_the_presenter_follows_th
     assert "my own words" in seen["mine_row"] and "hidden" in seen["their_row"]
     assert "teacher secret" not in seen["body"] and "others' prompts and outputs hidden" in seen["settings"]
     assert shown["second"] in shown["title"] and "the second lesson prompt" in shown["body"]   # the teacher sees
+
+
+async def type_and_send(page, text: str) -> None:
+    await evaluate(page, "document.getElementById('prompt').focus()")
+    await page.call("Input.insertText", text=text)
+    await evaluate(page, "document.getElementById('prompt-form').requestSubmit()")
+
+
+@needs_chromium
+def test_a_429s_wait_counts_down_in_the_page(tiny_model, tmp_path):
+    """A class trial's page said "try again in 48 s" and never changed it: the wait counts down each second."""
+    with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--page-prompt-rate", "1",
+                        log_path=str(tmp_path / "server.log")) as url:
+        async def run() -> list[str]:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "window.minipaged.view.settings", "the page never got the teacher's settings")
+                await type_and_send(page, "the first prompt")
+                await wait_for(page, "document.getElementById('prompt-status').textContent.includes('finished')",
+                               "the first prompt never finished")
+                await type_and_send(page, "one too many")
+                first = await wait_for(page, """(() => { const t = document.getElementById('prompt-status')
+                    .textContent; return t.includes('refused (429)') && t; })()""", "the second prompt was not refused")
+                await asyncio.sleep(2.5)
+                return [first, await evaluate(page, "document.getElementById('prompt-status').textContent")]
+        first, later = asyncio.run(run())
+
+    waits = [int(re.search(r"try again in (\d+) s", text).group(1)) for text in (first, later)]
+    assert 50 <= waits[0] <= 60 and waits[0] - waits[1] >= 2, (first, later)
+
+
+@needs_chromium
+def test_with_others_text_hidden_a_student_reads_where_their_own_prompt_missed(tiny_model, tmp_path):
+    """Everyone's copy of a step leaves out where a prompt first differs from a cached one; the student's own
+    page says it for their own prompt (a class trial's page lost it)."""
+    with running_server(tiny_model, *SERVER, "--hide-others-text", log_path=str(tmp_path / "server.log")) as url:
+        async def run() -> str:
+            async with open_page(url + "/") as page:
+                await wait_for(page, "window.minipaged.view.settings", "the page never got the teacher's settings")
+                for k, prompt in enumerate(["the blocks of a paged cache hold keys and values of every token",
+                                            "the blocks of a paged cache hold nothing else at all, said the class"]):
+                    await type_and_send(page, prompt)
+                    await wait_for(page, f"""(() => {{ const m = window.minipaged, ids = [...m.view.mine];
+                        const r = ids.length === {k + 1} && m.head.requests.get(ids[{k}]);
+                        return r && r.state === 'finished'; }})()""", f"prompt {k} never finished")
+                await evaluate(page, "window.minipaged.view.selected = [...window.minipaged.view.mine][1]")
+                await evaluate(page, "window.minipaged.draw()")
+                return await evaluate(page, "document.getElementById('output-cache').textContent")
+        said = asyncio.run(run())
+    assert re.search(r"block \d+ missed: tokens differ at position \d+", said), said

@@ -212,7 +212,8 @@ def test_an_exported_trace_opens_offline_and_its_slider_reaches_the_last_step(ti
     assert seen["first"] == 1 and seen["max"] == num_steps - 1, seen
     assert seen["step"] == num_steps and seen["used"] == last_used, (seen, last_used)
     assert f"step {num_steps}" in seen["label"] and seen["after_back"] == num_steps - 1
-    assert seen["projector"] and seen["cell"] == "44px" and seen["log_shown"] == "none"   # ?projector=1
+    # ?projector=1: cells fitted to the screen (test_web_projector.py), at least twice the desk's 22 px
+    assert seen["projector"] and float(seen["cell"].rstrip("px")) >= 44 and seen["log_shown"] == "none", seen
 
 
 def test_watch_replay_web_serves_the_page_without_torch(tmp_path):

@@ -299,7 +299,8 @@ class AttachApp(WatchApp):
 
     def _answered(self, request_id: str, text: str) -> None:
         self.answers.append((request_id, text))
-        self.notify(text[:300] or "(no text)", title=f"{request_id} finished", timeout=15)
+        name = self.state.short_name(request_id) if self.state is not None else request_id
+        self.notify(text[:300] or "(no text)", title=f"{name} finished", timeout=15)
 
     async def action_quit(self) -> None:
         self.attach.interrupt()

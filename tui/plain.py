@@ -44,7 +44,7 @@ def progress_line(state: WatchState, q: dict[str, list[str]]) -> Text:
     text = Text("  reqs   ")
     for rid in q["running"] + q["swapped"]:
         req = state.view.requests[rid]
-        text.append(rid, state.colour(rid))
+        text.append(state.short_name(rid), state.colour(rid))
         text.append(f"{' ⇄' if rid in q['swapped'] else ''} {req.num_output_tokens}/{req.max_tokens}  ")
     return text
 
@@ -95,16 +95,16 @@ def print_step(console: Console, state: WatchState) -> None:
         console.print(progress_line(state, q), highlight=False)
     for s in ev.scheduled:                       # the batch panel's draft strips
         if s.draft_token_ids:
-            console.print(Text("  ⚡ ").append(s.request_id, state.colour(s.request_id)).append("  ")
+            console.print(Text("  ⚡ ").append(state.short_name(s.request_id), state.colour(s.request_id)).append("  ")
                           .append_text(draft_strip(s)).append(auto_k_note(s)), highlight=False)
     for line in state.log:
         if line.step == ev.step:
             icon, colour = ICONS.get(line.kind, ("·", "white"))
-            console.print(Text("  ").append(icon, colour).append(" " + line.text), highlight=False)
+            console.print(Text("  ").append(icon, colour).append(" " + state.named(line)), highlight=False)
     for f in ev.finished:                       # the TUI's output panel, for each request as it ends
         text = " ".join(printable(state.view.requests[f.request_id].text).split())
-        console.print(Text("  ").append(f.request_id, state.colour(f.request_id)).append(f" said: {text}"),
-                      highlight=False)
+        name = state.short_name(f.request_id)
+        console.print(Text("  ").append(name, state.colour(f.request_id)).append(f" said: {text}"), highlight=False)
 
 
 def print_run(console: Console, info: EngineInfo, events: Iterable[Optional[StepEvent]],

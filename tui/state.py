@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from minipaged.event_view import EngineView, LatencyFold, busy_label, busy_seconds
 from minipaged.events import PREVIEW_GAP, EngineInfo, ScheduledRequest, StepEvent
+from minipaged.request_names import RequestNames
 
 # Colours for requests: distinct hues that stay clear of the greys used for free and cached blocks.
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -24,8 +25,6 @@ HISTORY_LEN = 120          # points kept for each sparkline
 LOG_LEN = 400              # event log lines kept
 RATE_WINDOW = 10           # steps averaged for tokens per second
 FINISHED_KEPT = 200        # finished requests remembered (older ones are forgotten: a class runs for hours)
-SHORT_ID = 8               # ids this short name themselves (the TUI's r0, r1; the engine's 0, 1)
-_SAMPLE = re.compile(r"(.*)\.([0-9]+)")      # output_processor.sample_ids: a request's samples are id.0, id.1 ...
 LANE_LEN = 40              # recent steps the host/device lane shows
 
 # Chat-template markup (ChatML's "<|im_start|>user", Llama's "[INST]", "<s>" ...) and the role word after it.
@@ -86,6 +85,24 @@ def prefill_span(s: ScheduledRequest, ev: StepEvent) -> str:
     known = known_tokens(s, ev)
     extra = f" prompt + {known - s.prompt_len} generated" if known > s.prompt_len else ""
     return f"{s.start}→{s.end} of {s.prompt_len}{extra}"
+
+
+BUDGET_ZOOM_BELOW = 8       # a step using less than 1/8 of its token budget draws its bar on a smaller scale
+BUDGET_MIN_SCALE = 8
+
+
+def budget_scale(used: int, limit: int) -> int:
+    """The tokens the budget bar's whole width stands for: the budget, unless the step used less than an eighth of
+    it; then the smallest of 8, 16, 32 ... tokens that the step fills at most half of. On serve's defaults a step
+    of 2-13 tokens is under 1% of 2,048 (a sliver in a class trial); zoomed it fills an eighth to a half of the bar,
+    and the label says the scale. The web page uses the same rule (fold.mjs's budgetScale)."""
+    limit = max(limit, used, 1)
+    if used * BUDGET_ZOOM_BELOW >= limit:
+        return limit
+    scale = BUDGET_MIN_SCALE
+    while scale < 2 * used:
+        scale *= 2
+    return min(scale, limit)
 
 
 def verification_totals(ev: StepEvent) -> tuple[int, int, int]:
@@ -160,12 +177,6 @@ def describe_event(ev: StepEvent, before: EngineView) -> list[LogLine]:
     return lines
 
 
-def _split_sample(request_id: str) -> tuple[str, str]:
-    """A sample's id into its request's id and its suffix (``r3.1`` -> ``r3``, ``.1``); others stay whole."""
-    sample = _SAMPLE.fullmatch(request_id)
-    return (sample.group(1), f".{sample.group(2)}") if sample else (request_id, "")
-
-
 class WatchState:
     """The fold of events 0..k: view, colours, log and metrics. Rebuild it to go back in time."""
 
@@ -173,12 +184,8 @@ class WatchState:
         self.info = info
         self.view = EngineView(info)
         self.colours: dict[str, str] = {}
-        self.short_names: dict[str, str] = {}     # request id -> r0, r1 ... (what the web page shows)
-        self._num_named = 0
-        # Kept as names come and go, so that naming an arrival does not look at every name held:
-        self._base_names: dict[str, str] = {}     # a named id without its sample suffix -> its name's, likewise
-        self._ids_of_base: Counter[str] = Counter()   # named ids per such base (a request's samples share one)
-        self._names_taken: Counter[str] = Counter()   # the bases' names in use
+        self._names = RequestNames()
+        self.short_names: dict[str, str] = self._names.names   # request id -> r0, r1 ... (what every view shows)
         self.arrival_order: list[str] = []
         self.num_arrived = 0             # colours go by it (arrival_order forgets finished requests)
         self._finished_order: deque[str] = deque()
@@ -222,48 +229,28 @@ class WatchState:
         """A request's colour: by arrival order, so live and replayed runs colour alike."""
         return self.colours.get(request_id, "#888888")
 
-    def _short_name(self, request_id: str) -> str:
-        """The name a room reads: r0, r1 ... in arrival order (the TUI's driver names its requests so) for ids
-        longer than SHORT_ID, such as a server's ``chatcmpl-95d...``; the samples of one request share it (r3.0,
-        r3.1). A short id is its own name unless another request holds that name already."""
-        base, suffix = _split_sample(request_id)
-        if base in self._base_names:                   # another sample of the same request
-            return self._base_names[base] + suffix
-        if len(base) <= SHORT_ID and not self._names_taken[base]:
-            return request_id
-        while self._names_taken[f"r{self._num_named}"]:
-            self._num_named += 1
-        self._num_named += 1
-        return f"r{self._num_named - 1}{suffix}"
-
-    def _give_name(self, request_id: str) -> None:
-        name = self.short_names[request_id] = self._short_name(request_id)
-        base = _split_sample(request_id)[0]
-        if not self._ids_of_base[base]:
-            self._base_names[base] = name.split(".")[0]
-            self._names_taken[self._base_names[base]] += 1
-        self._ids_of_base[base] += 1
+    def _give_name(self, request_id: str, name: Optional[str] = None) -> None:
+        """The name its arrival carries (the engine names requests: every view says the same), or, in a trace
+        recorded before arrivals carried names, one given here the same way (minipaged/request_names.py)."""
+        self._names.give(request_id, name)
 
     def _forget_name(self, request_id: str) -> None:
-        if self.short_names.pop(request_id, None) is None:
-            return
-        base = _split_sample(request_id)[0]
-        self._ids_of_base[base] -= 1
-        if not self._ids_of_base[base]:
-            del self._ids_of_base[base]
-            name = self._base_names.pop(base)
-            self._names_taken[name] -= 1
-            if not self._names_taken[name]:
-                del self._names_taken[name]
+        self._names.forget(request_id)
 
     def short_name(self, request_id: str) -> str:
         return self.short_names.get(request_id, request_id)
+
+    def named(self, line: "LogLine") -> str:
+        """A log line as the views show it: a line about one request starts with its name, not its id."""
+        if line.request_id and line.text.startswith(line.request_id):
+            return self.short_name(line.request_id) + line.text[len(line.request_id):]
+        return line.text
 
     def apply(self, ev: StepEvent) -> None:
         for a in ev.arrivals:
             if a.request_id not in self.colours:
                 self.colours[a.request_id] = PALETTE[self.num_arrived % len(PALETTE)]
-                self._give_name(a.request_id)
+                self._give_name(a.request_id, a.name)
                 self.arrival_order.append(a.request_id)
                 self.num_arrived += 1
         self.log.extend(describe_event(ev, self.view))

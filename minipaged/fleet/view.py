@@ -5,9 +5,17 @@ not be reachable from the browser), so this server relays them: ``/replica/N/v1/
 stream, byte for byte. The page's prompt box posts to ``/v1/chat/completions`` here, relayed to the router,
 so a student's request is routed like any client's and the page sees on which replica it lands. Nothing is
 folded here: as in the single-engine view, each browser folds the events itself.
+
+Where the router sent each request (lesson 11's question: which replica did each tenant land on?) is history a
+page that opens late could not see, so this server follows every replica's events from the start
+(``RoutingHistory``) and keeps the last requests' replica and prompt preview for ``/landed.json``.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
@@ -21,6 +29,8 @@ from .replicas import Replica
 
 NO_CACHE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FORWARDED_HEADERS = ("content-type", "authorization", "accept")
+LANDED_KEPT = 200                        # requests whose replica /landed.json remembers (the newest)
+RECONNECT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,57 @@ class FleetLayout:
         """The page's layout; the pids let a supervisor (or a test) check that a stopped fleet left nothing."""
         return {"router": self.router_url, "policy": self.policy, "router_pid": self.router_pid,
                 "replicas": [{"index": i, "url": r.url, "pid": r.pid} for i, r in enumerate(self.replicas)]}
+
+
+class RoutingHistory:
+    """Which replica each recent request landed on, with its prompt's preview (what the events' arrivals carry),
+    read from every replica's event stream since the fleet started: a page that opens late still sees where the
+    router sent the requests before it (``/landed.json``; newest first)."""
+
+    def __init__(self, replicas: list[Replica], kept: int = LANDED_KEPT) -> None:
+        self.replicas = replicas
+        self.landed: deque[dict[str, Any]] = deque(maxlen=kept)
+        self._ids: set[str] = set()
+        self.why_not: dict[int, str] = {}           # a replica whose events cannot be read: why
+
+    def record(self, replica: int, step: int, arrivals: list[dict[str, Any]]) -> None:
+        """The arrivals of one step (a reconnection's snapshot repeats the requests still in the engine: once)."""
+        for a in arrivals:
+            rid = a.get("request_id")
+            if not rid or rid in self._ids:
+                continue
+            if len(self.landed) == self.landed.maxlen:
+                self._ids.discard(self.landed[0]["request_id"])
+            self._ids.add(rid)
+            self.landed.append({"request_id": rid, "name": a.get("name") or rid, "replica": replica,
+                                "prompt": a.get("prompt", ""), "step": step})
+
+    def as_json(self) -> dict[str, Any]:
+        return {"landed": list(reversed(self.landed)), "unread": {str(i): why for i, why in self.why_not.items()}}
+
+    async def follow(self, index: int) -> None:
+        """Read replica ``index``'s events until cancelled, reconnecting when they end (a replica restarting)."""
+        url = self.replicas[index].url + "/v1/events"
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as client:
+            while True:
+                try:
+                    async with client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as answer:
+                        if answer.status_code != 200:
+                            self.why_not[index] = f"its events answered {answer.status_code}"
+                        else:
+                            self.why_not.pop(index, None)
+                            async for line in answer.aiter_lines():
+                                self._read(index, line)
+                except (httpx.HTTPError, ValueError) as exc:
+                    self.why_not[index] = f"cannot read its events: {exc}"
+                await asyncio.sleep(RECONNECT_S)
+
+    def _read(self, index: int, line: str) -> None:
+        if not line.startswith("data: {"):
+            return                                   # named events (goodbye, dropped), comments, blank lines
+        record = json.loads(line[6:])
+        if record.get("type") == "step" and record.get("arrivals"):
+            self.record(index, int(record.get("step", 0)), record["arrivals"])
 
 
 async def relay(method: str, url: str, headers: dict[str, str], body: Optional[bytes] = None) -> Response:
@@ -60,7 +121,20 @@ async def relay(method: str, url: str, headers: dict[str, str], body: Optional[b
 
 
 def build_view_app(layout: FleetLayout) -> FastAPI:
-    app = FastAPI(title="minipaged fleet", docs_url=None, redoc_url=None, openapi_url=None)
+    history = RoutingHistory(layout.replicas)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        followers = [asyncio.ensure_future(history.follow(i)) for i in range(len(layout.replicas))]
+        yield
+        for task in followers:
+            task.cancel()
+        for task in followers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="minipaged fleet", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.history = history
 
     @app.get("/")
     async def page() -> HTMLResponse:
@@ -77,6 +151,11 @@ def build_view_app(layout: FleetLayout) -> FastAPI:
     @app.get("/fleet.json")
     async def fleet() -> dict[str, Any]:
         return layout.as_json()
+
+    @app.get("/landed.json")
+    async def landed() -> dict[str, Any]:
+        """Where the router sent each recent request (newest first), for a page that opens late."""
+        return history.as_json()
 
     @app.get("/replica/{index}/v1/events")
     async def events(index: int, request: Request) -> Response:

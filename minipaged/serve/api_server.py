@@ -99,6 +99,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     streams = StreamLimits(limits.max_client_event_streams,
                            min(limits.max_event_streams, max(1, limits.max_connections // 2)))
     async_engine.hide_text = settings.page.hide_others_text
+    if settings.page.hide_others_text:                 # a student's own prefix-miss positions, to that student
+        async_engine.subscribe_in_loop(controls.own_lookups)
     # The tokenizer routes take their own copy of the tokenizer (tokenization.py) ...
     tokenization = Tokenization(served.tokenizer, settings.served_model_name, served.vocab_size,
                                 served.max_model_len)
@@ -239,7 +241,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         watcher = Watcher(gzip="gzip" in request.headers.get("accept-encoding", ""),
                           limit_bytes=settings.event_buffer_bytes, sees_text=not controls.hides_text_from(teacher))
         streams.admit(watcher, CLIENT.get() or "local", exempt=teacher)    # may refuse: 429 or 503
-        controls.watch(watcher, teacher)
+        controls.watch(watcher, teacher, CLIENT.get() or "local")
         async_engine.watch(watcher)
 
         def unwatch() -> None:
@@ -384,6 +386,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise
         if TEACHER.get():                                 # the presenter view follows the teacher's requests
             controls.sent_by_teacher(request_id)
+        controls.sent(request_id, CLIENT.get() or "local")   # whose it is: its own miss positions go to them
         if body.stream:
             return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

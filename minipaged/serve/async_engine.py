@@ -332,7 +332,7 @@ def snapshot_event(view: EngineView) -> StepEvent:
         step=view.step, time_s=last.time_s if last else 0.0, duration_s=0.0, schedule_s=0.0, model_s=0.0,
         budget_limit=view.info.max_num_batched_tokens, budget_used=0, max_num_seqs=view.info.max_num_seqs,
         arrivals=tuple(RequestArrival(r.request_id, r.prompt_len, r.max_tokens, r.prompt,
-                                      prefix_lookup=r.prefix_lookup) for r in live),
+                                      prefix_lookup=r.prefix_lookup, name=r.name) for r in live),
         new_text={r.request_id: r.text for r in live if r.text}, kv=kv,
         num_free_blocks=view.num_free_blocks(), num_cached_free_blocks=sum(
             1 for b, owners in enumerate(view.block_owners) if not owners and view.block_cached[b]),

@@ -19,7 +19,10 @@ how the tests act as two.
 Hidden text: with ``--hide-others-text`` a student's event stream is a redacted copy (``redacted``: no prompt
 previews, no output text or its log-probabilities, token ids replaced by -1 so that counts still add up),
 serialised once per step for every such watcher, and whole prompts are refused. The page shows its own requests'
-text from what it sent and what its own response streamed back, so a student still reads their own answer.
+text from what it sent and what its own response streamed back, so a student still reads their own answer. The
+redacted copy leaves out where a prompt first differs from a cached one (it would tell others' prompts a token at
+a time); a student's own requests' positions reach that student's streams alone, as ``own_lookup`` messages
+(``PageControls.own_lookups``), late ones included.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ import dataclasses
 import json
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextvars import ContextVar
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..events import StepEvent
 from .event_hub import Watcher
@@ -41,6 +44,8 @@ JSON_SEPARATORS = (",", ":")             # as StepEvent.to_json writes events
 WINDOW_S = 60.0                          # --page-prompt-rate counts prompts in the last minute
 RECENT_TEACHER_REQUESTS = 64             # a presenter page that connects late still finds these
 STUDENT_STREAMS = ServerLimits().max_client_event_streams   # event streams one student may hold open (tabs)
+RECENT_OWNERS = 1024                     # requests whose client is remembered (their own prefix-miss positions)
+RECENT_OWN_LOOKUPS = 16                  # a student's page that connects late is told these of its own
 # Under /v1 (behind the key) unless --open-page: the page's own routes.
 PAGE_ROUTES = ("/v1/events", "/v1/page/prompt", "/v1/page/settings")
 PAGE_ROUTE_PREFIXES = ("/v1/events/prompts/",)
@@ -87,6 +92,12 @@ class PageControls:
         self.rate = PromptRate(settings.prompt_rate) if settings.prompt_rate else None
         self.teacher_requests: deque[str] = deque(maxlen=RECENT_TEACHER_REQUESTS)
         self.teacher_watchers: set[Watcher] = set()     # event streams opened with the key (on the event loop)
+        # --hide-others-text: whose each recent request is, each student's streams without others' text, and the
+        # prefix-cache answers of each student's recent requests, position included (all on the event loop)
+        self.owners: OrderedDict[str, str] = OrderedDict()
+        self.student_watchers: dict[str, set[Watcher]] = {}
+        self.client_of: dict[Watcher, str] = {}
+        self.recent_lookups: dict[str, deque[str]] = {}
 
     def admit(self, client: str, teacher: bool, max_tokens: Optional[int], temperature: Optional[float]) -> None:
         """Refuse a page prompt the teacher's settings do not allow (403 off, 429 over the rate, 400 over a cap).
@@ -125,17 +136,52 @@ class PageControls:
                 "others_text": "hidden" if s.hide_others_text else "shown", "teacher": teacher,
                 "presenter_available": has_key}
 
-    def watch(self, watcher: Watcher, teacher: bool) -> None:
+    def watch(self, watcher: Watcher, teacher: bool, client: str = "local") -> None:
         """A new event stream: the teacher's is told the teacher's recent requests (a presenter page that comes
-        late), and each new one as it is accepted (``sent_by_teacher``). How many streams a student may hold is
-        ``event_hub.StreamLimits``' to say, keyed server or not."""
+        late), and each new one as it is accepted (``sent_by_teacher``); a student's without others' text is told
+        the prefix-cache answers of the student's own recent requests (``own_lookups``). How many streams a
+        student may hold is ``event_hub.StreamLimits``' to say, keyed server or not."""
         if teacher:
             self.teacher_watchers.add(watcher)
             for request_id in self.teacher_requests:
                 watcher.say(teacher_event(request_id))
+        if self.hides_text_from(teacher):
+            self.client_of[watcher] = client
+            self.student_watchers.setdefault(client, set()).add(watcher)
+            for message in self.recent_lookups.get(client, ()):
+                watcher.say(message)
 
     def unwatch(self, watcher: Watcher) -> None:
         self.teacher_watchers.discard(watcher)
+        client = self.client_of.pop(watcher, None)
+        if client is not None and client in self.student_watchers:
+            self.student_watchers[client].discard(watcher)
+            if not self.student_watchers[client]:
+                del self.student_watchers[client]
+
+    def sent(self, request_id: str, client: str) -> None:
+        """A request was accepted from ``client``: its own prefix-miss positions go to that client's streams."""
+        if not self.settings.hide_others_text:
+            return
+        self.owners[request_id] = client
+        while len(self.owners) > RECENT_OWNERS:
+            self.owners.popitem(last=False)
+
+    def own_lookups(self, event: StepEvent) -> None:
+        """Each prefix-cache answer in ``event`` that says where a prompt first differs goes, whole, to the streams
+        of the client who sent it (the redacted copy everyone else gets leaves the position out: ``_coarse``).
+        Called on the event loop before the step's payload is queued; the page keeps them by request id."""
+        for request_id, lookup in _lookups(event):
+            client = next((self.owners[i] for i in _accepted_ids(request_id) if i in self.owners), None)
+            if client is None or lookup.differs_at is None:
+                continue
+            message = own_lookup_event(request_id, dataclasses.asdict(lookup))
+            recent = self.recent_lookups.setdefault(client, deque(maxlen=RECENT_OWN_LOOKUPS))
+            recent.append(message)
+            for watcher in self.student_watchers.get(client, ()):
+                watcher.say(message)
+        while len(self.recent_lookups) > RECENT_OWNERS:    # clients long gone: the oldest first
+            del self.recent_lookups[next(iter(self.recent_lookups))]
 
     def sent_by_teacher(self, request_id: str) -> None:
         """The teacher's request was accepted: the presenter view follows it."""
@@ -147,6 +193,30 @@ class PageControls:
 def teacher_event(request_id: str) -> str:
     """An SSE message for the teacher's watchers (never a student's): a request the teacher sent."""
     return f"event: teacher\ndata: {json.dumps({'request_id': request_id})}\n\n"
+
+
+def own_lookup_event(request_id: str, lookup: dict[str, Any]) -> str:
+    """An SSE message for one student's streams: the prefix-cache answer of one of their own requests, whole."""
+    return f"event: own_lookup\ndata: {json.dumps({'request_id': request_id, 'prefix_lookup': lookup})}\n\n"
+
+
+def _lookups(event: StepEvent) -> Iterable[tuple[str, Any]]:
+    for record in (*event.arrivals, *event.scheduled):
+        if record.prefix_lookup is not None:
+            yield record.request_id, record.prefix_lookup
+
+
+def _accepted_ids(request_id: str) -> Iterable[str]:
+    """The ids a request may have been accepted under: its own, a sample's request's (``id.3``), and that of a
+    request of several prompts (``id-2``), in that order."""
+    yield request_id
+    base, dot, sample = request_id.rpartition(".")
+    if dot and sample.isdigit():
+        yield base
+        request_id = base
+    head, dash, index = request_id.rpartition("-")
+    if dash and index.isdigit():
+        yield head
 
 
 def settings_line(page: PageSettings, has_key: bool) -> str:

@@ -13,7 +13,7 @@ from textual.widget import Widget
 
 from minipaged.events import ScheduledRequest
 
-from ..state import WatchState, prefill_span, printable
+from ..state import WatchState, budget_scale, prefill_span, printable
 
 DECODE_COLOUR = "#c9c9c9"
 EMPTY = "#3a3a3a"
@@ -53,13 +53,14 @@ def budget_bar(state: WatchState, width: int) -> Text:
     """The token budget as a bar: one coloured run per prefill, one run for all decodes, then what is left.
 
     Every non-empty run gets at least one column so nothing that ran is invisible; the numbers beside the
-    bar are exact.
+    bar are exact. A step that used under an eighth of the budget is drawn on a smaller scale (``budget_scale``;
+    ``budget_label`` says which).
     """
     ev = state.last_event
     text = Text()
     if ev is None or width <= 0:
         return text.append("░" * max(width, 0), EMPTY)
-    limit = max(ev.budget_limit, ev.budget_used, 1)
+    limit = budget_scale(ev.budget_used, ev.budget_limit)
     runs: list[tuple[int, str, str]] = [(s.num_new_tokens, "█", state.colour(s.request_id))
                                          for s in ev.scheduled if s.kind == "prefill" and s.num_new_tokens]
     if ev.num_decode_tokens:
@@ -71,6 +72,12 @@ def budget_bar(state: WatchState, width: int) -> Text:
         text.append(glyph * cols, colour)
         used_cols += cols
     return text.append("░" * (width - used_cols), EMPTY)
+
+
+def budget_label(used: int, limit: int) -> str:
+    """What is written after the bar: the tokens used of the budget, and the bar's scale when it is zoomed."""
+    scale = budget_scale(used, limit)
+    return f" {used}/{limit} tok" + (f" (bar: {scale})" if scale < max(limit, used) else "")
 
 
 class BatchPanel(Widget):
@@ -93,7 +100,7 @@ class BatchPanel(Widget):
             return Text("no step yet", style="dim")
         ev = state.last_event
         self.border_title = f"Step {ev.step} batch: {ev.duration_s * 1e3:.1f} ms (model {ev.model_s * 1e3:.1f} ms)"
-        label = f" {ev.budget_used}/{ev.budget_limit} tok"
+        label = budget_label(ev.budget_used, ev.budget_limit)
         text = Text(no_wrap=True, overflow="ellipsis")     # one line per row: a wrapped line would push rows out
         text.append("budget ")
         text.append_text(budget_bar(state, max(4, width - 7 - len(label))))
@@ -113,7 +120,7 @@ class BatchPanel(Widget):
                 break
             text.append("\n")
             text.append("██", state.colour(s.request_id))
-            text.append(f" {s.request_id:<5}")
+            text.append(f" {state.short_name(s.request_id):<5}")
             if s.kind == "prefill":
                 text.append(f"prefill {s.num_new_tokens:>4}", style="bold")
                 text.append(f"  {prefill_span(s, ev)}", style="dim")

@@ -41,13 +41,13 @@ class EventLog(Widget):
             icon, colour = ICONS.get(line.kind, ("·", "white"))
             text.append(f"{line.step:>4} ", style="dim")
             text.append(icon + " ", style=colour)
-            body = printable(line.text)
+            body = printable(self.state.named(line))      # a request's name, as every view says it
             room = width - 7
             if len(body) > room:                   # one line per event: cut, do not wrap
                 body = body[:room - 1] + "…"
             if line.request_id:
                 head, _, tail = body.partition(" ")
-                if head == line.request_id:
+                if head == self.state.short_name(line.request_id):
                     text.append(head, style=f"bold {self.state.colour(line.request_id)}")
                     body = " " + tail
             text.append(body)

@@ -60,7 +60,7 @@ class OutputPanel(Widget):
             self.border_title = "Output"
             return Text("select a request (arrow keys or click) to follow its output", style="dim")
         req = state.view.requests[rid]
-        self.border_title = f"Output of {rid} ({req.state}, {req.num_output_tokens}/{req.max_tokens} tokens)"
+        self.border_title = f"Output of {state.short_name(rid)} ({req.state}, {req.num_output_tokens}/{req.max_tokens} tokens)"
         text = Text()
         text.append(clean_preview(req.prompt, PROMPT_CHARS) + "\n", style=f"italic {state.colour(rid)}")
         if req.text_probs:

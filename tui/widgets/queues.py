@@ -67,7 +67,7 @@ class RequestTable(DataTable):
             prompt_done = min(r.num_computed, r.prompt_len)
             blocks = str(len(r.blocks)) if r.blocks else (f"{len(r.cpu_blocks)} host" if r.cpu_blocks else "")
             rows.append((rid, r.prompt, [
-                Text("██", style=state.colour(rid)), Text(rid), Text(r.state, style=STATE_STYLE.get(r.state, "")),
+                Text("██", style=state.colour(rid)), Text(state.short_name(rid)), Text(r.state, style=STATE_STYLE.get(r.state, "")),
                 Text(f"{progress(prompt_done, r.prompt_len, 4)} {prompt_done:>4}/{r.prompt_len}"),
                 Text(f"{r.num_output_tokens:>3}/{r.max_tokens}"), Text(blocks), Text(str(r.num_cached_tokens or "")),
                 Text(str(r.num_preemptions or ""))]))

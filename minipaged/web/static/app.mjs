@@ -4,7 +4,7 @@
 // act on the buffered events and never touch the engine.
 import { SSEParser } from "./sse.mjs";
 import { newState, applyEvent, colour, blockState, usedBlocks, queues, orderedRequests, verificationTotals,
-  FREE, CACHED, PALETTE, describeLookup, nameOf } from "./fold.mjs";
+  FREE, CACHED, PALETTE, describeLookup, nameOf, budgetScale } from "./fold.mjs";
 import { mapWindow, blocksInUse } from "./mapwindow.mjs";
 import { busyElement } from "./busy.mjs";
 import { speculationLines } from "./spec.mjs";
@@ -38,9 +38,9 @@ const MAX_BUFFER_CHARS = Math.max(0.1, Number(params.get("buffer_mb")) || 32) * 
 const view = {
   info: null, base: null, events: [], head: null,  // head: the fold of every event (the live state)
   cursor: -1, frozen: replay, shown: null, selected: null, mine: new Set(), cached: null,
-  connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null,
+  connected: false, goodbye: false, drops: 0, playing: null, abort: null, retry: null, countdown: null,
   streams: 0,                                      // event streams reading now: one (two for a moment on a new key)
-  settings: null, own: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
+  settings: null, own: new Map(), ownLookups: new Map(), teacherIds: [], followed: null,   // the teacher's controls (teacher.py)
 };
 let drawPending = false;
 
@@ -136,6 +136,11 @@ async function connect() {
         } else if (msg.event === "teacher") {   // a request the teacher sent (only a keyed page hears these)
           view.teacherIds = [...view.teacherIds.slice(-63), JSON.parse(msg.data).request_id];
           schedule();
+        } else if (msg.event === "own_lookup") {  // with others' text hidden: where my own prompt missed
+          const own = JSON.parse(msg.data);
+          view.ownLookups.set(own.request_id, own.prefix_lookup);
+          if (view.ownLookups.size > 64) view.ownLookups.delete(view.ownLookups.keys().next().value);
+          schedule();
         } else if (msg.event === "dropped") {
           dropped = JSON.parse(msg.data).reason || "too far behind";
         } else if (msg.event === "goodbye") {
@@ -219,6 +224,7 @@ function draw() {
   const selected = view.selected && st.requests.has(view.selected) ? st.requests.get(view.selected) : null;
   const dim = selected && (selected.blocks.length || selected.cpu_blocks.length);
   drawMap(st, dim);
+  fitMapCells();
   drawCpuMap(st, dim);
   drawBatch(st);
   drawGauges(st);
@@ -294,6 +300,29 @@ function chooseWindow(st) {
   return chosen;
 }
 
+/** Projector mode: the map's cells as big as the space the layout gives the map lets them be (style.css makes the
+ * map take what its panel leaves), so that a 1920x1080 screen is filled as a 1366x768 one is; the desk view keeps
+ * its fixed cells. */
+function fitMapCells() {
+  const map = $("map");
+  if (!document.body.classList.contains("projector") || !map.children.length) {
+    map.style.removeProperty("--cell");
+    view.fitted = null;
+    return;
+  }
+  const width = map.clientWidth, height = map.clientHeight, n = map.children.length;
+  const key = `${width}x${height}:${n}`;
+  if (view.fitted === key) return;
+  view.fitted = key;
+  const gap = parseFloat(getComputedStyle(map).columnGap) || 0;
+  let size = 12;
+  for (let s = 160; s > 12; s--) {
+    const cols = Math.floor((width + gap) / (s + gap));
+    if (cols >= 1 && Math.ceil(n / cols) * (s + gap) - gap <= height) { size = s; break; }
+  }
+  map.style.setProperty("--cell", `${size}px`);
+}
+
 function drawMap(st, dim) {
   const owners = (b) => st.blockOwners[b];
   const w = chooseWindow(st);
@@ -334,8 +363,15 @@ function drawBatch(st) {
   bar.replaceChildren();
   drawSpeculation(ev);
   if (!ev) return;
-  const limit = ev.budget_limit || 1;
+  // The bar's width stands for the budget, or for 8, 16, 32 ... tokens when the step used under an eighth of it
+  // (budgetScale: 2 of serve's 2,048 were a sliver); the strip under it stays to the budget's scale.
+  const limit = budgetScale(ev.budget_used, ev.budget_limit || 1);
+  const zoomed = limit < Math.max(ev.budget_limit, ev.budget_used);
   const width = (n) => `${(100 * n) / limit}%`;
+  $("budget-scale").textContent = zoomed ? `bar: 0-${count(limit)} tokens, zoomed ×${Math.round(ev.budget_limit / limit)}`
+    + ` (the line: ${count(ev.budget_used)} of the ${count(ev.budget_limit)}-token budget)` : "";
+  $("budget-scale").hidden = !zoomed;
+  $("budget-whole-used").style.width = `${Math.min(100, (100 * ev.budget_used) / Math.max(1, ev.budget_limit))}%`;
   for (const s of ev.scheduled || []) {
     const c = colour(st, s.request_id);
     const drafts = (s.draft_token_ids || []).length;
@@ -585,6 +621,7 @@ $("live").onclick = () => live();
 $("play").onclick = () => play();
 $("slider").oninput = (e) => { view.frozen = true; goto(Number(e.target.value)); };
 $("projector").onclick = () => projector();
+window.addEventListener("resize", () => schedule());       // projector mode fits the map to the window again
 document.addEventListener("keydown", (e) => {
   if (e.target.tagName === "TEXTAREA" || e.target.tagName === "INPUT") return;
   if (e.key === " ") { e.preventDefault(); freeze(); } else if (e.key === "ArrowLeft") { view.frozen = true; goto(view.cursor - 1); }
@@ -605,8 +642,28 @@ $("map").addEventListener("mouseover", (e) => { if (e.target.classList.contains(
 
 // Page prompts take their own route, with the teacher's limits (minipaged/serve/teacher.py): the server picks
 // the length (--page-max-tokens) and greedy decoding; the page asks for nothing more.
+/** A 429's "try again in N s" counted down each second (the Retry-After header, else the number in the message),
+ * then "you may send again"; a class trial's page said "try again in 48 s" for a whole minute. */
+function countDown(message, seconds) {
+  clearInterval(view.countdown);
+  const status = $("prompt-status");
+  const until = Date.now() + seconds * 1000;
+  const tick = () => {
+    const left = Math.ceil((until - Date.now()) / 1000);
+    if (left <= 0) {
+      clearInterval(view.countdown);
+      status.textContent = "you may send a prompt again now";
+      return;
+    }
+    status.textContent = message.replace(/try again in \d+ s/, `try again in ${left} s`);
+  };
+  tick();
+  view.countdown = setInterval(tick, 1000);
+}
+
 async function send(text) {
   const status = $("prompt-status");
+  clearInterval(view.countdown);
   status.textContent = "sending ...";
   let response;
   try {
@@ -617,7 +674,10 @@ async function send(text) {
   if (response.status === 401) { askKey(); status.textContent = "needs the API key"; return; }
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
-    status.textContent = `refused (${response.status}): ${(body.error && body.error.message) || response.statusText}`;
+    const message = `refused (${response.status}): ${(body.error && body.error.message) || response.statusText}`;
+    const wait = Number(response.headers.get("Retry-After")) || Number((/try again in (\d+) s/.exec(message) || [])[1]);
+    if (response.status === 429 && wait > 0) countDown(message, wait);
+    else status.textContent = message;
     return;
   }
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -637,7 +697,7 @@ async function send(text) {
       if (chunk.id && !view.mine.has(chunk.id)) {
         view.mine.add(chunk.id);
         view.selected = chunk.id;
-        status.textContent = `your request ${chunk.id} is in the engine`;
+        status.textContent = `your request is in the engine, marked ★ (its id: ${chunk.id})`;
         schedule();
       }
     }
@@ -685,8 +745,12 @@ function withOwnTextOnly(st) {
   const requests = new Map();
   for (const [rid, r] of st.requests) {
     const own = view.own.get(rid) || view.own.get(rid.replace(/\.\d+$/, ""));
+    // The stream leaves out where a prompt first differs from a cached one; the server tells this page that of
+    // its own requests alone (own_lookup messages, teacher.py).
+    const lookup = view.ownLookups.get(rid);
     requests.set(rid, { ...r, prompt: own ? own.prompt : HIDDEN_TEXT,
-      text: own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : "") });
+      text: own ? own.text : (r.num_output_tokens ? HIDDEN_TEXT : ""),
+      prefix_lookup: lookup || r.prefix_lookup });
   }
   return { ...st, requests };
 }

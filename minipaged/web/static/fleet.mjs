@@ -3,12 +3,18 @@
 // fold.mjs, the single-engine view's model. A request's blocks are drawn in the colour of the replica that
 // holds them: where the router sent it. The prompt box sends through the router; the page finds the replica
 // whose events carry the answer's id, and marks the request as the student's own.
+//
+// Lesson 11 asks which replica each tenant landed on: every request the page knows of is listed with its replica
+// and the start of its prompt (a tenant's system prompt comes first), in the landed panel and under its replica.
+// The fleet command follows the replicas from the start (view.py's RoutingHistory): a page that opens late is
+// given the routing so far (landed.json). ?projector=1 (or P) draws it for a room.
 import { SSEParser } from "./sse.mjs";
-import { newState, applyEvent, usedBlocks, queues } from "./fold.mjs";
+import { newState, applyEvent, usedBlocks, queues, nameOf } from "./fold.mjs";
 
 export const REPLICA_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7"];
 const MAX_CELLS = 512;            // per replica; a bigger pool draws 2, 4, 8 ... blocks per cell
-const LANDED_KEPT = 60;
+const LANDED_KEPT = 200;
+const LISTED_PER_REPLICA = 12;
 const $ = (id) => document.getElementById(id);
 const el = (tag, props = {}, ...children) => {
   const node = Object.assign(document.createElement(tag), props);
@@ -16,7 +22,7 @@ const el = (tag, props = {}, ...children) => {
   return node;
 };
 
-const fleet = { layout: null, replicas: [], mine: new Set(), landed: [] };
+const fleet = { layout: null, replicas: [], mine: new Set(), landed: [], known: new Set() };
 let drawPending = false;
 
 function replicaColour(i) { return REPLICA_COLOURS[i % REPLICA_COLOURS.length]; }
@@ -25,9 +31,11 @@ function replicaColour(i) { return REPLICA_COLOURS[i % REPLICA_COLOURS.length]; 
 
 function panel(i, url) {
   const nodes = { title: el("h2"), status: el("span", { className: "status", textContent: "connecting" }),
-    numbers: el("div", { className: "numbers" }), map: el("div", { className: "cells" }), queues: el("div") };
+    numbers: el("div", { className: "numbers" }), map: el("div", { className: "cells" }), queues: el("div"),
+    here: el("ol", { className: "here" }) };
   const section = el("section", { className: "panel replica", id: `replica-${i}` },
-    nodes.title, nodes.numbers, nodes.map, nodes.queues);
+    nodes.title, nodes.numbers, nodes.map, nodes.queues, el("h3", { textContent: "requests it was sent (newest first)" }),
+    nodes.here);
   section.style.setProperty("--replica", replicaColour(i));
   nodes.title.append(el("span", { className: "swatch" }), `replica ${i} · ${url} `, nodes.status);
   $("replicas").append(section);
@@ -68,10 +76,29 @@ function lost(replica, why) {
 function receive(replica, ev) {
   applyEvent(replica.state, ev);
   for (const a of ev.arrivals || []) {
+    if (fleet.known.has(a.request_id)) continue;          // (a reconnection's snapshot repeats the live ones)
     replica.served += 1;
-    fleet.landed.unshift({ rid: a.request_id, replica: replica.index });
-    if (fleet.landed.length > LANDED_KEPT) fleet.landed.pop();
+    land({ rid: a.request_id, replica: replica.index, prompt: a.prompt || "", name: nameOf(replica.state, a.request_id) }, true);
   }
+  schedule();
+}
+
+/** One request's landing: newest first (``newest``), or after the others (the history a late page is given). */
+function land(entry, newest) {
+  if (fleet.known.has(entry.rid)) return;
+  fleet.known.add(entry.rid);
+  if (newest) fleet.landed.unshift(entry); else fleet.landed.push(entry);
+  while (fleet.landed.length > LANDED_KEPT) fleet.known.delete(fleet.landed.pop().rid);
+}
+
+/** The routing before this page opened (the fleet command's RoutingHistory), newest first. */
+async function loadHistory() {
+  try {
+    const body = await (await fetch("landed.json", { cache: "no-store" })).json();
+    for (const l of body.landed || []) {
+      land({ rid: l.request_id, replica: l.replica, prompt: l.prompt || "", name: l.name || l.request_id }, false);
+    }
+  } catch { /* an older fleet command: the page shows what it sees from now on */ }
   schedule();
 }
 
@@ -132,17 +159,42 @@ function drawReplica(replica) {
     number("running", String(q.running.length)), number("waiting", String(q.waiting.length)),
     number("step", String(st.step)));
   nodes.queues.replaceChildren(...["running", "waiting"].map((name) => el("div", {},
-    el("h3", { textContent: `${name} (${q[name].length})` }), ...q[name].slice(0, 20).map((rid) => chip(rid, replica.index)))));
+    el("h3", { textContent: `${name} (${q[name].length})` }), ...q[name].slice(0, 20).map((rid) => chip(rid, replica.index, nameOf(st, rid))))));
 }
 
-function chip(rid, index) {
-  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: rid, title: `${rid}: replica ${index}` });
+/** A request's chip: its name (r0, r1 ...: the replica's engine names its requests, and every view of that replica
+ * says the same; the colour says which replica), its id on hover. */
+function chip(rid, index, name = rid) {
+  const node = el("span", { className: "chip" + (isMine(rid) ? " mine" : ""), textContent: name, title: `${rid}: replica ${index}` });
   node.style.background = replicaColour(index);
   return node;
 }
 
+/** A prompt's start as a room reads it: the chat template's markup out (app.mjs's preview). */
+export function preview(prompt) {
+  return (prompt || "").replace(/<\|im_start\|>\w+|<\|[^|>]{1,20}\|>|<\/?s>|\[\/?INST\]/g, " ").split(/\s+/).join(" ").trim();
+}
+
+/** One request in a list: its chip in its replica's colour, the replica, and the start of its prompt. */
+function landedLine({ rid, replica, prompt, name }, withReplica = true) {
+  const text = preview(prompt) || "(no text: hidden by the teacher)";
+  return el("li", { className: "landed-line", title: `${rid} on replica ${replica}: ${prompt}` }, chip(rid, replica, name || rid),
+    ...(withReplica ? [el("span", { className: "where", textContent: ` replica ${replica} ` })] : []),
+    el("span", { className: "prompt", textContent: text }));
+}
+
 function drawLanded() {
-  $("landed").replaceChildren(...fleet.landed.map(({ rid, replica }) => chip(rid, replica)));
+  $("landed").replaceChildren(...fleet.landed.slice(0, 60).map((l) => landedLine(l)));
+  for (const replica of fleet.replicas) {
+    replica.nodes.here.replaceChildren(...fleet.landed.filter((l) => l.replica === replica.index)
+      .slice(0, LISTED_PER_REPLICA).map((l) => landedLine(l, false)));
+  }
+}
+
+function projector(on = !document.body.classList.contains("projector")) {
+  document.body.classList.toggle("projector", on);
+  $("projector").classList.toggle("on", on);
+  schedule();
 }
 
 /** The replica whose events carry request ``rid`` (-1: none yet). */
@@ -179,7 +231,8 @@ async function send(text) {
     }
   }
   const where = rid ? whereIs(rid) : -1;
-  status.textContent = where >= 0 ? `your request ${rid} landed on replica ${where}; its blocks and chips are marked ★`
+  const name = where >= 0 ? nameOf(fleet.replicas[where].state, rid) : rid;
+  status.textContent = where >= 0 ? `your request ${name} (${rid}) landed on replica ${where}; its blocks and chips are marked ★`
     : `your request ${rid || ""} finished`;
 }
 
@@ -194,8 +247,15 @@ $("prompt").addEventListener("keydown", (e) => {
 
 // ------------------------------------------------------------------------------------------ start
 
+$("projector").onclick = () => projector();
+document.addEventListener("keydown", (e) => {
+  if (e.target.tagName !== "TEXTAREA" && e.target.tagName !== "INPUT" && (e.key === "p" || e.key === "P")) projector();
+});
+const query = new URLSearchParams(location.search);
+projector(query.get("projector") === "1" || query.get("projector") === "true");
+
 // What tests read over the DevTools protocol (and a curious student in the console).
-window.fleet = { fleet, whereIs, replicaColour, REPLICA_COLOURS };
+window.fleet = { fleet, whereIs, replicaColour, REPLICA_COLOURS, projector };
 
 async function main() {
   let layout;
@@ -213,7 +273,8 @@ async function main() {
     const replica = { index: r.index, url: r.url, nodes: panel(r.index, r.url), state: null, info: null,
       connected: false, served: 0, group: 1, why: null };
     fleet.replicas.push(replica);
-    connect(replica);
   }
+  await loadHistory();                       // first: the live streams' snapshots then add only what is new
+  for (const replica of fleet.replicas) connect(replica);
 }
 main();

@@ -13,7 +13,7 @@ export const HISTORY_LEN = 120;         // points kept for each sparkline
 export const LOG_LEN = 400;             // event log lines kept
 export const RATE_WINDOW = 10;          // steps averaged for tokens per second
 export const FINISHED_KEPT = 200;       // finished requests remembered (tui/state.py's FINISHED_KEPT)
-export const SHORT_ID = 8;              // ids this short name themselves (tui/state.py's SHORT_ID)
+export const SHORT_ID = 8;              // ids this short name themselves (minipaged/request_names.py's SHORT_ID)
 export const LANE_LEN = 40;             // recent steps the host/device lane shows (tui/state.py's LANE_LEN)
 export const METRICS = ["kv_usage", "hit_rate", "tokens_per_s", "step_ms", "ttft_ms", "itl_ms",
   "acceptance_rate", "acceptance_length", "device_busy"];
@@ -60,7 +60,8 @@ function newRequest(a, st) {
   return { request_id: a.request_id, prompt_len: a.prompt_len, max_tokens: a.max_tokens, prompt,
     state: "waiting", num_computed: 0, num_cached_tokens: 0, num_output_tokens: 0, text: "",
     finish_reason: null, num_preemptions: 0, blocks: [], cpu_blocks: [], text_probs: [],
-    prefix_lookup: a.prefix_lookup ?? null };      // an arrival carries one only in a late watcher's snapshot
+    prefix_lookup: a.prefix_lookup ?? null,         // an arrival carries one only in a late watcher's snapshot
+    name: a.name ?? null };                          // the engine's name for it (request_names.py); null: old trace
 }
 
 /** event_view.py's step_probability: one probability for a step's tokens (their geometric mean), or null. */
@@ -174,6 +175,16 @@ function knownTokens(s, ev) {
   return s.prompt_len + s.num_output_tokens - (ev.new_token_ids && s.request_id in ev.new_token_ids ? 1 : 0);
 }
 
+/** tui/state.py's budget_scale: the tokens the budget bar's width stands for (the budget, or 8, 16, 32 ... when a
+ * step used less than an eighth of it: 2 tokens of 2,048 would be a sliver). */
+export function budgetScale(used, limit) {
+  limit = Math.max(limit, used, 1);
+  if (used * 8 >= limit) return limit;
+  let scale = 8;
+  while (scale < 2 * used) scale *= 2;
+  return Math.min(scale, limit);
+}
+
 export function verificationTotals(ev) {
   const verified = (ev.scheduled || []).filter((s) => (s.draft_token_ids || []).length);
   return [verified.length, verified.reduce((n, s) => n + s.draft_token_ids.length, 0),
@@ -283,7 +294,7 @@ function forgetOldFinished(st, ev) {
   st.arrivalOrder = st.arrivalOrder.filter((rid) => !gone.has(rid));
 }
 
-/** WatchState._short_name: the name a room reads, r0, r1 ... in arrival order (the TUI's own requests are named
+/** RequestNames._new_name (minipaged/request_names.py), for traces whose arrivals carry no name: the name a room reads, r0, r1 ... in arrival order (the TUI's own requests are named
  * so), for ids longer than SHORT_ID (a server's chatcmpl-95d...); samples of one request share it (r3.0, r3.1).
  * A short id is its own name unless another request holds that name already. */
 function shortName(st, rid) {
@@ -300,9 +311,10 @@ function splitSample(id) { const m = /^(.*)\.([0-9]+)$/.exec(id); return m ? [m[
 
 const bump = (map, key, by) => { const n = (map.get(key) ?? 0) + by; if (n) map.set(key, n); else map.delete(key); };
 
-/** WatchState._give_name. */
-function giveName(st, rid) {
-  const named = shortName(st, rid), [base] = splitSample(rid);
+/** RequestNames.give (minipaged/request_names.py). */
+function giveName(st, rid, given) {
+  // the name its arrival carries (the engine names requests: every view says the same), else one given here
+  const named = given || shortName(st, rid), [base] = splitSample(rid);
   st.shortNames.set(rid, named);
   if (!st.idsOfBase.has(base)) {
     st.baseNames.set(base, named.split(".")[0]);
@@ -311,7 +323,7 @@ function giveName(st, rid) {
   bump(st.idsOfBase, base, 1);
 }
 
-/** WatchState._forget_name. */
+/** RequestNames.forget. */
 function forgetName(st, rid) {
   if (!st.shortNames.delete(rid)) return;
   const [base] = splitSample(rid);
@@ -346,7 +358,7 @@ export function applyEvent(st, ev) {
   for (const a of ev.arrivals || []) {
     if (!st.colours.has(a.request_id)) {
       st.colours.set(a.request_id, PALETTE[st.numArrived % PALETTE.length]);
-      giveName(st, a.request_id);
+      giveName(st, a.request_id, a.name);
       st.arrivalOrder.push(a.request_id);
       st.numArrived += 1;
     }
