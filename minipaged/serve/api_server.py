@@ -376,6 +376,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         i's sample j, as OpenAI numbers them."""
         request_id = p.new_id(p.ID_PREFIX[kind])
         async_engine.check_admission(body.num_samples())  # all the prompts' samples, or none of them
+        # Whose it is, before the core can answer: its own miss positions (in the core's first step with it,
+        # which may reach this process with the acceptance) go to that client.
+        controls.sent(request_id, CLIENT.get() or "local")
         all_updates = [async_engine.generate(request_id if len(prompts_params) == 1 else f"{request_id}-{i}", ids,
                                              params, body.n) for i, (ids, params) in enumerate(prompts_params)]
         try:
@@ -386,7 +389,6 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             raise
         if TEACHER.get():                                 # the presenter view follows the teacher's requests
             controls.sent_by_teacher(request_id)
-        controls.sent(request_id, CLIENT.get() or "local")   # whose it is: its own miss positions go to them
         if body.stream:
             return StreamingResponse(stream(kind, request_id, body, accepted[0], all_updates, echo),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
