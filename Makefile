@@ -33,7 +33,7 @@ watch: $(VENV)/.installed
 	$(VENV)/bin/minipaged watch
 
 test: $(VENV)/.gpu-extra
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 bench: $(VENV)/.installed
 	$(PY) bench/throughput.py
