@@ -15,6 +15,7 @@ compares with what is checked in, and finds any digit typed into a template by h
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -209,6 +210,22 @@ def long_prefill_derived(r: dict[str, Any], default_threshold: int) -> dict[str,
     return {"before": by_threshold[0], "default": by_threshold[default_threshold]}
 
 
+def serve_cpu_shares(r: dict[str, Any]) -> dict[str, float]:
+    """bench/serve.py's CPU per token over in-process, by process (the medians over the rounds): the engine
+    core's, the API server's, and the clients'."""
+    return {"core_cpu": statistics.median(r["core_cpu_over_in_process"]),
+            "api_cpu": statistics.median(r["api_server_cpu_over_in_process"]),
+            "clients_cpu": statistics.median(r["clients_cpu_over_in_process"])}
+
+
+def core_isolation_table(r: dict[str, Any]) -> str:
+    """bench/core_isolation.py: what an adversary did, the core's longest gap between steps, the victim's pause."""
+    return markdown_table(["what a client did", "for", "the core's longest gap between steps",
+                           "the victim's longest pause"],
+                          [[x["case"], f"{x['seconds']:.2f} s", f"{x['core_longest_gap_s'] * 1000:.0f} ms",
+                            f"{x['victim_longest_pause_s'] * 1000:.0f} ms"] for x in r["rows"]])
+
+
 def fair_share_table(r: dict[str, Any]) -> str:
     """bench/fair_share.py: each case with fair share off and on (seconds of the engine thread's CPU time)."""
     rows = [[x["case"], "on" if x["fair_share"] else "off", f"{x['victim_max_gap_cpu_s']:.2f} s",
@@ -318,7 +335,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
-    "long_prefill": long_prefill_table, "fair_share": fair_share_table,
+    "long_prefill": long_prefill_table, "fair_share": fair_share_table, "core_isolation_tiny": core_isolation_table,
     "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
@@ -344,6 +361,7 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
                                                              config["long_prefill_token_threshold"]),
                         "quantization": quantization_derived(results["quantization"]),
                         "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"]),
+                        "serve_tiny": serve_cpu_shares(results["serve_tiny"]),
                         "peer": peer_derived(results["peer_llamacpp"])},
             "peer_section": peer_section(tuning_values)}
 
