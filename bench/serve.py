@@ -153,24 +153,34 @@ def main() -> None:
 
     # The server is started as a user would, and always stopped; one that exits or never answers fails the
     # run with its log instead of leaving it waiting.
-    port = free_port()
-    command = minipaged_serve_command(args.model, port, ["--threads", str(args.threads), "--served-model-name",
-                                                         "bench"])
-    pairs = []
+    # Beside it, the same server with its engine core in a thread of its own process (--core-in-thread, as
+    # minipaged served before it had two processes): what the second process is worth, in the same rounds.
+    port, one_port = free_port(), free_port()
+    flags = ["--threads", str(args.threads), "--served-model-name", "bench"]
+    pairs, one_process = [], []
     with tempfile.TemporaryDirectory() as tmp, \
-            running(command, port, what="minipaged serve", log_path=os.path.join(tmp, "serve.log")) as url:
+            running(minipaged_serve_command(args.model, port, flags), port, what="minipaged serve",
+                    log_path=os.path.join(tmp, "serve.log")) as url, \
+            running(minipaged_serve_command(args.model, one_port, flags + ["--core-in-thread"]), one_port,
+                    what="minipaged serve --core-in-thread", log_path=os.path.join(tmp, "serve-one.log")) as one_url:
         for prompts in rounds:
             local = in_process(engine, prompts, args.max_tokens)
             gc.collect()
             served = asyncio.run(through_server(url, "bench", prompts, args.max_tokens, pid_of_server(port)))
-            assert local[2] == served[2] == args.clients * args.max_tokens
+            gc.collect()
+            one = asyncio.run(through_server(one_url, "bench", prompts, args.max_tokens, pid_of_server(one_port)))
+            assert local[2] == served[2] == one[2] == args.clients * args.max_tokens
             pairs.append((local, served))
+            one_process.append(one)
         rss = attach_rss_mb(url)
     ratios = [local[0] / served[0] for local, served in pairs]       # served tok/s over in-process tok/s
     cpu_ratios = [served[3] / local[3] for local, served in pairs]   # the server's CPU per token over in-process
     core_ratios = [served[4] / local[3] for local, served in pairs]  # ... its engine core's alone
     api_ratios = [(served[3] - served[4]) / local[3] for local, served in pairs]   # ... its API server's alone
     clients_ratios = [served[5] / local[3] for local, served in pairs]   # the clients' (this process) CPU
+    # the two processes' tok/s over one process's, and the one process's CPU per token over in-process
+    two_over_one = [one[0] / served[0] for (_local, served), one in zip(pairs, one_process)]
+    one_cpu_ratios = [one[3] / local[3] for (local, _served), one in zip(pairs, one_process)]
     middle = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]    # the median pair
     (engine_s, engine_ttft, engine_tokens, _), (server_s, server_ttft, server_tokens, *_) = pairs[middle]
     engine_tps, server_tps = engine_tokens / engine_s, server_tokens / server_s
@@ -178,7 +188,7 @@ def main() -> None:
     cpu_ratio = statistics.median(cpu_ratios)
     model = "tiny random Llama" if args.tiny else args.model
     rows = [[f"round {i + 1}", local[2] / local[0], served[2] / served[0], ratio, served[1] / local[1], cpu,
-             core_ratios[i], api_ratios[i], clients_ratios[i]]
+             core_ratios[i], api_ratios[i], clients_ratios[i], two_over_one[i], one_cpu_ratios[i]]
             for i, ((local, served), ratio, cpu) in enumerate(zip(pairs, ratios, cpu_ratios))]
     md = (f"### Server overhead: {args.clients} concurrent clients, prompts 40-120 tokens, {args.max_tokens} new "
           f"tokens each (ignore_eos, greedy), {model}\n\n{machine_line()}\n\n"
@@ -187,13 +197,17 @@ def main() -> None:
                    [f"minipaged serve, {args.clients} streaming HTTP clients", server_s, server_tps, server_ttft]])
           + "\n\n" + table(["alternating pair", "in-process tok/s", "served tok/s", "served / in-process",
                                 "TTFT served / in-process", "server CPU / in-process CPU", "its engine core's",
-                                "its API server's", "the clients' CPU"], rows)
+                                "its API server's", "the clients' CPU", "two processes / one (tok/s)",
+                                "one process's CPU / in-process"], rows)
           + f"\n\n**throughput lost to the server: {loss:.1%}** (the median of {len(pairs)} alternating pairs; "
           f"target: under 10%); TTFT {server_ttft / engine_ttft:.2f}x in-process. CPU time for the same tokens "
           f"(all the server's threads, which other work on the machine does not inflate): **{cpu_ratio:.2f}x** "
           f"in-process: its engine core's process {statistics.median(core_ratios):.2f}x, its API server's "
           f"{statistics.median(api_ratios):.2f}x. The clients (one Python process on the same machine) spent "
-          f"{statistics.median(clients_ratios):.2f}x.\n\nPeak resident memory of one `watch --attach --no-tui` client: **{rss:.0f} MB** "
+          f"{statistics.median(clients_ratios):.2f}x. The same server with its engine core in a thread of its "
+          f"own process (--core-in-thread, one GIL for both) delivered "
+          f"{1 / statistics.median(two_over_one):.2f}x the two processes' tokens per second, at "
+          f"{statistics.median(one_cpu_ratios):.2f}x the in-process CPU per token.\n\nPeak resident memory of one `watch --attach --no-tui` client: **{rss:.0f} MB** "
           f"(target: under 100 MB).")
     print(md)
     save("serve_tiny" if args.tiny else "serve",
@@ -202,6 +216,7 @@ def main() -> None:
           "served_over_in_process": ratios, "server_cpu_over_in_process": cpu_ratios,
           "server_cpu_ratio": cpu_ratio, "core_cpu_over_in_process": core_ratios,
           "api_server_cpu_over_in_process": api_ratios, "clients_cpu_over_in_process": clients_ratios,
+          "two_processes_over_one": two_over_one, "one_process_cpu_over_in_process": one_cpu_ratios,
           "attach_rss_mb": rss, "clients": args.clients,
           "max_tokens": args.max_tokens, "rounds": args.rounds, "model": model}, md)
 

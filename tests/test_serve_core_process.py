@@ -159,6 +159,11 @@ def test_a_core_that_cannot_start_says_why_and_the_server_exits(tiny_model, tmp_
     assert done.returncode == 1, done.stderr[-2000:]
     assert "the engine core could not start" in done.stderr and "num_blocks must be a positive integer" in \
         done.stderr, done.stderr[-2000:]
+    in_thread = subprocess.run(minipaged_serve_command(tiny_model, port, [*SUITE_FLAGS, "--num-blocks", "0",
+                                                                          "--core-in-thread"]),
+                               capture_output=True, text=True, timeout=120)
+    assert in_thread.returncode == 1 and "the engine could not start" in in_thread.stderr, in_thread.stderr[-2000:]
+    assert "num_blocks must be a positive integer" in in_thread.stderr, in_thread.stderr[-2000:]
     missing = subprocess.run(minipaged_serve_command(str(tmp_path / "no-such-model"), port, list(SUITE_FLAGS)),
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode in (1, 2) and "no-such-model" in missing.stderr, missing.stderr[-2000:]

@@ -215,7 +215,8 @@ def serve_cpu_shares(r: dict[str, Any]) -> dict[str, float]:
     core's, the API server's, and the clients'."""
     return {"core_cpu": statistics.median(r["core_cpu_over_in_process"]),
             "api_cpu": statistics.median(r["api_server_cpu_over_in_process"]),
-            "clients_cpu": statistics.median(r["clients_cpu_over_in_process"])}
+            "clients_cpu": statistics.median(r["clients_cpu_over_in_process"]),
+            "one_over_two": 1 / statistics.median(r["two_processes_over_one"])}
 
 
 def core_isolation_table(r: dict[str, Any]) -> str:

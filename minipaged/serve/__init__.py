@@ -16,7 +16,7 @@ import sys
 from dataclasses import fields
 from typing import Optional
 
-from minipaged.options import add_engine_arguments, engine_options
+from minipaged.options import add_engine_arguments, build_engine, engine_options
 
 from .limits import DEFAULTS, PageSettings, ServerLimits, ServerSettings, limit_names
 
@@ -63,6 +63,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "cache: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' "
                         "(binds tcp://127.0.0.1:5557; they carry every client's prompt tokens to whoever reaches "
                         "the endpoint; needs the [kv-events] extra; default: off)%(default).0s")
+    g.add_argument("--core-in-thread", action="store_true",
+                   help="run the engine core in a thread of the API server's process instead of a process of its "
+                        "own (they then share one GIL: slower where steps are cheap; for measuring what the second "
+                        "process is worth, bench/serve.py)")
     add_page_arguments(parser)
     add_engine_arguments(parser)
 
@@ -146,6 +150,29 @@ def client_samples(args: argparse.Namespace) -> int:
     return max(args.max_n, (args.max_waiting_requests or 0) // 2)
 
 
+def start_core(args: argparse.Namespace, options: dict) -> Optional[object]:
+    """The engine core: in a process of its own (it loads the model there, and says when it is ready), or with
+    --core-in-thread in a thread of this process, as minipaged served before it had two processes (to measure
+    what the second process is worth: bench/serve.py). None if it could not start (the reason is printed)."""
+    from .core_client import ProcessCore, ThreadCore
+    from .core_process import CoreStartError, start_kv_events
+
+    progress = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    if args.core_in_thread:
+        try:
+            engine = build_engine(args.model, options, progress=progress)
+            start_kv_events(engine, args.kv_events_config)
+        except Exception as exc:
+            print(f"minipaged serve: the engine could not start: {exc}", file=sys.stderr)
+            return None
+        return ThreadCore(engine)
+    try:
+        return ProcessCore(args.model, options, args.kv_events_config, progress=progress)
+    except CoreStartError as exc:
+        print(f"minipaged serve: the engine core could not start: {exc}", file=sys.stderr)
+        return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -156,15 +183,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"minipaged serve: {problem}", file=sys.stderr)
         return 2
-    from .core_client import ProcessCore
-    from .core_process import CoreStartError
     # A shared server shares the engine by client (--no-fair-share turns it off; the library leaves it off).
     options = {"fair_share": True, **engine_options(args)}
-    try:                             # the engine core loads the model in its own process, and says when it is ready
-        core = ProcessCore(args.model, options, args.kv_events_config,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
-    except CoreStartError as exc:
-        print(f"minipaged serve: the engine core could not start: {exc}", file=sys.stderr)
+    core = start_core(args, options)
+    if core is None:
         return 1
     settings = server_settings(args)
     app = build_app(core, settings)
