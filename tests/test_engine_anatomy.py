@@ -182,7 +182,8 @@ def test_clients_read_tokens_from_the_steps_outputs_never_from_its_event():
     everything = [r for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tui").rglob("*.py"),
                                  *(PACKAGE.parent / "lessons").rglob("*.py")] for r in attribute_reads(path)]
     assert not [r for r in everything if r[0] in {"step_logprobs", "pop_finished", "prompt_logprobs_of",
-                                                  "drain_text", "hand_off"}]
+                                                  "drain_text", "hand_off", "before_model_call",
+                                                  "model_call_hooks"}]
 
 
 def test_the_sample_id_scheme_is_spelled_once():
