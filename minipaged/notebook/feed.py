@@ -87,6 +87,8 @@ class EventFeed:
             del self._pending[:len(batch)]       # the engine may append meanwhile: keep what came after
             for ev in batch:
                 self.view.apply(ev)
+                for f in ev.finished:          # as the server's view does: a late view is told the live ones
+                    self.view.requests.pop(f.request_id, None)
             if len(batch) > self.max_steps:
                 self.steps_coalesced += len(batch)
                 self._emit({"kind": "snapshot", "json": snapshot_event(self.view).to_json(), "skipped": len(batch)})
