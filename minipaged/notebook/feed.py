@@ -6,7 +6,9 @@ the last (``{"kind": "steps"}``): a run of a thousand steps a second costs the k
 messages a second, not a thousand. A burst longer than ``max_steps_per_message`` is coalesced: the feed folds it
 into its own EngineView and sends the state it left as one snapshot StepEvent (``{"kind": "snapshot"}``, the
 same snapshot a late watcher of ``minipaged serve`` gets first), so the block map and the table stay exact and
-the channel stays bounded. A view that opens late says ``hello`` and gets a reset and that snapshot.
+the channel stays bounded. Each steps message says the step its batch follows (``after``): a view whose fold is
+elsewhere (opened while the kernel was busy, so it missed steps) ignores batches until the answer to its
+``hello``, a reset and a snapshot of the state then, puts it right; a view in step ignores that answer.
 
 Pure Python over ``send(dict)``: no anywidget, no torch; tests/test_notebook.py drives it with a fake clock.
 """
@@ -36,8 +38,10 @@ class EventFeed:
 
     def __init__(self, send: Send, info: Optional[EngineInfo] = None, *, max_rate_hz: float = MAX_RATE_HZ,
                  max_steps_per_message: int = MAX_STEPS_PER_MESSAGE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_info: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
         self.send = send
+        self.on_info = on_info                # the widget's ``info`` trait: a view that opens draws at once
         self.interval_s = 1.0 / max_rate_hz
         self.max_steps = max_steps_per_message
         self.clock = clock
@@ -66,6 +70,8 @@ class EventFeed:
         with self._lock:
             self._pending.clear()
             self.info, self.view, self.status = info, EngineView(info), status
+            if self.on_info is not None:
+                self.on_info(info_dict(info))
             self._emit({"kind": "reset", "info": info_dict(info), "status": status})
 
     def set_status(self, text: str) -> None:
@@ -85,6 +91,7 @@ class EventFeed:
                 return 0
             batch = self._pending[:]
             del self._pending[:len(batch)]       # the engine may append meanwhile: keep what came after
+            after = self.view.step               # a view whose fold is not at this step waits for a snapshot
             for ev in batch:
                 self.view.apply(ev)
                 for f in ev.finished:          # as the server's view does: a late view is told the live ones
@@ -93,7 +100,8 @@ class EventFeed:
                 self.steps_coalesced += len(batch)
                 self._emit({"kind": "snapshot", "json": snapshot_event(self.view).to_json(), "skipped": len(batch)})
             else:
-                self._emit({"kind": "steps", "json": "[" + ",".join(ev.to_json() for ev in batch) + "]"})
+                self._emit({"kind": "steps", "after": after,
+                            "json": "[" + ",".join(ev.to_json() for ev in batch) + "]"})
             self.steps_sent += len(batch)
             return len(batch)
 

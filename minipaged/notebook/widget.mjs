@@ -6,10 +6,13 @@
 //
 // Messages from the kernel (minipaged/notebook/widget.py), each a custom message {kind, ...}:
 //   {kind: "reset", info, mode}          a new engine (or a view opened late): start an empty fold
-//   {kind: "steps", json}                a JSON array of StepEvents, in order (at most a few a second)
+//   {kind: "steps", json, after}         a JSON array of StepEvents, in order (at most a few a second), following
+//                                        step ``after`` (a view whose fold is elsewhere waits for a snapshot)
 //   {kind: "snapshot", json, skipped}    the state now as one StepEvent (a long burst coalesced): start over from it
 //   {kind: "status", text}               "running", "idle", "replay", "lost the server" ...
-// The view asks {kind: "hello"} when it opens; the kernel answers with a reset and what it has.
+// A live engine's header is the widget's ``info`` trait, so a view draws from the first step even while the kernel
+// is busy. The view also says {kind: "hello", id}; the kernel answers it alone ({for: id}) with a reset and the
+// state then, which a view that missed steps needs and a view in step ignores. A replay comes that way entirely.
 
 const WIDGET_HTML = `
 <div class="mp-body">
@@ -69,7 +72,7 @@ function render({ model, el }) {
   const $ = (id) => root.getElementById(id);
   const view = { info: null, base: null, head: null, events: [], cursor: -1, frozen: false, selected: null,
     keep: Math.max(1, model.get("keep") || 500), playing: null, shown: null, cached: null, skipped: 0,
-    replay: false };
+    replay: false, synced: false };
   const ui = { $, isMine: () => false, select: (rid) => { view.selected = view.selected === rid ? null : rid; schedule(); },
     window: null, get selected() { return view.selected; }, projector: false, get info() { return view.info; },
     showMine: false };
@@ -177,12 +180,21 @@ function render({ model, el }) {
 
   function onMessage(msg) {
     if (msg.for != null && msg.for !== id) return;      // the answer to another view's hello
+    const answer = msg.for != null;                     // the answer to this view's hello
     if (msg.kind === "reset") {
+      if (answer && view.synced) return;                // in step already: keep the slider's history
       reset(msg.info, msg.keep, Boolean(msg.replay));
+      view.synced = Boolean(msg.replay);
       if (msg.status) setStatus(msg.status);
     } else if (msg.kind === "steps" && view.info) {
+      if (msg.after != null && (!view.synced || view.head.step !== msg.after)) {
+        view.synced = false;                            // missed steps: wait for the hello's snapshot
+        return;
+      }
       for (const ev of JSON.parse(msg.json)) receive(ev);
     } else if (msg.kind === "snapshot" && view.info) {
+      if (answer && view.synced) return;
+      view.synced = true;
       // A burst too long to send step by step: the kernel folded it and sends the state it left.
       const skipped = view.skipped + (msg.skipped || 0);
       reset(view.info, view.keep, view.replay);
@@ -196,6 +208,9 @@ function render({ model, el }) {
     }
     schedule();
   }
+  // A live engine's header comes as a trait: draw the empty map now and fold every step from the first.
+  const initial = model.get("info");
+  if (initial) { reset(initial); view.synced = true; setStatus("live"); }
   model.on("msg:custom", onMessage);
   model.send({ kind: "hello", id });
   return () => {

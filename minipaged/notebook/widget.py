@@ -15,7 +15,7 @@ import traitlets
 from minipaged.events import EngineInfo, StepEvent
 
 from .bundle import widget_css, widget_esm
-from .feed import MAX_RATE_HZ, MAX_STEPS_PER_MESSAGE, EventFeed, ReplayFeed
+from .feed import MAX_RATE_HZ, MAX_STEPS_PER_MESSAGE, EventFeed, ReplayFeed, info_dict
 
 KEEP = 500                        # steps each view keeps for its slider (older ones fold into its base state)
 
@@ -29,6 +29,9 @@ class EngineWidget(anywidget.AnyWidget):
     _esm = widget_esm()
     page_css = traitlets.Unicode(widget_css()).tag(sync=True)
     keep = traitlets.Int(KEEP).tag(sync=True)
+    # The engine's header: a view draws its empty map at once and folds the steps that follow, even while the
+    # kernel is busy running the cell below (its hello is answered only when that cell ends).
+    info = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
 
     def __init__(self, keep: int = KEEP, **kwargs: Any) -> None:
         super().__init__(keep=keep, **kwargs)
@@ -71,6 +74,7 @@ def watch(engine: Any, *, keep: int = KEEP, max_rate_hz: float = MAX_RATE_HZ,
     widget = EngineWidget(keep=keep)
     feed = EventFeed(widget.send, engine.info, max_rate_hz=max_rate_hz, max_steps_per_message=max_steps_per_message)
     feed.status = "live"
+    widget.info = info_dict(engine.info)
     widget.source = feed
     widget._stoppers.append(engine.subscribe(feed.push))
     feed.start()
@@ -90,7 +94,8 @@ def attach(url: str, *, api_key: Optional[str] = None, keep: int = KEEP, max_rat
     """A live ``minipaged serve`` at ``url`` (``http://HOST:8000``), drawn from its ``/v1/events`` stream, read
     in a background thread (reconnecting when the server comes back). No torch in this process."""
     widget = EngineWidget(keep=keep)
-    feed = EventFeed(widget.send, None, max_rate_hz=max_rate_hz, max_steps_per_message=max_steps_per_message)
+    feed = EventFeed(widget.send, None, max_rate_hz=max_rate_hz, max_steps_per_message=max_steps_per_message,
+                     on_info=lambda info: setattr(widget, "info", info))
     widget.source = feed
     stop = threading.Event()
     reader = threading.Thread(target=read_stream, args=(url, feed, stop, api_key), name="minipaged-attach",
