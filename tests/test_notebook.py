@@ -248,3 +248,20 @@ def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_
                and "EngineWidget" in o["data"].get("text/plain", "")]
     assert len(widgets) == len(nb.metadata["minipaged"]["variants"])       # one live view per run
     nbformat.write(nb, str(tmp_path / f"lesson{number}.ipynb"))
+
+
+def test_record_writes_a_trace_that_replay_draws(tiny_engine_factory, tmp_path):
+    from minipaged.notebook import record, replay
+    from minipaged.trace import read_trace
+
+    engine = tiny_engine_factory()
+    stop = record(engine, str(tmp_path / "run.jsonl"))
+    engine.generate([[3] * 10], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    stop()
+    info, events = read_trace(str(tmp_path / "run.jsonl"))
+    assert info == engine.info and events
+    widget = replay(str(tmp_path / "run.jsonl"))
+    sent = []
+    widget.source.send = sent.append
+    widget.source.hello("v")
+    assert [ev["step"] for ev in steps_in(sent)] == [ev.step for ev in events] and widget.step == len(events)

@@ -5,6 +5,7 @@ Colab), from one anywidget ES module.
     w = watch(engine)          # then, in the next cell: engine.generate(...), or engine.step() by hand
     replay("run.jsonl")        # a recorded run (minipaged watch --record FILE), with a slider
     attach("http://HOST:8000") # a live `minipaged serve`, from its /v1/events stream (no torch needed)
+    stop = record(engine, "run.jsonl")   # a trace to share: replay() draws it in any notebook
 
 Install with ``pip install "minipaged[notebook]"`` (anywidget; nothing heavy). Nothing in this package imports
 torch or transformers: ``attach`` and ``replay`` are thin clients (a test keeps it so).
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["watch", "replay", "attach", "EngineWidget"]
+from .record import record
+
+__all__ = ["watch", "replay", "attach", "record", "EngineWidget"]
 
 
 def __getattr__(name: str) -> Any:
     # anywidget is imported only when a widget is asked for, so the feed (feed.py) is usable and testable without it
-    if name in __all__:
+    if name in ("watch", "replay", "attach", "EngineWidget"):
         from . import widget
         return getattr(widget, name)
     raise AttributeError(name)
