@@ -223,7 +223,7 @@ def test_every_lesson_becomes_a_valid_notebook_from_its_own_data(tmp_path):
 
 
 @pytest.mark.parametrize("number", [1, 3])
-def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_path, tmp_path_factory):
+def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_path, tmp_path_factory, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
@@ -235,8 +235,8 @@ def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_
         build_lesson_model(str(model))
     lesson = get_lesson(number)
     nb = lesson_notebook(lesson)
-    env = {**os.environ, "MINIPAGED_NOTEBOOK_MODEL": str(model), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    os.environ.update({k: env[k] for k in ("MINIPAGED_NOTEBOOK_MODEL", "HF_HUB_OFFLINE")})
+    monkeypatch.setenv("MINIPAGED_NOTEBOOK_MODEL", str(model))         # the kernel inherits this environment
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
@@ -265,3 +265,19 @@ def test_record_writes_a_trace_that_replay_draws(tiny_engine_factory, tmp_path):
     widget.source.send = sent.append
     widget.source.hello("v")
     assert [ev["step"] for ev in steps_in(sent)] == [ev.step for ev in events] and widget.step == len(events)
+
+
+def test_to_json_writes_what_asdict_wrote(recorded, tiny_engine_factory):
+    """StepEvent.to_json skips asdict's deep copy (the widget's feed and the server serialise every step): the
+    same JSON, byte for byte, on events with arrivals, chunks, preemptions, speculative drafts and log-probs."""
+    from dataclasses import asdict
+
+    _info, events = recorded
+    engine = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    more: list[StepEvent] = []
+    engine.subscribe(more.append)
+    engine.generate([[5, 6, 7, 8] * 6], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))
+    assert any(s.draft_token_ids for ev in more for s in ev.scheduled) and any(ev.new_logprobs for ev in more)
+    for ev in events + more:
+        assert ev.to_json() == json.dumps({"type": "step", **asdict(ev)}, separators=(",", ":"))
