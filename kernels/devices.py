@@ -4,9 +4,13 @@ sizing (minipaged/memory.py) asks questions and never names a device.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger("minipaged")
+_SAID_FP16: set[str] = set()          # devices whose fp16 choice was said (once a process)
 
 
 def default_device() -> torch.device:
@@ -25,8 +29,20 @@ def device_problem(device: torch.device) -> Optional[str]:
 
 
 def default_dtype(device: torch.device) -> str:
-    """fp32 on a CPU (exact, and fast enough there); bf16 on CUDA, as vLLM."""
-    return "bfloat16" if device.type == "cuda" else "float32"
+    """fp32 on a CPU (exact, and fast enough there); bf16 on CUDA, as vLLM; fp16 on a CUDA card without native
+    bf16 (compute capability below 8.0: Colab's T4, a V100), where torch would emulate bf16 slowly and Triton
+    does not compile it; the engine says so once."""
+    if device.type != "cuda":
+        return "float32"
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    major, minor = torch.cuda.get_device_capability(device)
+    if str(device) in _SAID_FP16:
+        return "float16"
+    _SAID_FP16.add(str(device))
+    logger.warning("%s (compute capability %d.%d) has no native bfloat16: the engine runs in float16 "
+                   "(dtype='float16'; pass dtype= to choose another)", torch.cuda.get_device_name(device), major, minor)
+    return "float16"
 
 
 def free_and_total_memory(device: torch.device) -> Optional[tuple[int, int]]:

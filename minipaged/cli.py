@@ -86,6 +86,21 @@ def timing_line(outputs: list) -> str:
 
 def cmd_lessons(args: argparse.Namespace) -> int:
     """List the lessons, or print one with its numbers filled in (the same as ``python -m minipaged.lessons``)."""
+    if args.notebook is not None:
+        try:
+            from minipaged.notebook.notebooks import write_notebooks
+        except ImportError as exc:
+            print(f"minipaged lessons --notebook needs nbformat ({exc}): pip install 'minipaged[notebook]'",
+                  file=sys.stderr)
+            return 2
+        try:
+            paths = write_notebooks(args.notebook, args.out)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     from minipaged.lessons.__main__ import main as lessons_main
     return lessons_main([args.lesson] if args.lesson else [])
 
@@ -156,6 +171,11 @@ def make_parser() -> argparse.ArgumentParser:
     lessons.add_argument("lesson", nargs="?", default=None,
                          help="print lesson N's text, its numbers filled in from its measured run; open it "
                               "live with: minipaged watch --lesson N%(default).0s")
+    lessons.add_argument("--notebook", metavar="N", default=None,
+                         help="write lesson N (or 'all') as a Jupyter notebook generated from the lesson: its text, "
+                              "its scenario run with the live widget, its checkpoints, its quiz%(default).0s")
+    lessons.add_argument("--out", metavar="DIR", default=None,
+                         help="the folder --notebook writes into (default: the current folder)%(default).0s")
 
     lab = sub.add_parser("lab", help="labs: write a piece of the engine, check it, watch it beside the engine's own",
                          formatter_class=fmt)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .events import EngineInfo, PrefixLookup, RequestArrival, StepEvent
+from .events import EngineInfo, KVChanges, PrefixLookup, RequestArrival, StepEvent
 
 
 def busy_seconds(ev: StepEvent) -> Optional[float]:
@@ -191,3 +191,28 @@ class EngineView:
 
     def num_free_blocks(self) -> int:
         return sum(1 for owners in self.block_owners if not owners)
+
+
+def snapshot_event(view: EngineView) -> StepEvent:
+    """The engine's current state as one StepEvent, so that a watcher joining late, folding it into an empty
+    EngineView, draws the same block map and request table as one that watched from the start: every live
+    request "arrives" with its text so far, its blocks are allocated, cached blocks are marked cached."""
+    last = view.last_event
+    live = list(view.requests.values())
+    kv = KVChanges(allocated={r.request_id: list(r.blocks) for r in live if r.blocks},
+                   cached=[b for b, cached in enumerate(view.block_cached) if cached],
+                   swapped_out={r.request_id: [(-1, cpu) for cpu in r.cpu_blocks] for r in live if r.cpu_blocks})
+    by_state = {state: tuple(r.request_id for r in live if r.state == state) for state in ("waiting", "running",
+                                                                                             "swapped")}
+    return StepEvent(
+        step=view.step, time_s=last.time_s if last else 0.0, duration_s=0.0, schedule_s=0.0, model_s=0.0,
+        budget_limit=view.info.max_num_batched_tokens, budget_used=0, max_num_seqs=view.info.max_num_seqs,
+        arrivals=tuple(RequestArrival(r.request_id, r.prompt_len, r.max_tokens, r.prompt,
+                                      prefix_lookup=r.prefix_lookup, name=r.name) for r in live),
+        new_text={r.request_id: r.text for r in live if r.text}, kv=kv,
+        num_free_blocks=view.num_free_blocks(), num_cached_free_blocks=sum(
+            1 for b, owners in enumerate(view.block_owners) if not owners and view.block_cached[b]),
+        num_total_blocks=view.info.num_blocks,
+        num_free_cpu_blocks=sum(1 for owner in view.cpu_block_owner if owner is None),
+        num_total_cpu_blocks=view.info.num_cpu_blocks, waiting=by_state["waiting"], running=by_state["running"],
+        swapped=by_state["swapped"], counters=dict(last.counters) if last else {})

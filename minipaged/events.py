@@ -16,7 +16,7 @@ clients (``watch --attach``, ``export-html``) read events without the engine.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 
@@ -290,7 +290,9 @@ class StepEvent:
         return sum(s.num_new_tokens for s in self.scheduled if s.kind == "decode")
 
     def to_json(self) -> str:
-        return json.dumps({"type": "step", **asdict(self)}, separators=(",", ":"))
+        """``{"type": "step", **asdict(self)}`` as compact JSON, written without ``asdict``'s deep copy (a tenth of
+        the time: a notebook widget or a server serialises every step beside the engine)."""
+        return _ENCODER.encode({"type": "step", **_fields_of(self)})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepEvent":
@@ -316,3 +318,20 @@ class StepEvent:
 def _lookup(d: Optional[dict[str, Any]]) -> Optional[PrefixLookup]:
     """A PrefixLookup from JSON (None: a trace recorded before lookups were explained, or no lookup was made)."""
     return None if d is None else PrefixLookup(**d)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass instance's fields, one level deep (the encoder calls this again for nested ones): the same
+    JSON as ``asdict`` gives, since json writes tuples as lists and ``asdict`` keeps dicts' keys as they are."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        if not is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return {name: getattr(obj, name) for name in names}
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_fields_of)

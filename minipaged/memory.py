@@ -50,7 +50,8 @@ def apply_num_threads(config: EngineConfig) -> int:
 
 
 def choose_dtype(config: EngineConfig, device: torch.device) -> str:
-    """The dtype asked for, else the device's own default (fp32 on a CPU, bf16 on CUDA, as vLLM)."""
+    """The dtype asked for, else the device's own default (fp32 on a CPU, bf16 on CUDA as vLLM, fp16 on a CUDA card
+    without native bf16)."""
     return config.dtype or default_dtype(device)
 
 

@@ -47,7 +47,8 @@ def test_the_engine_runs_without_triton(tiny_model):
 # Thin clients (``watch --attach``, ``export-html``, a trace read in a notebook) take the event schema, the trace
 # reader and writer and the fold of events into a view, and nothing that computes: each of these modules must
 # import in an interpreter where torch and transformers cannot be imported at all.
-THIN_MODULES = ("minipaged.events", "minipaged.trace", "minipaged.event_view")
+THIN_MODULES = ("minipaged.events", "minipaged.trace", "minipaged.event_view", "minipaged.notebook.feed",
+                "minipaged.notebook.widget")
 WITHOUT_TORCH = """
 import importlib, sys
 for heavy in ("torch", "transformers", "triton"):

@@ -144,3 +144,24 @@ def test_weights_are_placed_one_at_a_time_and_transformers_follows_each_at_once(
     engine = Engine(path, num_blocks=64, block_size=16)
     assert len(placed) == 4 * engine.model.num_layers + 1 and len(checks) == len(placed) - 1
     assert all(checks), checks
+
+
+def test_a_cuda_card_without_native_bfloat16_gets_float16_and_is_told(monkeypatch, caplog):
+    """Colab's T4 (compute capability 7.5) has no bf16: the default dtype there is fp16, said once; a card with
+    bf16 keeps vLLM's bf16. (torch's calls are faked: no GPU here.)"""
+    import torch
+
+    from minipaged.kernels import devices
+
+    monkeypatch.setattr(devices, "_SAID_FP16", set())
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with caplog.at_level("WARNING", logger="minipaged"):
+        assert devices.default_dtype(torch.device("cuda")) == "float16"
+        assert devices.default_dtype(torch.device("cuda")) == "float16"
+    said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    assert len(said) == 1 and "Tesla T4 (compute capability 7.5)" in said[0] and "float16" in said[0]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert devices.default_dtype(torch.device("cuda")) == "bfloat16"
+    assert devices.default_dtype(torch.device("cpu")) == "float32"

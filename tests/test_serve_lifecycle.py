@@ -95,7 +95,7 @@ def stub_server(info, comes_back: bool) -> Iterator[tuple[str, list]]:
     """A stub of the event stream: the first connection ends after the snapshot of step 5 without goodbye; the
     second brings the snapshot of step 9 and says goodbye (the server came back), or ends without it too."""
     from minipaged.event_view import EngineView
-    from minipaged.serve.async_engine import snapshot_event
+    from minipaged.event_view import snapshot_event
 
     info_json = json.dumps({"type": "engine", **info.__dict__})
     snapshots = []

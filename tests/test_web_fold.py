@@ -18,7 +18,7 @@ import pytest
 
 from minipaged import SamplingParams, StructuredOutputsParams
 from minipaged.events import StepEvent, describe_prefix_lookup
-from minipaged.serve.async_engine import snapshot_event
+from minipaged.event_view import snapshot_event
 from minipaged.tui.state import FINISHED_KEPT, WatchState
 
 NODE = shutil.which("node")

@@ -330,7 +330,17 @@ def one_request_table(r: dict[str, Any]) -> str:
     return markdown_table(["tree", "commit", "best tok/s", "median tok/s", "best / working tree's"], rows, ".2f")
 
 
+def notebook_widget_table(r: dict[str, Any]) -> str:
+    """bench/notebook_widget.py's lessons: throughput without and with the widget, its cost, the feed's own work."""
+    rows = [[number, str(v["steps"]), f"{v['tok_s_without']:.1f}", f"{v['tok_s_with']:.1f}", f"{v['cost']:+.1%}",
+             f"{v['messages_per_run']:.0f}", f"{v['feed_us_per_step']:.0f}", f"{v['median_step_ms']:.2f}"]
+            for number, v in r["lessons"].items()]
+    return markdown_table(["lesson", "steps a run", "tok/s without", "tok/s with the widget", "cost",
+                           "messages a run", "feed µs a step", "median step ms"], rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "notebook_widget": notebook_widget_table, "notebook_widget_smollm2": notebook_widget_table,
     "decode_floor": decode_floor_table, "decode_profile": decode_profile_table, "spec_decode": spec_decode_table,
     "spec_decode_load": spec_decode_load_table,
     "chunked_prefill": chunked_prefill_table, "preemption": preemption_table, "parallel": parallel_table,

@@ -13,7 +13,7 @@ from typing import Optional
 
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
                ".mjs": "text/javascript; charset=utf-8"}
-MODULES = ("sse.mjs", "fold.mjs", "mapwindow.mjs", "busy.mjs", "spec.mjs", "app.mjs")   # dependency order
+MODULES = ("sse.mjs", "fold.mjs", "mapwindow.mjs", "busy.mjs", "spec.mjs", "draw.mjs", "app.mjs")   # dependency order
 _IMPORT = re.compile(r'^import\s[^;]*?from\s+"\./[\w.]+";\s*$', re.M)
 _EXPORT = re.compile(r"^export\s+", re.M)
 
