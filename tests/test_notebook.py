@@ -228,14 +228,15 @@ def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_
     from nbclient import NotebookClient
 
     from minipaged.lessons.core import build_lesson_model, get_lesson
-    from minipaged.notebook.notebooks import lesson_notebook
+    from minipaged.notebook.notebooks import MODEL_LINE, lesson_notebook
 
     model = tmp_path_factory.getbasetemp() / "notebook-lesson-model"
     if not (model / "config.json").exists():
         build_lesson_model(str(model))
     lesson = get_lesson(number)
     nb = lesson_notebook(lesson)
-    monkeypatch.setenv("MINIPAGED_NOTEBOOK_MODEL", str(model))         # the kernel inherits this environment
+    setup = next(c for c in nb.cells if c.cell_type == "code" and MODEL_LINE in c.source)
+    setup.source = setup.source.replace(MODEL_LINE, f"MODEL = {str(model)!r}")   # as a teacher edits the line
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

@@ -157,7 +157,7 @@ def test_speculation_without_a_count_names_the_flag_to_add(flags, capsys):
 # cache folder, where plot writes its pictures, the parallel launcher's device, two test harnesses' inputs, and the
 # model a generated lesson notebook runs on (CI's tiny one; minipaged/notebook/lessons.py).
 NOT_ENGINE_SWITCHES = {"MINIPAGED_CACHE", "MINIPAGED_PICTURES", "MINIPAGED_DEVICE", "MINIPAGED_FOLD_CASES",
-                       "MINIPAGED_SPEC_CASES", "MINIPAGED_NOTEBOOK_MODEL"}
+                       "MINIPAGED_SPEC_CASES"}
 
 
 def test_no_engine_switch_is_an_environment_variable():

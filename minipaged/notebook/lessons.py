@@ -2,25 +2,18 @@
 the run's StepEvents (the TUI's own ``CheckpointTracker``), its quiz. The generated notebooks
 (``minipaged lessons --notebook N``, notebooks.py) call only what is here, so a notebook holds no logic of its own.
 
-The model: ``MINIPAGED_NOTEBOOK_MODEL`` if set (CI sets a tiny random Llama), else the embedded SmolLM2. What a
-lesson's scheduler does depends on lengths and prefixes only, so either model ticks the same checkpoints.
+The model: the notebook's ``MODEL`` line (the embedded SmolLM2 as generated; CI's test puts a tiny random Llama
+there). What a lesson's scheduler does depends on lengths and prefixes only, so either model ticks the same
+checkpoints.
 """
 from __future__ import annotations
 
 import html
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from minipaged.events import EngineInfo, StepEvent
 from minipaged.lessons.core import CheckpointTracker, Lesson, ScenarioFeed, get_lesson
-
-MODEL_ENV = "MINIPAGED_NOTEBOOK_MODEL"
-
-
-def lesson_model() -> str:
-    return os.environ.get(MODEL_ENV) or "smollm2"
-
 
 def _display(obj: Any) -> None:
     try:
@@ -43,7 +36,7 @@ class LessonNotebook:
     """One lesson's runs in a notebook; ``ticked`` collects each checkpoint's (variant, step, detail)."""
 
     number: int
-    model: str = field(default_factory=lesson_model)
+    model: str = "smollm2"
     widgets: bool = True
     lesson: Lesson = field(init=False)
     ticked: dict[int, tuple[str, int, str]] = field(default_factory=dict)

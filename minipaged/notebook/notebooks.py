@@ -18,6 +18,9 @@ def notebook_name(lesson: Lesson) -> str:
     return f"{lesson.slug}.ipynb"
 
 
+MODEL_LINE = 'MODEL = "smollm2"          # the embedded SmolLM2; any model folder or GGUF file works here'
+
+
 def lesson_notebook(lesson: Lesson) -> Any:
     """The notebook (an ``nbformat`` v4 node) for ``lesson``."""
     import nbformat.v4 as v4
@@ -30,7 +33,7 @@ def lesson_notebook(lesson: Lesson) -> Any:
         + lesson.markdown)]
     cells.append(v4.new_code_cell(
         INSTALL + "from minipaged.notebook.lessons import LessonNotebook\n\n"
-        f"lesson = LessonNotebook({lesson.number})     # the model: $MINIPAGED_NOTEBOOK_MODEL, else SmolLM2\n"
+        f"{MODEL_LINE}\nlesson = LessonNotebook({lesson.number}, model=MODEL)\n"
         "print(lesson.lesson.title, '·', lesson.model)"))
     variants = LessonNotebook.variants_of(lesson)
     main = lesson.scenario.main_variant
