@@ -237,6 +237,24 @@ def fair_share_table(r: dict[str, Any]) -> str:
                            "steps", "preemptions (the victim's)", "same tokens"], rows)
 
 
+def soak_table(r: dict[str, Any]) -> str:
+    """bench/soak.py: each adversary's row against issue 48's targets (a figure past its target in bold)."""
+    targets = r["targets"]
+
+    def against(value: float, target: float) -> str:
+        return f"{value:.2f} s" if value <= target else f"**{value:.2f} s**"
+
+    def rss(x: dict[str, Any]) -> str:
+        text = f"{x['rss_before_mb']:.0f} -> {x['rss_after_mb']:.0f}"
+        return text if x["rss_after_mb"] - x["rss_before_mb"] <= targets["rss_growth_mb"] else f"**{text}**"
+    rows = [[x["row"], f"{x['seconds']:.1f} s", against(x["victim_longest_pause_s"], targets["victim_pause_s"]),
+             against(x["health_slowest_s"], targets["health_s"]),
+             x["adversary_codes"] + (f"; {x['notes']}" if x["notes"] else ""), x.get("student_codes", "-"), rss(x)]
+            for x in r["rows"]]
+    return markdown_table(["what the adversary did", "for", "victim's longest pause", "/health's slowest answer",
+                           "adversary's answers", "students' answers", "server RSS MB before -> after"], rows)
+
+
 def preemption_table(r: dict[str, Any]) -> str:
     rows = [["big pool (no preemption)" if x["mode"].startswith("none") else x["mode"],
              f"{short(x['throughput_tok_s'])} tok/s", x["preemptions"], x["extra_prefill_tokens"], x["blocks_copied"],
@@ -347,6 +365,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "web_watchers": web_watchers_table, "peer_llamacpp": peer_llamacpp_table, "fleet": fleet_table,
     "fleet_smollm2": fleet_table,
     "long_prefill": long_prefill_table, "fair_share": fair_share_table, "core_isolation_tiny": core_isolation_table,
+    "soak_tiny": soak_table, "soak": soak_table,
     "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
