@@ -151,8 +151,8 @@ def nudged(node, factors=None):
         return node
     if isinstance(node, int):
         return round(node * (1.05 + next(factors) * 37 % 89 / 100)) + 1
-    if isinstance(node, float):
-        return node * (1.05 + next(factors) * 37 % 89 / 100) + 0.01
+    if isinstance(node, float):       # away from zero, both ways (+0.01 could bring a negative value back)
+        return node * (1.05 + next(factors) * 37 % 89 / 100) + (0.01 if node >= 0 else -0.01)
     if isinstance(node, dict):
         return {k: nudged(v, factors) for k, v in node.items()}
     return [nudged(v, factors) for v in node]
