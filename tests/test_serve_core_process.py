@@ -119,6 +119,8 @@ def test_the_core_is_a_process_of_its_own_on_a_private_socket_and_dies_with_a_ki
             "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_tokens_as_token_ids": True}).json()
         assert [int(t.split(":")[1]) for t in answer["choices"][0]["logprobs"]["tokens"]] == expected, answer
+        huge = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": prompt, "priority": 2 ** 64})
+        assert huge.status_code == 400 and "64 bits" in huge.json()["error"]["message"], huge.text   # msgpack's
         folder = Path(Path(f"/proc/{core}/cmdline").read_text().split("\0")[-2])
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
         assert {p.name for p in folder.iterdir()} >= {"commands", "outputs"}

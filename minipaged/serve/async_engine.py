@@ -155,7 +155,11 @@ class AsyncEngine:
             # (a sample's id leads to its request: the whole prompt on demand is asked for by the ids events show)
             self._sample_parent.update({sample: request_id for sample in samples})
             self._num_sent_not_accepted += num_samples
-            self.core.send(("add", request_id, list(prompt), params))
+            try:
+                self.core.send(("add", request_id, list(prompt), params))
+            except (OverflowError, ValueError, TypeError) as exc:    # msgpack: integers of 64 bits at most
+                raise ServerError(400, f"this request carries a value the engine core cannot be sent ({exc}): "
+                                       f"integers must fit in 64 bits (priority, seed ...).") from None
             self.num_in_flight += 1
             held: Any = None                              # an item taken while catching up, next in line
             try:
