@@ -160,7 +160,8 @@ class PageControls:
                 del self.student_watchers[client]
 
     def sent(self, request_id: str, client: str) -> None:
-X
+        """A request is sent from ``client`` (before the core answers): its own prefix-miss positions go to that
+        client's streams."""
         if not self.settings.hide_others_text:
             return
         self.owners[request_id] = client
