@@ -210,3 +210,17 @@ def test_bench_serve_measures_transformers_serve_with_its_own_way_of_ignoring_eo
     assert record["input_tokens"] == sum(len(tokenizer.encode(t)) for t in ("why is the sky blue?", "hello"))
     # the server kept to the cache it was given (its memory is what made this test fail on a loaded machine)
     assert record["ttft"]["p99_ms"] < 10_000, "transformers serve took its time: did it size its own KV cache?"
+
+
+def test_the_one_request_bench_streams_one_greedy_answer_of_exactly_its_length(server):
+    """bench/one_request.py's serve path: max_tokens tokens (ignore_eos), the same greedy text each time, and a
+    first token before the last (its speed divides the count it asked for, so the count must be exact)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from one_request import stream_one
+    model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
+    before = counters(server)
+    first, second = stream_one(server, 12, model=model), stream_one(server, 12, model=model)
+    assert counters(server)["minipaged:generation_tokens_total"] - before.get("minipaged:generation_tokens_total",
+                                                                              0.0) == 24
+    assert first["text"] == second["text"] and first["num_chunks"] >= 1
+    assert 0 < first["ttft_s"] and first["tok_s"] > 0

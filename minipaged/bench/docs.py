@@ -343,9 +343,41 @@ def spec_verify_cost_table(record: dict[str, Any]) -> str:
 
 
 def one_request_table(r: dict[str, Any]) -> str:
-    """bench/one_request.py: each tree's best and median speed, and its best over the working tree's."""
-    rows = [(name, t["commit"], t["best"], t["median"], t["best_over_working_tree"]) for name, t in r["trees"].items()]
-    return markdown_table(["tree", "commit", "best tok/s", "median tok/s", "best / working tree's"], rows, ".2f")
+    """bench/one_request.py: each tree's best and median speed and its best over the working tree's, in-process
+    and, where the run measured it, through ``serve`` (with serve's best over the same tree's in-process best:
+    what the server's process boundary, tokenising and streaming cost one request)."""
+    serve = any("serve" in t for t in r["trees"].values())
+    headers = ["tree", "commit", "in-process best tok/s", "median", "best / working tree's"]
+    if serve:
+        headers += ["serve best tok/s", "median", "best / working tree's", "serve / in-process"]
+    rows = []
+    for name, t in r["trees"].items():
+        row = [name, t["commit"], t["best"], t["median"], t["best_over_working_tree"]]
+        if serve:
+            s = t.get("serve", {})
+            row += [s.get("best", "–"), s.get("median", "–"), s.get("best_over_working_tree", "–"),
+                    t.get("serve_over_in_process", "–")]
+        rows.append(row)
+    load = (f"\n\nThe machine's load average (1 minute) before each run: {r['load_average'][0]:.1f} to "
+            f"{r['load_average'][1]:.1f} on {r['cores']} cores." if "load_average" in r else "")
+    return markdown_table(headers, rows, ".2f") + load
+
+
+def one_request_profile_table(r: dict[str, Any]) -> str:
+    """bench/one_request_profile.py: one request's decode step by part in-process, and a token's wall and CPU
+    time through serve (each process's CPU: the engine core's and the API server's)."""
+    ms, share, serve = r["in_process"]["cpu_ms_per_step"], r["in_process"]["share"], r["serve"]
+    rows = [("compiled layer loop (one C call for every layer)", ms["layers"], f"{share['layers']:.0%}"),
+            ("LM head", ms["lm_head"], f"{share['lm_head']:.0%}"),
+            ("rest of the forward pass", ms["forward_rest"], f"{share['forward_rest']:.1%}"),
+            ("host: the step less the model", ms["host"], f"{share['host']:.1%}"),
+            ("in-process step", ms["step"], f"{share['step']:.0%}"),
+            ("in-process step, wall time", r["in_process"]["ms_per_step"]["step"], "–"),
+            ("through serve: wall time per token", serve["wall_ms"], "–"),
+            ("through serve: engine core's CPU per token", serve["core_cpu_ms"], "–"),
+            ("through serve: API server's CPU per token", serve["api_cpu_ms"], "–")]
+    return markdown_table(["one request, per decode step (CPU time unless said)", "ms",
+                           "share of the in-process step"], rows, ".2f")
 
 
 def notebook_widget_table(r: dict[str, Any]) -> str:
@@ -366,7 +398,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "fleet_smollm2": fleet_table,
     "long_prefill": long_prefill_table, "fair_share": fair_share_table, "core_isolation_tiny": core_isolation_table,
     "soak_tiny": soak_table, "soak": soak_table,
-    "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table}
+    "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table,
+    "one_request_profile": one_request_profile_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON
 
 
@@ -376,6 +409,14 @@ def quantization_derived(r: dict[str, Any]) -> dict[str, Any]:
             "prefix_percent": 100 * agreement["prefix_agreement"],
             "perplexity_change_percent": 100 * ppl["relative_change"],
             "weights_ratio": r["weights_mib"]["fp32"] / r["weights_mib"]["int8"]}
+
+
+def one_request_profile_derived(r: dict[str, Any]) -> dict[str, Any]:
+    """What serving one request adds to its step, in CPU time per token: both processes' CPU through serve less
+    the in-process step's (wall time on a busy machine measures the other jobs too)."""
+    step = r["in_process"]["cpu_ms_per_step"]["step"]
+    serve = r["serve"]["core_cpu_ms"] + r["serve"]["api_cpu_ms"]
+    return {"serve_extra_cpu_ms": serve - step, "serve_cpu_over_in_process": serve / step}
 
 
 def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -> dict[str, Any]:
@@ -392,7 +433,8 @@ def performance_values(results: dict[str, Any], tuning_values: dict[str, Any]) -
                         "quantization": quantization_derived(results["quantization"]),
                         "web_watchers_extra_rss_mb": web_watchers_extra_rss_mb(results["web_watchers"]),
                         "serve_tiny": serve_cpu_shares(results["serve_tiny"]),
-                        "peer": peer_derived(results["peer_llamacpp"])},
+                        "peer": peer_derived(results["peer_llamacpp"]),
+                        "one_request_profile": one_request_profile_derived(results["one_request_profile"])},
             "peer_section": peer_section(tuning_values)}
 
 
