@@ -87,6 +87,7 @@ class RequestSpec:
     prompt: tuple[Text, ...]
     max_tokens: int
     priority: int = 0                  # --scheduling-policy priority: lower goes first (lesson 8)
+    client: Optional[str] = None       # who sent it, for --fair-share (lesson 8); None: the one anonymous client
 
     @property
     def prompt_len(self) -> int:
@@ -95,14 +96,16 @@ class RequestSpec:
     @property
     def params(self) -> SamplingParams:
         # Greedy and ignore_eos: every request generates exactly max_tokens tokens on any model.
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, priority=self.priority)
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, priority=self.priority,
+                              client=self.client)
 
     def token_ids(self, tokenizer: Any) -> list[int]:
         return [t for piece in self.prompt for t in piece.token_ids(tokenizer)]
 
 
-def request(request_id: str, step: int, *prompt: Text, max_tokens: int, priority: int = 0) -> RequestSpec:
-    return RequestSpec(request_id, step, tuple(prompt), max_tokens, priority)
+def request(request_id: str, step: int, *prompt: Text, max_tokens: int, priority: int = 0,
+            client: Optional[str] = None) -> RequestSpec:
+    return RequestSpec(request_id, step, tuple(prompt), max_tokens, priority, client)
 
 
 # Each lesson shows one mechanism: the cap on a long prompt's chunk (issue 39, on by default on a CPU) stays off
@@ -477,6 +480,8 @@ class Lesson:
                 options["speculative_config"] = SpeculativeConfig.parse(options["speculative_config"]).as_dict()
             if info.preemption_mode != "swap":
                 options.pop("num_cpu_blocks", None)      # the engine reports 0 CPU blocks without swap
+            if "fair_share" in options:                  # None (the library's default) runs as False
+                options["fair_share"] = bool(options["fair_share"])
             if all(getattr(info, k) == v for k, v in options.items() if hasattr(info, k)):
                 return name
         return None

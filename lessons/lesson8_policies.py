@@ -8,29 +8,33 @@ from .texts import DOCUMENTS, OTHER_SYSTEM, QUESTIONS, SYSTEM
 
 NUMBER = 8
 TITLE = "Who waits, who is evicted"
-SUMMARY = "policies: FCFS vs priority, the preemption victim, LRU vs MRU eviction"
+SUMMARY = "policies: FCFS vs priority, the preemption victim, LRU vs MRU eviction, fair share by client"
 
 SYS_A, SYS_B = Text(SYSTEM, 128), Text(OTHER_SYSTEM, 128)     # two system prompts of 8 blocks each
 NUM_ALTERNATING = 8
+GREEDY, LONE = "A", "B"      # part one's clients: A sends four requests at once, B one (r4)
 
 SCENARIO = Scenario(
     options=dict(block_size=16, num_blocks=14, max_model_len=1024, max_num_seqs=3, max_num_batched_tokens=256),
     requests=(
-        # Part one: more requests than seats, and a pool too small for all of them to grow.
-        request("r0", 1, Text(DOCUMENTS[0], 40), max_tokens=40, priority=5),      # low priority
-        request("r1", 1, Text(DOCUMENTS[1], 56), max_tokens=32),
-        request("r2", 1, Text(DOCUMENTS[2], 36), max_tokens=44),
-        request("r3", 1, Text(DOCUMENTS[3], 48), max_tokens=36),
-        request("r4", 6, Text(DOCUMENTS[4], 30), max_tokens=20, priority=-1),     # late and urgent
+        # Part one: more requests than seats, and a pool too small for all of them to grow. Client A sends four
+        # at once, client B one (the client matters only under --fair-share).
+        request("r0", 1, Text(DOCUMENTS[0], 40), max_tokens=40, priority=5, client=GREEDY),      # low priority
+        request("r1", 1, Text(DOCUMENTS[1], 56), max_tokens=32, client=GREEDY),
+        request("r2", 1, Text(DOCUMENTS[2], 36), max_tokens=44, client=GREEDY),
+        request("r3", 1, Text(DOCUMENTS[3], 48), max_tokens=36, client=GREEDY),
+        request("r4", 6, Text(DOCUMENTS[4], 30), max_tokens=20, priority=-1, client=LONE),   # late and urgent
         # Part two, after part one has finished: one request at a time, alternating two system prompts.
         *(request(f"s{i}", 300 + 100 * i, SYS_A if i % 2 == 0 else SYS_B, Text(QUESTIONS[i], 16), max_tokens=8)
           for i in range(NUM_ALTERNATING)),
     ),
     variants={"fcfs": {}, "priority": {"scheduling_policy": "priority", "preemption_victim": "lowest-priority"},
-              "most-blocks": {"preemption_victim": "most-blocks"}, "mru": {"eviction_policy": "mru"}},
+              "most-blocks": {"preemption_victim": "most-blocks"}, "mru": {"eviction_policy": "mru"},
+              "fair-share": {"fair_share": True}},
 )
 PART_ONE = ("r0", "r1", "r2", "r3", "r4")
 PART_TWO = tuple(f"s{i}" for i in range(NUM_ALTERNATING))
+GREEDY_REQUESTS = tuple(r.request_id for r in SCENARIO.requests if r.client == GREEDY)
 
 
 def admission_order(run: Run) -> list[str]:
@@ -57,8 +61,25 @@ def cached_at_admission(run: Run, rid: str) -> int:
     return next(s.num_cached_tokens for s in ev.scheduled if s.request_id == rid)
 
 
+def first_token_after(run: Run, rid: str) -> int:
+    """Steps from arrival to the request's first generated token (time to first token, in steps)."""
+    return run.token_steps(rid)[0] - run.arrival_step(rid)
+
+
+def preemptions_of(run: Run, rids: tuple[str, ...]) -> int:
+    return sum(1 for ev in run.events for p in ev.preempted if p.request_id in rids)
+
+
+def part_two_schedule(run: Run) -> list[tuple]:
+    """What each step of part two scheduled (ids, kinds, spans, cache hits): equal lists mean equal runs."""
+    start = run.arrival_step(PART_TWO[0])
+    return [tuple((s.request_id, s.kind, s.start, s.end, s.num_cached_tokens) for s in ev.scheduled)
+            for ev in run.events[start - 1:]]
+
+
 def measure(runs: dict[str, Run]) -> dict[str, Any]:
     fcfs, prio, most, mru = runs["fcfs"], runs["priority"], runs["most-blocks"], runs["mru"]
+    fair = runs["fair-share"]
     out: dict[str, Any] = {}
     for name, run in runs.items():
         key = name.replace("-", "_")
@@ -82,6 +103,13 @@ def measure(runs: dict[str, Run]) -> dict[str, Any]:
         lru_hit_per_repeat=cached_at_admission(fcfs, PART_TWO[2]), mru_hit_per_repeat=cached_at_admission(mru, PART_TWO[2]),
         lru_evictions=int(fcfs.events[-1].counters["blocks_evicted"]),
         mru_evictions=int(mru.events[-1].counters["blocks_evicted"]),
+        # Fair share by client: part one's r0-r3 are client A's, r4 client B's; part two names no client.
+        num_greedy=len(GREEDY_REQUESTS), r4_wait_fair_share=waited(fair, "r4"),
+        r3_wait_fcfs=waited(fcfs, "r3"), r3_wait_fair_share=waited(fair, "r3"),
+        r4_first_token_fcfs=first_token_after(fcfs, "r4"), r4_first_token_fair_share=first_token_after(fair, "r4"),
+        r4_preempted_fcfs=preemptions_of(fcfs, ("r4",)), r4_preempted_fair_share=preemptions_of(fair, ("r4",)),
+        fair_share_victim_client=SCENARIO.request(out["fair_share_victim"]).client,
+        fair_share_part_two_same=part_two_schedule(fair) == part_two_schedule(fcfs),
     )
     return out
 
@@ -98,6 +126,14 @@ def _overtakes(t: Trace) -> Any:
     if "r4" in t.admitted() and "r0" in t.last.waiting:
         return (f"step {t.last.step}: r4 (priority {SCENARIO.request('r4').priority}) is admitted while r0 "
                 f"(priority {SCENARIO.request('r0').priority}), here since the start, waits")
+    return None
+
+
+def _takes_turns(t: Trace) -> Any:
+    waiting = [rid for rid in t.last.waiting if rid in GREEDY_REQUESTS]
+    if "r4" in t.admitted() and waiting:
+        return (f"step {t.last.step}: r4, client {LONE}'s only request, is admitted while client {GREEDY}'s "
+                f"{', '.join(waiting)} still wait{'s' if len(waiting) == 1 else ''}")
     return None
 
 
@@ -127,11 +163,13 @@ CHECKPOINTS = [
     Checkpoint("more requests than seats: some wait", _queue, "press n until the waiting queue fills"),
     Checkpoint("under priority, the late urgent request r4 overtakes r0", _overtakes,
                "run with --scheduling-policy priority and press n until r4 is admitted", variants=("priority",)),
+    Checkpoint(f"with fair share, client {LONE}'s one request is admitted before client {GREEDY}'s queue",
+               _takes_turns, "run with --fair-share and press n until r4 is admitted", variants=("fair-share",)),
     Checkpoint("the pool runs dry and the victim policy picks who gives way", _preempted,
                "keep pressing n until ⚠ preempted shows in the event log"),
     Checkpoint("an alternating system prompt is found in the cache again (LRU)", _hit_again,
                "run on into part two, where requests alternate two system prompts",
-               variants=("fcfs", "priority", "most-blocks")),
+               variants=("fcfs", "priority", "most-blocks", "fair-share")),
     Checkpoint("with MRU, a system prompt that was just used is gone", _mru_forgot,
                "run with --eviction-policy mru into part two", variants=("mru",)),
     every_request_finished(SCENARIO),
@@ -164,4 +202,14 @@ QUIZ = [
         "LRU found {{measured.lru_hit_per_repeat}} of {{measured.sys_tokens}} system-prompt tokens on every repeat "
         "(hit rate {{measured.fcfs_repeat_hit_rate:.0%}}); MRU found {{measured.mru_hit_per_repeat}} "
         "({{measured.mru_repeat_hit_rate:.0%}})."),
+    QuizQuestion(
+        "Under --fair-share, client A sent four requests at once and client B one, later. A seat frees while "
+        "requests of both wait. Who is admitted?",
+        ("A's oldest request: first come, first served", "B's request: admission takes turns between clients, "
+         "and B has not had one", "Whichever prompt is shortest", "Nobody: A holds too many blocks"),
+        1,
+        "Round robin across clients, the client admitted longest ago first. r4 waited "
+        "{{measured.r4_wait_fair_share}} steps instead of {{measured.r4_wait_fcfs}}; A's r3 waited "
+        "{{measured.r3_wait_fair_share}} instead of {{measured.r3_wait_fcfs}}. Requests that name no client "
+        "(part two) are one client, and run exactly as without fair share."),
 ]

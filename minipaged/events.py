@@ -50,6 +50,7 @@ class EngineInfo:
     quantization: Optional[str] = None   # "int8": weight-only int8 (kernels/int8.py); None: the weights' own dtype
     weight_bytes: Optional[int] = None   # bytes of the weights the model computes with (rank 0's); None: old trace
     async_output_processing: bool = False   # outputs processed while the next forward pass runs (one step late)
+    fair_share: bool = False             # fair share by client (--fair-share): lesson 8 tells its variant by it
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "EngineInfo":

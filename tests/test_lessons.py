@@ -277,6 +277,26 @@ def test_lesson8_priority_overtakes_victims_differ_and_lru_keeps_the_alternating
     assert v["fcfs_repeat_hit_rate"] > v["mru_repeat_hit_rate"] == 0 and v["mru_evictions"] > v["lru_evictions"]
 
 
+def test_lesson8_fair_share_admits_the_lone_client_before_the_greedy_clients_queue(results):
+    """The text's fair-share claims: client B's one request (r4) goes before client A's waiting r3, A pays with
+    r3's wait, the preemption takes an A request, and part two (no client named: one client) runs as FCFS."""
+    v, runs = results[8].values, results[8].runs
+    assert runs["fair-share"].info.fair_share and not runs["fcfs"].info.fair_share
+    assert v["fair_share_same_outputs"] and v["fair_share_order"] == "r0 r1 r2 r4 r3"
+    assert v["r4_wait_fair_share"] < v["r4_wait_fcfs"] and v["r3_wait_fair_share"] > v["r3_wait_fcfs"]
+    assert v["r4_first_token_fair_share"] < v["r4_first_token_fcfs"]
+    assert v["fair_share_victim_client"] == "A" and v["r4_preempted_fair_share"] == 0
+    assert v["fair_share_recomputed"] > v["fcfs_recomputed"] and v["fair_share_steps"] > v["fcfs_steps"]
+    assert v["fair_share_part_two_same"] and v["fair_share_repeat_hit_rate"] == v["fcfs_repeat_hit_rate"]
+
+
+def test_lesson8_fair_share_variant_opens_from_its_flag():
+    """`minipaged watch --lesson 8 --fair-share` opens the fair-share variant, and the variant's command says so."""
+    lesson = get_lesson(8)
+    assert lesson.options_for({"fair_share": True})[0] == "fair-share"
+    assert lesson.variant_command("fair-share") == "minipaged watch --lesson 8 --fair-share"
+
+
 def test_lesson9_int8_shrinks_the_weights_and_changes_no_scheduling(results):
     v, runs = results[9].values, results[9].runs
     fp32, int8 = runs["fp32"], runs["int8"]
