@@ -50,14 +50,13 @@ import pstats
 import statistics
 import subprocess
 import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from minipaged import Engine, SamplingParams
+from minipaged.bench.part_clock import PartClock
 from minipaged.bench.report import BENCH_OUT, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.model.testing import build_tiny_model
@@ -77,42 +76,6 @@ def smollm2_tokenizer() -> Any:
                          "(or use --tokenizer byte)")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF)
-
-
-class PartClock:
-    """Wall and thread-CPU seconds per part, for the step being measured (nested parts count in their parent
-    too: event_stats is inside event)."""
-
-    def __init__(self) -> None:
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-
-    def reset(self) -> None:
-        self.wall, self.cpu = {}, {}
-
-    @contextmanager
-    def timing(self, part: str) -> Iterator[None]:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self.wall[part] = self.wall.get(part, 0.0) + time.perf_counter() - wall
-            self.cpu[part] = self.cpu.get(part, 0.0) + time.thread_time() - cpu
-
-    def wrap(self, owner: Any, name: str, part: str, keep: Optional[list] = None) -> Callable[[], None]:
-        """Time every call of ``owner.name`` as ``part`` (an attribute set on the instance); ``keep`` collects
-        what it returns. Returns the undo."""
-        original = getattr(owner, name)
-        own = name in vars(owner)               # an instance attribute already (not a method of its class)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.timing(part):
-                result = original(*args, **kwargs)
-            if keep is not None:
-                keep.append(result)
-            return result
-        setattr(owner, name, timed)
-        return lambda: setattr(owner, name, original) if own else delattr(owner, name)
 
 
 def build_engine(folder: Path, tokenizer_name: str, num_requests: int, backend: Optional[str]) -> Engine:

@@ -29,16 +29,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from minipaged.bench.docs import one_request_table
+from minipaged.bench.one_request import PROMPT, SERVED_NAME, stream_one
 from minipaged.bench.report import BENCH_OUT, save
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 # Run in a fresh interpreter for one tree: import that tree's minipaged (its top-level folders mapped in as
 # pyproject's package-dir maps them), load SmolLM2, then time `repeats` generations and print the best.
@@ -79,34 +78,6 @@ assert minipaged.__file__.startswith(tree), minipaged.__file__
 from minipaged.cli import main
 sys.exit(main(sys.argv[2:]))
 """
-SERVED_NAME = "smollm2"
-
-
-def stream_one(url: str, max_tokens: int, model: str = SERVED_NAME) -> dict[str, Any]:
-    """One streamed greedy completion alone: tokens over the seconds from sending it to its last event, the time
-    to its first text, and its decode rate after that (the same count as in-process: ``max_tokens`` tokens,
-    ``ignore_eos`` keeping every answer that long)."""
-    import httpx
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}
-    start, first, text, chunks = time.perf_counter(), None, "", 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            piece = json.loads(line[6:])["choices"][0].get("text") or ""
-            chunks += bool(piece)
-            if piece and first is None:
-                first = time.perf_counter()
-            text += piece
-    seconds = time.perf_counter() - start
-    first = first if first is not None else start + seconds
-    return {"tok_s": max_tokens / seconds, "ttft_s": first - start,
-            "decode_tok_s": (max_tokens - 1) / max(seconds - (first - start), 1e-9), "text": text,
-            "num_chunks": chunks}
-
-
 def serve_tree(tree: Path, threads: int, max_tokens: int, repeats: int, log_path: Path) -> dict[str, Any]:
     """The tree's server, warmed up with a short request, then ``repeats`` requests one at a time; the best."""
     port = free_port()

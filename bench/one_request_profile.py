@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from host_overhead import PartClock
-from one_request import PROMPT, SERVED_NAME, stream_one
 
 from minipaged import Engine, SamplingParams
 from minipaged.bench.docs import one_request_profile_table
+from minipaged.bench.one_request import PROMPT, SERVED_NAME, stream_one
+from minipaged.bench.part_clock import PartClock
 from minipaged.bench.report import save
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
 

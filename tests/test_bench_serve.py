@@ -216,7 +216,7 @@ def test_the_one_request_bench_streams_one_greedy_answer_of_exactly_its_length(s
     """bench/one_request.py's serve path: max_tokens tokens (ignore_eos), the same greedy text each time, and a
     first token before the last (its speed divides the count it asked for, so the count must be exact)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from one_request import stream_one
+    from minipaged.bench.one_request import stream_one
     model = httpx.get(server + "/v1/models", timeout=5).json()["data"][0]["id"]
     before = counters(server)
     first, second = stream_one(server, 12, model=model), stream_one(server, 12, model=model)
