@@ -15,7 +15,10 @@ counted as the server's pause; all the clients still share the machine's cores w
 scaled so that the whole run takes a few minutes on a 2-core machine (each row also stops at ``ROW_LIMIT_S``,
 closing its connections); ``SCALING`` says how each differs from the issue's.
 
-    python bench/soak.py [--model smollm2 | --tiny]
+    python bench/soak.py [--model smollm2 | --tiny] [--rows "slowloris,..." --save-as NAME]
+
+``--rows`` runs only the rows named (a case's before/after, as bench/out/soak_*_before.json and _after.json), with
+the class throughout as in the whole run.
 """
 from __future__ import annotations
 
@@ -454,7 +457,7 @@ def wait_idle(url: str, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def soak(url: str, pid: int, folder: str) -> dict[str, Any]:
+def soak(url: str, pid: int, folder: str, rows_wanted: list[str]) -> dict[str, Any]:
     info = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     max_model_len = int(info["max_model_len"])
     stop, codes = threading.Event(), Codes()
@@ -469,7 +472,8 @@ def soak(url: str, pid: int, folder: str) -> dict[str, Any]:
     while observer.chunks() < 10:
         time.sleep(0.1)
     rows: list[dict[str, Any]] = []
-    for name, adversary in ROWS.items():
+    for name in rows_wanted:
+        adversary = ROWS[name]
         time.sleep(SETTLE_S)
         row = Row(url, max_model_len, 128)
         rss_before, students_before, start = rss_mb(pid), Counter(codes.counts), time.monotonic()
@@ -495,7 +499,7 @@ def soak(url: str, pid: int, folder: str) -> dict[str, Any]:
             "load_average_at_start": load,
             "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_mb(pid), 1), "health_at_end": end_health,
             "all_blocks_free": end_health["blocks_free"] == end_health["blocks_total"], "row_limit_s": ROW_LIMIT_S,
-            "targets": TARGETS}
+            "targets": TARGETS, "rows_run": rows_wanted}
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -518,14 +522,22 @@ def markdown(record: dict[str, Any]) -> str:
             f"{record['student_codes']}.\n\n"
             f"Server RSS {record['rss_start_mb']:.0f} -> {record['rss_end_mb']:.0f} MB over the run "
             f"({growth:+.0f} MB); KV blocks free at the end: {h['blocks_free']} of {h['blocks_total']} ({free}).\n\n"
-            "Scaling: " + "; ".join(f"{k}: {v}" for k, v in SCALING.items()) + ".")
+            "Scaling: " + "; ".join(f"{k}: {v}" for k, v in SCALING.items()
+                                    if k in record.get("rows_run", SCALING)) + ".")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tiny", action="store_true", help="a tiny random checkpoint (a quick run)")
+    ap.add_argument("--rows", default=",".join(ROWS), help="the rows to run, comma-separated (default: all)")
+    ap.add_argument("--save-as", default=None, help="the result's name in bench/out (default: soak, soak_tiny)")
+    ap.add_argument("--serve-flags", default="", help="more flags for minipaged serve (a case's before/after)")
     args = ap.parse_args()
+    rows_wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows_wanted if r not in ROWS]
+    if unknown:
+        ap.error(f"no such row: {unknown}; the rows are: {list(ROWS)}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))   # 1,100 + 240 sockets here
     if args.tiny:
@@ -535,16 +547,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log_path = os.path.join(tmp, "serve.log")
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(minipaged_serve_command(args.model, port, ["--threads", "1"]), stdout=log,
+            proc = subprocess.Popen(minipaged_serve_command(args.model, port, ["--threads", "1",
+                                                                                *args.serve_flags.split()]), stdout=log,
                                     stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_for_answer(proc, url + "/health", "minipaged serve", log_path)
-            record = soak(url, proc.pid, tmp)
+            record = soak(url, proc.pid, tmp, rows_wanted)
         finally:
             stop_process(proc)
     record["model"] = "tiny random Llama" if args.tiny else args.model
-    save("soak_tiny" if args.tiny else "soak", record, markdown(record))
+    record["serve_flags"] = args.serve_flags
+    save(args.save_as or ("soak_tiny" if args.tiny else "soak"), record, markdown(record))
 
 
 if __name__ == "__main__":
