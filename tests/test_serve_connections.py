@@ -10,6 +10,7 @@ a live event stream is not. Timings are only generous bounds on "answered at all
 from __future__ import annotations
 
 import contextlib
+import json
 import select
 import socket
 import time
@@ -24,6 +25,7 @@ from minipaged.serve.protocol import ServerError
 from serve_util import running_server
 
 CAP = 20                     # --max-connections
+PER_CLIENT = 6               # --max-client-connections (a student with five event streams open still fits)
 HEADER_TIMEOUT_S = 2         # --header-timeout
 SOCKETS = 2 * CAP            # silent sockets opened: past the cap and its room
 ANSWERED_S = 5.0             # a generous bound on "answered at all"
@@ -33,6 +35,7 @@ ANSWERED_S = 5.0             # a generous bound on "answered at all"
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("connections") / "server.log"
     with running_server(tiny_model, "--block-size", "4", "--num-blocks", "64", "--max-connections", str(CAP),
+                        "--max-client-connections", str(PER_CLIENT),
                         "--header-timeout", str(HEADER_TIMEOUT_S), "--event-heartbeat-s", "0.5",
                         log_path=str(log)) as url:
         yield url
@@ -101,6 +104,54 @@ def test_a_full_cap_answers_503_health_still_answers_and_silent_sockets_are_clos
             open_socks -= {sock for sock in readable if closed_by_peer(sock)}
         assert not open_socks, f"{len(open_socks)} of {SOCKETS} silent sockets still open after the header timeout"
     assert httpx.get(server + "/v1/models", timeout=ANSWERED_S).status_code == 200   # the cap emptied
+
+
+def first_answer(sock: socket.socket) -> bytes:
+    """What the server wrote to ``sock`` before it closed it (or ANSWERED_S passed)."""
+    sock.settimeout(ANSWERED_S)
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def test_one_clients_connections_past_its_cap_get_429_as_they_open_and_take_no_one_elses_place(server):
+    """A slowloris from one address: its sockets past --max-client-connections are answered 429 before a byte is
+    read, and, not counting among the open connections, leave the --max-connections cap to everyone else."""
+    port = urlsplit(server).port
+    with contextlib.ExitStack() as stack:
+        def connect() -> socket.socket:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.5", 0))
+            sock.connect(("127.0.0.1", port))
+            return sock
+        held = [connect() for _ in range(PER_CLIENT)]
+        for sock in held:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")     # headers never finished
+        refused = [connect() for _ in range(2 * CAP)]                             # past both caps if they counted
+        refused[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = first_answer(refused[0])
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 429"), answer[:200]
+        assert b"retry-after: 1" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == 429 and "--max-client-connections" in error["message"], error
+        assert all(first_answer(sock).startswith(b"HTTP/1.1 429") for sock in refused[1:])
+
+        # Another student and /health are answered meanwhile (not 503: the refused sockets took no place).
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.6"), timeout=ANSWERED_S)
+        stack.enter_context(other)
+        assert other.get(server + "/v1/models").status_code == 200
+        assert httpx.get(server + "/health", timeout=ANSWERED_S).status_code == 200
+        for sock in held:
+            sock.close()
+    # Its places come back once its sockets close.
+    deadline = time.monotonic() + ANSWERED_S
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.5"), timeout=ANSWERED_S) as again:
+        while (status := again.get(server + "/v1/models").status_code) != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert status == 200
 
 
 def test_a_clients_fifth_event_stream_gets_429_another_clients_works_and_streams_outlive_the_header_timeout(server):

@@ -205,7 +205,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"minipaged serve: note: {note}", file=sys.stderr, flush=True)
     from .connections import connection_settings
     from .header_limit import MAX_HEADER_BYTES
-    protocol, connections_line = connection_settings(args.max_connections, args.header_timeout)
+    protocol, connections_line = connection_settings(args.max_connections, args.header_timeout,
+                                                       args.max_client_connections)
     print(f"minipaged serve: {connections_line}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                             timeout_graceful_shutdown=2, http=protocol,

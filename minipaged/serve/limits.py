@@ -55,6 +55,11 @@ class ServerLimits:
     # may hold open. An adversarial review's 1,100 silent sockets used up 1,024 file descriptors.
     max_connections: int = limit(1024, "the most open connections; requests on more get 503 (/health still "
                                        "answers); lowered at start-up to what the file-descriptor limit allows")
+    # A browser opens at most 6 connections to one server, a script one per request in flight: 32 each for a
+    # class of 30 is the 1,024 above shared out, and one client's sockets can no longer take them all.
+    max_client_connections: int = limit(32, "the most open connections from one client (address); more are "
+                                            "refused with 429 as they open, before their request is read (this "
+                                            "machine: no bound)")
     header_timeout: int = limit(10, "seconds a connection may take to send a request's line and headers (from "
                                     "opening, or from its last answer) before it is closed")
     max_event_streams: int = limit(128, "the most /v1/events streams open at once (at most half of "
