@@ -15,7 +15,7 @@ counted as the server's pause; all the clients still share the machine's cores w
 scaled so that the whole run takes a few minutes on a 2-core machine (each row also stops at ``ROW_LIMIT_S``,
 closing its connections); ``SCALING`` says how each differs from the issue's.
 
-    python bench/soak.py [--model smollm2 | --tiny] [--rows "slowloris,..." --save-as NAME]
+    python bench/soak.py [--model smollm2 | --tiny] [--rows "slowloris;..." --save-as NAME]
 
 ``--rows`` runs only the rows named (a case's before/after, as bench/out/soak_*_before.json and _after.json), with
 the class throughout as in the whole run.
@@ -530,11 +530,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tiny", action="store_true", help="a tiny random checkpoint (a quick run)")
-    ap.add_argument("--rows", default=",".join(ROWS), help="the rows to run, comma-separated (default: all)")
+    ap.add_argument("--rows", default=";".join(ROWS), help="the rows to run, separated by ';' (default: all)")
     ap.add_argument("--save-as", default=None, help="the result's name in bench/out (default: soak, soak_tiny)")
     ap.add_argument("--serve-flags", default="", help="more flags for minipaged serve (a case's before/after)")
     args = ap.parse_args()
-    rows_wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    rows_wanted = [r.strip() for r in args.rows.split(";") if r.strip()]
     unknown = [r for r in rows_wanted if r not in ROWS]
     if unknown:
         ap.error(f"no such row: {unknown}; the rows are: {list(ROWS)}")
