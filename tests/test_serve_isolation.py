@@ -24,6 +24,7 @@ MAX_PAUSE_S = 1.0
 MAX_BAD_WORDS = 256                  # the defaults: the tests check the refusals name them
 MAX_CHOICES = 1024
 MAX_PROMPT_LOGPROBS = 2000
+MAX_OUTPUT_LOGPROBS = 2000
 GRAMMAR_TIMEOUT_S = 1.0
 # A policy that cannot order one request: its client must get the policy's message, the others nothing.
 RAISING_POLICY = '''
@@ -42,7 +43,8 @@ def server(tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve-isolation")
     (folder / "raising_policy.py").write_text(RAISING_POLICY)
     with running_server(tiny_model, "--block-size", "4", "--num-blocks", "2048", "--max-num-seqs", "16",
-                        "--max-prompt-logprobs", str(MAX_PROMPT_LOGPROBS), "--grammar-timeout",
+                        "--max-prompt-logprobs", str(MAX_PROMPT_LOGPROBS),
+                        "--max-output-logprobs", str(MAX_OUTPUT_LOGPROBS), "--grammar-timeout",
                         str(GRAMMAR_TIMEOUT_S), "--scheduling-policy", f"{folder / 'raising_policy.py'}:RaisesOnBoom",
                         log_path=str(folder / "server.log")) as url:
         yield url
@@ -180,6 +182,27 @@ def test_5_prompt_logprobs_are_bounded(server):
         ok = post(server, {"prompt": prompt[:400], "max_tokens": 2, "prompt_logprobs": 3})
         assert ok.status_code == 200, ok.text
         assert len(ok.json()["choices"][0]["prompt_logprobs"]) == 400
+
+
+def test_5_output_logprobs_are_bounded_before_the_request_runs(server):
+    """n x max_tokens x (logprobs + 1) entries are kept in the core for the whole request and sent again at its
+    end, whoever reads them: past --max-output-logprobs a request is refused before it takes any KV (a chat that
+    names no length gets as many tokens as the bound allows instead)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "logprobs": True, "top_logprobs": 5,
+            "temperature": 1.0, "ignore_eos": True}
+    with victim(server):
+        error = error_of(post(server, {"prompt": "hi", "n": 8, "max_tokens": 50, "logprobs": 5}), 400)
+        assert error["param"] == "logprobs" and "--max-output-logprobs" in error["message"], error
+        assert "2400" in error["message"]                   # 8 x 50 x (5 + 1), against 2000
+        error = error_of(post(server, {**chat, "max_tokens": 50}, "/v1/chat/completions"), 400)
+        assert "--max-output-logprobs" in error["message"], error
+        ok = post(server, {"prompt": "hi", "n": 8, "max_tokens": 20, "logprobs": 5, "ignore_eos": True})
+        assert ok.status_code == 200, ok.text
+        assert all(len(c["logprobs"]["top_logprobs"]) == 20 for c in ok.json()["choices"])
+        unsized = post(server, chat, "/v1/chat/completions")
+        assert unsized.status_code == 200, unsized.text
+        lengths = {len(c["logprobs"]["content"]) for c in unsized.json()["choices"]}
+        assert lengths == {MAX_OUTPUT_LOGPROBS // (8 * 6)}, lengths
 
 
 def test_a_tiny_repetition_penalty_is_refused_by_name_not_a_500(server):

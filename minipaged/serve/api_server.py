@@ -329,6 +329,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 token_ids = list(prompt)
             check_context(len(token_ids), max_tokens, max_model_len)
             body.check_prompt_logprobs(params, len(token_ids), settings.limits)
+            body.check_output_logprobs(params, settings.limits)
             if echo is not None:
                 echo.prompts[index] = (token_ids, prompt if isinstance(prompt, str) else await prompts.decode(
                     token_ids))
@@ -362,11 +363,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                          f"reduce the length of the messages.", "messages")
             room = min(max_model_len, served.info.num_blocks * served.info.block_size) - len(token_ids)
             max_tokens = max(room, 1)
+            if body.num_logprobs is not None:   # and no more than --max-output-logprobs allows (not a 400: the
+                # client asked for no length)
+                per_token = body.n * (body.num_logprobs + 1)
+                max_tokens = min(max_tokens, max(1, settings.limits.max_output_logprobs // per_token))
         else:
             max_tokens = asked
             check_context(len(token_ids), max_tokens, max_model_len)
         params = body.sampling_params(max_tokens)
         body.check_prompt_logprobs(params, len(token_ids), settings.limits)
+        body.check_output_logprobs(params, settings.limits)
         return await respond("chat", body, [(token_ids, params)], request)
 
     async def respond(kind: p.Kind, body: p.SamplingFields, prompts_params: list[tuple[list[int], Any]],
