@@ -55,6 +55,8 @@ SCALING = {
     "n=128 long prompt": "n = min(128, --max-n) samples of a 1,000-token prompt (1,500 x 128 is past the client's "
                          "131,072 prompt-token quota: a 400), 16 tokens each",
     "logprobs, paused then resumed": "n = 128 x 300 tokens with logprobs=20 (the issue: 1,200), paused 8 s, resumed",
+    "logprobs at the bound, paused then resumed": "the largest that --max-output-logprobs (131,072 entries) lets "
+                                                  "through: n = 128 x 48 tokens with logprobs=20, paused 8 s, resumed",
     "paused reader": "n = 128 x 1,500 tokens, not read for 15 s, then closed",
     "slowloris": "as the issue: 1,100 connections, a header line every 5 s for 15 s",
     "240 idle watchers": "240 /v1/events streams from 240 addresses, never read, held 15 s",
@@ -356,6 +358,11 @@ def logprobs_paused(row: Row) -> None:
                 "temperature": 1.0, "stream": True}, pause_s=8.0, resume=True)
 
 
+def logprobs_at_the_bound(row: Row) -> None:
+    row.stream({"prompt": "pause", "n": min(128, row.max_n), "max_tokens": 48, "logprobs": 20, "ignore_eos": True,
+                "temperature": 1.0, "stream": True}, pause_s=8.0, resume=True)
+
+
 def paused_reader(row: Row) -> None:
     row.stream({"prompt": "pause", "n": min(128, row.max_n), "max_tokens": 1500, "ignore_eos": True,
                 "temperature": 1.0, "stream": True}, pause_s=15.0, resume=False)
@@ -440,7 +447,9 @@ ROWS: dict[str, Callable[[Row], None]] = {
     "none (5 s, the class alone)": lambda row: time.sleep(5.0),
     "page prompt": page_prompt, "7.5 MB completion": huge_completion, "16 long prefills": long_prefills,
     "cached prefix": cached_prefix, "n=128 long prompt": many_samples,
-    "logprobs, paused then resumed": logprobs_paused, "paused reader": paused_reader, "slowloris": slowloris,
+    "logprobs, paused then resumed": logprobs_paused,
+    "logprobs at the bound, paused then resumed": logprobs_at_the_bound,
+    "paused reader": paused_reader, "slowloris": slowloris,
     "240 idle watchers": idle_watchers, "tiny requests": tiny_requests, "7 MB bodies": big_bodies,
 }
 
