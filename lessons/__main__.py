@@ -42,13 +42,17 @@ def measure_smollm2(repeats: int = 3, only: Optional[str] = None) -> dict[str, d
     import statistics
     logging.getLogger("minipaged").setLevel(logging.ERROR)
     values: dict[str, dict[str, Any]] = {}
+    tmp = tempfile.TemporaryDirectory()
     for lesson in list_lessons():
         if lesson.measure_smollm2 is None or (only is not None and str(lesson.number) != str(only).strip()):
             continue
-        samples = [lesson.measure_smollm2(run_scenario(lesson, "smollm2").runs) for _ in range(repeats)]
+        model = "smollm2" if lesson.timed_on == "smollm2" else build_lesson_model(os.path.join(tmp.name, "tiny"))
+        samples = [lesson.measure_smollm2(run_scenario(lesson, model).runs) for _ in range(repeats)]
         values[str(lesson.number)] = {key: round(statistics.median(s[key] for s in samples), 1) for key in samples[0]}
         values[str(lesson.number)]["_source"] = (f"python -m minipaged.lessons --measure-smollm2, median of {repeats}, "
-                                                 f"{platform.machine()} {os.cpu_count()} cores")
+                                                 f"{platform.machine()} {os.cpu_count()} cores"
+                                                 + ("" if model == "smollm2" else ", the lessons' tiny model"))
+    tmp.cleanup()
     return values
 
 
