@@ -6,7 +6,6 @@ clients (``lessons/serving.py``)."""
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 from minipaged.events import StepEvent
