@@ -20,9 +20,7 @@ per token, the regime of a fast GPU (the seed's hardware), where a server that a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -30,43 +28,13 @@ import sys
 import tempfile
 import time
 
-import httpx
 
 from minipaged.bench.report import machine_line, save
 from minipaged.bench.report import markdown_table as table
 from minipaged.bench.requests import random_token_prompts
 from minipaged import Engine, SamplingParams
 from minipaged.bench.servers import free_port, minipaged_serve_command, running
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) process ``pid`` and its children (the server's engine core) have
-    used: unlike wall time, other work on a shared machine does not inflate it."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own + sum(cpu_seconds(child) for child in children(pid))
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
-    return found
-
-
-def pid_of_server(port: int) -> int:
-    """The process of the server started on ``port`` (its command line names the port)."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in args and str(port).encode() in args and b"--port" in args:
-            return int(entry)
-    raise RuntimeError(f"no server process found for port {port}")
+from minipaged.bench.streams import pid_of_server, stream_all
 
 
 def warm_engine(model: str, prompts: list[list[int]], options: dict) -> Engine:
@@ -85,41 +53,11 @@ def in_process(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tup
     return seconds, statistics.mean(o.metrics.ttft for o in outs), sum(len(o.token_ids) for o in outs), cpu
 
 
-async def one_client(http: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                     max_tokens: int) -> tuple[float, int]:
-    """(TTFT seconds, completion tokens) of one streamed request."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, tokens = None, 0
-    async with http.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        # A lean reader (a real client runs on another machine; here it shares the server's two cores): the
-        # first chunk's arrival is the TTFT, and only the last chunk, with the usage, is parsed.
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            if '"usage":{' in line:
-                tokens = json.loads(line[len("data: "):])["usage"]["completion_tokens"]
-    return ttft or float("nan"), tokens
-
-
-async def through_server(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                         pid: int) -> tuple[float, float, int, float, float, float]:
+def as_tuple(served) -> tuple[float, float, int, float, float, float]:
     """(seconds, mean TTFT seconds, output tokens, the server's CPU seconds, its engine core's CPU seconds, the
-    clients' CPU seconds) of all prompts streamed at once."""
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 1)) as http:
-        await one_client(http, url, model, [5] * 8, 2)           # warm-up (not a prompt of the run: no cache hit)
-        cores = children(pid)
-        start, cpu, core_cpu = time.perf_counter(), cpu_seconds(pid), sum(map(cpu_seconds, cores))
-        clients_cpu = time.process_time()
-        results = await asyncio.gather(*[one_client(http, url, model, p, max_tokens) for p in prompts])
-        seconds, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
-        core_cpu, clients_cpu = sum(map(cpu_seconds, cores)) - core_cpu, time.process_time() - clients_cpu
-    return (seconds, statistics.mean(r[0] for r in results), sum(r[1] for r in results), cpu, core_cpu,
-            clients_cpu)
+    clients' CPU seconds) of one round (minipaged.bench.streams, shared with lesson 12)."""
+    return (served.seconds, served.mean_ttft_s, served.tokens, served.server_cpu_s, served.core_cpu_s,
+            served.clients_cpu_s)
 
 
 def attach_rss_mb(url: str, seconds: float = 4.0) -> float:
@@ -166,9 +104,9 @@ def main() -> None:
         for prompts in rounds:
             local = in_process(engine, prompts, args.max_tokens)
             gc.collect()
-            served = asyncio.run(through_server(url, "bench", prompts, args.max_tokens, pid_of_server(port)))
+            served = as_tuple(stream_all(url, "bench", prompts, args.max_tokens, pid_of_server(port)))
             gc.collect()
-            one = asyncio.run(through_server(one_url, "bench", prompts, args.max_tokens, pid_of_server(one_port)))
+            one = as_tuple(stream_all(one_url, "bench", prompts, args.max_tokens, pid_of_server(one_port)))
             assert local[2] == served[2] == one[2] == args.clients * args.max_tokens
             pairs.append((local, served))
             one_process.append(one)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from .core import MEASURED_FILE, SMOLLM2_FILE, build_lesson_model, get_lesson, list_lessons, run_scenario
 from .fleet import FleetScenario, repeatable
+from .serving import ServedScenario
 
 
 def measure_all(model: Optional[str] = None, only: Optional[str] = None) -> dict[str, dict[str, Any]]:
@@ -42,13 +43,17 @@ def measure_smollm2(repeats: int = 3, only: Optional[str] = None) -> dict[str, d
     import statistics
     logging.getLogger("minipaged").setLevel(logging.ERROR)
     values: dict[str, dict[str, Any]] = {}
+    tmp = tempfile.TemporaryDirectory()
     for lesson in list_lessons():
         if lesson.measure_smollm2 is None or (only is not None and str(lesson.number) != str(only).strip()):
             continue
-        samples = [lesson.measure_smollm2(run_scenario(lesson, "smollm2").runs) for _ in range(repeats)]
+        model = "smollm2" if lesson.timed_on == "smollm2" else build_lesson_model(os.path.join(tmp.name, "tiny"))
+        samples = [lesson.measure_smollm2(run_scenario(lesson, model).runs) for _ in range(repeats)]
         values[str(lesson.number)] = {key: round(statistics.median(s[key] for s in samples), 1) for key in samples[0]}
         values[str(lesson.number)]["_source"] = (f"python -m minipaged.lessons --measure-smollm2, median of {repeats}, "
-                                                 f"{platform.machine()} {os.cpu_count()} cores")
+                                                 f"{platform.machine()} {os.cpu_count()} cores"
+                                                 + ("" if model == "smollm2" else ", the lessons' tiny model"))
+    tmp.cleanup()
     return values
 
 
@@ -75,6 +80,8 @@ def send_to_fleet(number: str, url: str, model: str) -> int:
     from .fleet import model_path, send_workload
 
     lesson = get_lesson(number)
+    if isinstance(lesson.scenario, ServedScenario):
+        return send_streams_to(lesson, url, model)
     if not isinstance(lesson.scenario, FleetScenario):
         print(f"lesson {lesson.number} runs one engine: open it with `minipaged watch --lesson {lesson.number}`; "
               f"--send is for a lesson that runs a fleet.", file=sys.stderr)
@@ -91,6 +98,22 @@ def send_to_fleet(number: str, url: str, model: str) -> int:
     return 0
 
 
+def send_streams_to(lesson: Any, url: str, model: str) -> int:
+    """A served lesson's streams (lesson 12), all at once, to a server the learner started, so `minipaged watch
+    --attach` on it shows them arrive."""
+    import httpx
+
+    from .serving import send_streams
+    try:
+        tokens = send_streams(lesson.scenario, url, model)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        print(f"cannot stream to {url} ({exc!r}); start a server first: "
+              f"{lesson.scenario.serve_command(lesson.scenario.main_variant)}", file=sys.stderr)
+        return 2
+    print(f"sent lesson {lesson.number}'s {len(lesson.scenario.requests)} streams to {url} at once: {tokens} tokens")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged.lessons", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="run the lessons that quote milliseconds on SmolLM2 (3 runs, medians; only lesson N "
                              "when one is given) and update measured_smollm2.json")
     parser.add_argument("--send", metavar="URL", default=None,
-                        help="send lesson N's requests through the router at URL (a fleet lesson: lesson 11); "
+                        help="send lesson N's requests through the router at URL (a fleet lesson: lesson 11), or "
+                             "its streams to the server at URL (a served lesson: lesson 12); "
                              "prompts are cut in --model's tokens (default smollm2, as `minipaged fleet`)")
     args = parser.parse_args(argv)
     if args.send:

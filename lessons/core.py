@@ -149,6 +149,10 @@ class Scenario:
         """None: ``minipaged watch --lesson N`` draws this scenario (a fleet lesson's says what to run instead)."""
         return None
 
+    def variant_command(self, number: int, variant: str) -> Optional[str]:
+        """None: ``minipaged watch`` with the variant's flags opens it (a served lesson's variant is a server)."""
+        return None
+
 
 class ScenarioFeed:
     """Adds a scenario's requests to an engine when their step comes.
@@ -434,6 +438,9 @@ class Lesson:
     # Numbers that depend on the machine or the model (milliseconds, acceptance rates): measured on SmolLM2
     # by ``python -m minipaged.lessons --measure-smollm2`` into measured_smollm2.json, never by the tests.
     measure_smollm2: Optional[Callable[[dict[str, Run]], dict[str, Any]]] = None
+    # The model measure_smollm2's runs use: "smollm2", or "tiny" (the lessons' tiny model) for a lesson about a
+    # cheap forward pass (lesson 12: the host's share of a step, as on a fast GPU).
+    timed_on: str = "smollm2"
     measured: dict[str, Any] = field(default_factory=dict)   # from measured.json (the last headless run)
     smollm2: dict[str, Any] = field(default_factory=dict)    # from measured_smollm2.json (a benchmark's run)
 
@@ -505,6 +512,8 @@ class Lesson:
         """The command that opens a variant: its first option override as a ``minipaged watch`` flag."""
         from minipaged.options import as_command_line
 
+        if (command := getattr(self.scenario, "variant_command", lambda n, v: None)(self.number, name)) is not None:
+            return command
         first = dict(list(self.scenario.variants[name].items())[:1])
         return " ".join(["minipaged watch --lesson", str(self.number), *as_command_line(first)])
 
@@ -547,7 +556,7 @@ def _build(module_name: str, measured: dict[str, dict[str, Any]]) -> Lesson:
                   template=(HERE / f"{module_name}.md").read_text(encoding="utf-8"),
                   scenario=mod.SCENARIO, checkpoints=tuple(mod.CHECKPOINTS), quiz=tuple(mod.QUIZ),
                   measure=mod.measure, summary=getattr(mod, "SUMMARY", ""),
-                  measure_smollm2=getattr(mod, "measure_smollm2", None),
+                  measure_smollm2=getattr(mod, "measure_smollm2", None), timed_on=getattr(mod, "TIMED_ON", "smollm2"),
                   measured=measured.get(str(mod.NUMBER), {}), smollm2=load_smollm2().get(str(mod.NUMBER), {}))
 
 

@@ -20,6 +20,7 @@ import pytest
 from minipaged.lessons import get_lesson, list_lessons, run_scenario
 from minipaged.lessons.core import MEASURED_FILE, build_lesson_model, fill
 from minipaged.lessons.fleet import FleetScenario, repeatable
+from minipaged.lessons.serving import ServedScenario
 from minipaged.placeholders import hand_written_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,11 @@ NO_ROUTER = ("sglang-router is not installed, and lesson 11 runs through it: pip
 
 def is_fleet(lesson) -> bool:
     return isinstance(lesson.scenario, FleetScenario)
+
+
+def is_served(lesson) -> bool:
+    """Lesson 12: its variants are ways of serving one engine (real `minipaged serve` subprocesses)."""
+    return isinstance(lesson.scenario, ServedScenario)
 
 
 def splits_the_model(lesson) -> bool:
@@ -506,8 +512,9 @@ def test_every_checkpoint_ticks_in_its_own_run(results):
             ticked_here = set()
             for one in (run.replicas if is_fleet(lesson) else [run]):
                 tracker = lesson.tracker(one.info)
-                if is_fleet(lesson):
-                    tracker.variant = name                     # the policy is the router's, not in the header
+                if is_fleet(lesson) or is_served(lesson):
+                    tracker.variant = name                     # the router's policy, or how it was served: not in
+                    #                                            the engine's header
                 assert tracker.variant == name
                 for event in one.events:
                     tracker.feed(event)
@@ -576,9 +583,78 @@ def test_smollm2_gives_the_same_numbers():
     """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says (about 90 s)."""
     stored = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
     for lesson in list_lessons():
+        if is_served(lesson):       # the tiny model's lesson (a cheap forward pass): its numbers are the workload's
+            continue                # and the greedy tokens', checked on the tiny model; SmolLM2 servers cost minutes
         if is_fleet(lesson):        # its prompts are cut in SmolLM2's tokens too; its results move with timing
             if HAS_ROUTER:
                 values = repeatable(run_scenario(lesson, "smollm2").values, lesson.scenario)
                 assert values == {k: stored[str(lesson.number)][k] for k in values}, lesson.number
             continue
         assert run_scenario(lesson, "smollm2").values == stored[str(lesson.number)], lesson.number
+
+
+# ----------------------------------------------------------------------------------------------- lesson 12
+
+def test_lesson12_both_servers_stream_the_in_process_greedy_tokens(results):
+    """The same prompts through `minipaged serve --core-in-thread` and `minipaged serve` (real subprocesses, real
+    streaming clients): every stream gets exactly the in-process greedy tokens, and the events say so too."""
+    from minipaged.lessons import lesson12_engine_process as lesson12
+
+    v, runs = results[12].values, results[12].runs
+    local = runs[lesson12.IN_PROCESS].outputs_by_request()
+    assert len(local) == lesson12.NUM_STREAMS and all(len(t) == lesson12.MAX_TOKENS for t in local.values())
+    for name in (lesson12.ONE, lesson12.TWO):
+        served = runs[name]
+        assert served.outputs_by_request() == local, name
+        assert served.generated_tokens == v["total_tokens"] and served.wall_s > 0
+        assert set(served.cpu_s) == {"core", "api_server", "clients"} and served.cpu_s["api_server"] > 0
+        arrived = {a.request_id for ev in served.events for a in ev.arrivals}
+        assert arrived == set(served.request_ids.values())         # the warm-up request's steps were left out
+    assert runs[lesson12.ONE].cpu_s["core"] == 0 < runs[lesson12.TWO].cpu_s["core"]   # one process, or two
+    assert v["one_process_same_tokens"] is True and v["two_processes_same_tokens"] is True
+    assert v["in_process_full_steps"] == v["max_tokens"] - 1    # every decode step carries all the streams
+
+
+def test_lesson12_timings_come_from_the_runs(results):
+    """measure_smollm2's numbers are computed from the runs (the clock's and the events'), not typed."""
+    from minipaged.lessons import lesson12_engine_process as lesson12
+
+    runs = results[12].runs
+    t = lesson12.timings(runs)
+    two = runs[lesson12.TWO]
+    assert t["two_processes_tok_s"] == two.generated_tokens / two.wall_s
+    assert t["two_processes_pct"] == 100 * t["two_processes_tok_s"] / t["in_process_tok_s"]
+    assert t["two_processes_core_cpu_us"] == 1e6 * two.cpu_s["core"] / two.generated_tokens
+    host = sum(ev.host_s for ev in two.events)
+    assert t["two_processes_host_us"] == 1e6 * host / two.generated_tokens
+    assert 0 < t["two_processes_host_pct"] < 100 and t["two_processes_steps"] == len(two.events)
+    assert t["in_process_batch"] > t["two_processes_batch"]     # served requests arrive over several steps
+
+
+def test_lesson12_stored_timings_back_the_text():
+    """What the text says of this machine's numbers holds for measured_smollm2.json (the last measured run)."""
+    from minipaged.lessons.core import SMOLLM2_FILE
+
+    s = json.loads(SMOLLM2_FILE.read_text(encoding="utf-8"))["12"]
+    assert "tiny model" in s["_source"]
+    assert s["two_processes_cpu_pct"] > 100                      # the split costs CPU per token
+    assert s["two_processes_core_cpu_us"] + s["two_processes_api_cpu_us"] == pytest.approx(
+        s["two_processes_cpu_us"], abs=0.2)
+    assert s["in_process_batch"] > s["two_processes_batch"]
+
+
+def test_lesson12_served_variants_say_how_to_start_them(capsys):
+    """watch draws the in-process run; a served variant's command is the server to start, and --compare says so."""
+    import shlex
+
+    from minipaged.cli import main, make_parser
+
+    lesson = get_lesson(12)
+    assert lesson.options_for({})[0] == "in-process"
+    one = lesson.variant_command("one-process")
+    assert "--core-in-thread" in one and "--send http://127.0.0.1:8000" in one
+    serve = shlex.split(one.split("  (")[0])
+    args = make_parser().parse_args(serve[1:])                 # the command parses as `minipaged serve`
+    assert args.core_in_thread and args.num_blocks == lesson.scenario.options["num_blocks"]
+    assert main(["watch", "--lesson", "12", "--compare"]) == 2
+    assert "Its other runs are servers" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 and drawing modules, not a copy), the thin client without torch, and the lessons as notebooks.
 
 CI executes two lessons' notebooks (1 and 3) with nbclient and a real ipykernel on the tiny model and checks
-every checkpoint ticks; all 11 are generated and validated with nbformat (executing them all would add minutes
+every checkpoint ticks; all 12 are generated and validated with nbformat (executing them all would add minutes
 to a CI run that is already about 21). tests/test_notebook_lab.py draws the widget in JupyterLab.
 """
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_every_lesson_becomes_a_valid_notebook_from_its_own_data(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lessons = list_lessons()
-    assert len(list(tmp_path.glob("*.ipynb"))) == len(lessons) == 11
+    assert len(list(tmp_path.glob("*.ipynb"))) == len(lessons) == 12
     for lesson in lessons:
         nb = nbformat.read(str(tmp_path / f"{lesson.slug}.ipynb"), as_version=4)
         nbformat.validate(nb)

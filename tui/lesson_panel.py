@@ -316,10 +316,15 @@ def build_lesson_compare(args: argparse.Namespace) -> tuple[Lesson, list[tuple[s
     """``minipaged watch --lesson N --compare``: the lesson's variants (its first three) side by side, each a
     LessonRun of the same scenario; engine flags the user gave apply to every one of them."""
     lesson = one_engine_lesson(args.lesson)
-    names = list(lesson.scenario.variants)[:3]
+    # A served lesson's other runs are servers (lesson 12): watch draws the in-process one, the rest are started.
+    elsewhere = [lesson.variant_command(name) for name in lesson.scenario.variants
+                 if lesson.scenario.variant_command(lesson.number, name) is not None]
+    names = [name for name in lesson.scenario.variants
+             if lesson.scenario.variant_command(lesson.number, name) is None][:3]
     if len(names) < 2:
-        raise ValueError(f"lesson {lesson.number} has a single run, so there is nothing to compare; open it "
-                         f"without --compare.")
+        raise ValueError(f"lesson {lesson.number} has a single run that `minipaged watch` draws, so there is nothing "
+                         f"to compare; open it without --compare."
+                         + "".join(f"\nIts other runs are servers: {command}" for command in elsewhere))
     user = engine_options(args)
     runs = []
     for name in names:

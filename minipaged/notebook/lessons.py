@@ -69,6 +69,8 @@ class LessonNotebook:
         variant = variant or self.lesson.scenario.main_variant
         if self.is_fleet():
             return self._run_fleet(variant)
+        if self.lesson.scenario.variant_command(self.lesson.number, variant) is not None:
+            return self._run_served(variant)
         from minipaged.engine import Engine
 
         engine = Engine(self.model, **self.lesson.scenario.engine_options(variant))
@@ -118,6 +120,27 @@ class LessonNotebook:
         self.runs[variant] = sum(len(r.events) for r in fleet.replicas)
         self._say_ticks(variant)
         return shown
+
+    def _run_served(self, variant: str) -> Any:
+        """A served lesson's server run (lesson 12: ``minipaged serve`` and its streaming clients), run to the end,
+        then drawn from the server's own events; its checkpoints ticked from them."""
+        run = self.lesson.scenario.run_headless(self.model, variant)
+        tracker = self.lesson.tracker(run.info)
+        tracker.variant = variant                         # how it was served: the engine's header cannot tell
+        for event in run.events:
+            self._feed(tracker, variant, event)
+        widget = None
+        if self.widgets:
+            from .feed import ReplayFeed
+            from .widget import EngineWidget
+            widget = EngineWidget(keep=max(1, len(run.events)))
+            widget.source = ReplayFeed(widget.send, run.info, [ev.to_json() for ev in run.events])
+            _display(_html(f"<b>{variant}</b>: {run.generated_tokens} tokens in {run.wall_s:.2f} s, "
+                           f"{len(run.events)} steps"))
+            _display(widget)
+        self.runs[variant] = len(run.events)
+        self._say_ticks(variant)
+        return widget
 
     def _feed(self, tracker: CheckpointTracker, variant: str, event: StepEvent) -> None:
         for i in tracker.feed(event):

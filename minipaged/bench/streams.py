@@ -1,0 +1,123 @@
+"""Many streaming clients against one server, and the CPU time each of its processes spent on them.
+
+What ``bench/serve.py`` measures round after round, and what lesson 12 ("Why vLLM runs its engine in its own
+process") runs once per variant: every prompt streamed at once through ``/v1/completions`` (token ids in,
+greedy, ``ignore_eos``), the server's CPU seconds read from ``/proc`` by process id (its engine core's, a
+child process under ``minipaged serve``, apart from the API server's), and the clients' own.
+
+CPU time, unlike wall time, is not inflated by other work on a shared machine: it says what each process
+spent on the same tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` and its children (the server's engine core) have
+    used: unlike wall time, other work on a shared machine does not inflate it."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(child) for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def pid_of_server(port: int) -> int:
+    """The process of the server started on ``port`` (its command line names the port)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in args and str(port).encode() in args and b"--port" in args:
+            return int(entry)
+    raise RuntimeError(f"no server process found for port {port}")
+
+
+class StreamResult(NamedTuple):
+    ttft_s: float          # request sent -> first streamed chunk, on the client's clock
+    tokens: int            # completion tokens, from the last chunk's usage
+    request_id: str        # the id the server gave it (its step events carry the same id)
+
+
+async def one_client(http: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> StreamResult:
+    """One streamed request, read to its end."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, tokens, request_id = None, 0, ""
+    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        # A lean reader (a real client runs on another machine; here it shares the server's two cores): the
+        # first chunk's arrival is the TTFT and gives the id, and only the last chunk, with the usage, is parsed.
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - start
+                request_id = json.loads(line[len("data: "):])["id"]
+            if '"usage":{' in line:
+                tokens = json.loads(line[len("data: "):])["usage"]["completion_tokens"]
+    return StreamResult(ttft or float("nan"), tokens, request_id)
+
+
+@dataclass
+class ServedRound:
+    """All prompts streamed at once through one server: wall seconds, what each client got, and CPU seconds."""
+
+    seconds: float
+    results: list[StreamResult]          # in the prompts' order
+    server_cpu_s: float                  # the server's processes together
+    core_cpu_s: float                    # its engine core's process (0 under --core-in-thread: one process)
+    clients_cpu_s: float                 # this process, where the clients ran
+    warm_up_id: str                      # the warm-up request's id (its steps come before the round's)
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.results)
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return statistics.mean(r.ttft_s for r in self.results)
+
+    @property
+    def api_server_cpu_s(self) -> float:
+        return self.server_cpu_s - self.core_cpu_s
+
+
+async def through_server(url: str, model: str, prompts: list[list[int]], max_tokens: int, pid: int) -> ServedRound:
+    """Every prompt streamed at once (one warm-up request first, not one of the prompts: no cache hit)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 1)) as http:
+        warm = await one_client(http, url, model, [5] * 8, 2)
+        cores = children(pid)
+        start, cpu, core_cpu = time.perf_counter(), cpu_seconds(pid), sum(map(cpu_seconds, cores))
+        clients_cpu = time.process_time()
+        results = await asyncio.gather(*[one_client(http, url, model, p, max_tokens) for p in prompts])
+        seconds, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+        core_cpu, clients_cpu = sum(map(cpu_seconds, cores)) - core_cpu, time.process_time() - clients_cpu
+    return ServedRound(seconds, list(results), cpu, core_cpu, clients_cpu, warm.request_id)
+
+
+def stream_all(url: str, model: str, prompts: list[list[int]], max_tokens: int, pid: int) -> ServedRound:
+    return asyncio.run(through_server(url, model, prompts, max_tokens, pid))
+
+
+__all__ = ["cpu_seconds", "children", "pid_of_server", "StreamResult", "one_client", "ServedRound",
+           "through_server", "stream_all"]
