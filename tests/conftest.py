@@ -18,6 +18,31 @@ from minipaged.model.testing import build_tiny_llama  # noqa: E402
 # with a fake clock. Servers the tests start get the same with --cpu-ops compiled (tests/serve_util.py).
 
 
+# ``make test`` runs the suite in two phases (a CI run on two cores took 23 minutes one test at a time):
+#   1. the files below, two at a time (pytest-xdist, ``-n 2 --dist loadfile``: a file's fixtures stay in one
+#      worker). They compute and compare (engine against transformers, kernels against their references,
+#      scheduler cases, hypothesis) and nothing else: no process, server, browser or terminal is started and no
+#      time is asserted, so a neighbour on the other core changes how long they take, never what they find.
+#   2. every other file, one test at a time: servers, browsers, tmux, torchrun, notebooks, bounds on time, the
+#      quitting races. Two of those at once on two cores would make a loaded laptop's timeouts fire.
+# A new file runs in phase 2 unless it is added here; tests/test_suite_phases.py checks that nothing listed
+# starts a process.
+TOGETHER = frozenset("""
+    test_anatomy test_api test_architecture_claims test_backend_conformance test_bench test_block_manager
+    test_cpu_calibration test_cpu_layer_ops test_decode_layers test_detokenizer test_engine_anatomy
+    test_event_hub test_fair_share test_import_graph test_input_batch test_labs test_lesson10
+    test_lesson_code_refs test_long_prefill test_memory test_metrics test_model_vs_transformers
+    test_policies test_quantization test_scheduling test_serve_abort_work test_smollm2 test_spec_decode
+    test_suite_phases test_triton_engine test_triton_layer_ops test_tui_state test_workload_presets
+""".split())
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in TOGETHER:
+            item.add_marker(pytest.mark.together)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def suite_backend_defaults():
     """Set the backends' defaults for the whole suite, and put the users' defaults back at its end."""
