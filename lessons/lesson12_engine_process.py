@@ -135,7 +135,7 @@ CHECKPOINTS = [
 
 QUIZ = [
     QuizQuestion(
-        "With the engine in a thread of the HTTP server's process (`--core-in-thread`), what do the engine's "
+        "With the engine in a thread of the HTTP server's process (`minipaged serve --core-in-thread`), what do the engine's "
         "scheduler and each streamed token's chunk have in common?",
         ("Nothing: they run in different threads, so in parallel", "They share one interpreter: Python runs one "
          "thread at a time (the GIL), so every chunk, write and task switch waits for the engine's Python and "
