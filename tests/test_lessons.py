@@ -578,19 +578,31 @@ def test_options_that_change_no_number_the_lesson_shows_keep_its_variant():
     assert lesson2.options_for({"num_threads": 4, "num_blocks": 7})[0] is None     # a real change still warns
 
 
+def smollm2_values(number: int) -> dict:
+    """Lesson ``number``'s measured values on SmolLM2 (run in a worker process of the test below)."""
+    return run_scenario(get_lesson(number), "smollm2").values
+
+
 @pytest.mark.slow
 def test_smollm2_gives_the_same_numbers():
-    """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says (about 90 s)."""
+    """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says. The lessons run two
+    at a time, each in a process of its own with the scenario's one thread: the same values as one after another
+    (none depends on time), in half the wall time (it was this suite's slowest test, 217 s on two cores)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     stored = json.loads(MEASURED_FILE.read_text(encoding="utf-8"))
-    for lesson in list_lessons():
-        if is_served(lesson):       # the tiny model's lesson (a cheap forward pass): its numbers are the workload's
-            continue                # and the greedy tokens', checked on the tiny model; SmolLM2 servers cost minutes
-        if is_fleet(lesson):        # its prompts are cut in SmolLM2's tokens too; its results move with timing
-            if HAS_ROUTER:
-                values = repeatable(run_scenario(lesson, "smollm2").values, lesson.scenario)
-                assert values == {k: stored[str(lesson.number)][k] for k in values}, lesson.number
-            continue
-        assert run_scenario(lesson, "smollm2").values == stored[str(lesson.number)], lesson.number
+    lessons = list_lessons()
+    # The served lesson is the tiny model's (a cheap forward pass): its numbers are the workload's and the greedy
+    # tokens', checked on the tiny model; SmolLM2 servers cost minutes. The fleet lesson starts servers itself.
+    alone = [lesson.number for lesson in lessons if not is_served(lesson) and not is_fleet(lesson)]
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for number, values in zip(alone, pool.map(smollm2_values, alone)):
+            assert values == stored[str(number)], number
+    for lesson in lessons:
+        if is_fleet(lesson) and HAS_ROUTER:     # its prompts are cut in SmolLM2's tokens; its results move with timing
+            values = repeatable(run_scenario(lesson, "smollm2").values, lesson.scenario)
+            assert values == {k: stored[str(lesson.number)][k] for k in values}, lesson.number
 
 
 # ----------------------------------------------------------------------------------------------- lesson 12

@@ -244,10 +244,13 @@ def soak_table(r: dict[str, Any]) -> str:
     def against(value: float, target: float) -> str:
         return f"{value:.2f} s" if value <= target else f"**{value:.2f} s**"
 
+    def seconds_figure(seconds: float) -> str:          # a row refused at once lasts a tenth of a second
+        return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2f} s"
+
     def rss(x: dict[str, Any]) -> str:
         text = f"{x['rss_before_mb']:.0f} -> {x['rss_after_mb']:.0f}"
         return text if x["rss_after_mb"] - x["rss_before_mb"] <= targets["rss_growth_mb"] else f"**{text}**"
-    rows = [[x["row"], f"{x['seconds']:.1f} s", against(x["victim_longest_pause_s"], targets["victim_pause_s"]),
+    rows = [[x["row"], seconds_figure(x['seconds']), against(x["victim_longest_pause_s"], targets["victim_pause_s"]),
              against(x["health_slowest_s"], targets["health_s"]),
              x["adversary_codes"] + (f"; {x['notes']}" if x["notes"] else ""), x.get("student_codes", "-"), rss(x)]
             for x in r["rows"]]
