@@ -207,6 +207,26 @@ def test_live_run_adds_requests_on_their_step_and_skips_idle_gaps(tmp_path):
     assert trace_info == engine.info and trace_events == events
 
 
+def test_closing_a_live_run_stops_its_engines_model_thread(tiny_engine_factory):
+    """Quitting ``watch`` closes the engine: with async output processing its model thread must not outlive
+    the app (the console command exits hard and hid it; a notebook or a library user's process goes on)."""
+    import threading
+
+    def model_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("minipaged-model") and t.is_alive()]
+
+    before = model_threads()
+    engine = tiny_engine_factory(async_output_processing=True)
+    arrivals = tuple(Arrival(1, f"p{i}", SamplingParams(max_tokens=4)) for i in range(2))
+    run = LiveRun(lambda progress: engine, Workload("t", "", arrivals))
+    run.load()
+    for _ in range(3):
+        run.step()
+    assert len(model_threads()) > len(before)          # the run really had its model thread
+    run.close()
+    assert model_threads() == before
+
+
 def test_a_workload_prompt_the_engine_would_refuse_stops_the_run_before_it_starts():
     arrivals = (Arrival(1, "fine", SamplingParams()), Arrival(5, "too long", SamplingParams()))
     engine = FakeEngine()

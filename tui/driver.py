@@ -90,6 +90,10 @@ class LiveRun:
         return event
 
     def close(self) -> None:
+        """Close the trace and the engine: an engine with async scheduling has a model thread, which must
+        not outlive the app that quit (a notebook or a test keeps the process running)."""
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
