@@ -19,6 +19,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
+import msgspec
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -291,9 +293,17 @@ class StepEvent:
         return sum(s.num_new_tokens for s in self.scheduled if s.kind == "decode")
 
     def to_json(self) -> str:
-        """``{"type": "step", **asdict(self)}`` as compact JSON, written without ``asdict``'s deep copy (a tenth of
-        the time: a notebook widget or a server serialises every step beside the engine)."""
-        return _ENCODER.encode({"type": "step", **_fields_of(self)})
+        """``{"type": "step", **asdict(self)}`` as compact JSON (the same value): a notebook widget, a trace and a
+        server's watchers serialise every step beside the engine. msgspec writes the dataclasses as they are, in
+        a sixth of the time json's encoder took with a ``default`` (10 against 66 us a step of a lesson on the
+        tiny model: the widget's whole cost to the engine there). Text stays UTF-8 rather than ``\\u``-escaped.
+        json still writes what UTF-8 cannot carry (a lone surrogate, which a client's JSON can send in a
+        prompt). A float JSON has no number for (inf, nan) is null here, where json wrote ``-Infinity``, which a
+        browser's JSON.parse refuses (an event carries only the sampled tokens' log-probabilities: finite)."""
+        try:
+            return _FAST_ENCODER.encode({"type": "step", **_fields_of(self)}).decode()
+        except (msgspec.EncodeError, UnicodeEncodeError):
+            return _ENCODER.encode({"type": "step", **_fields_of(self)})
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepEvent":
@@ -336,3 +346,4 @@ def _fields_of(obj: Any) -> dict[str, Any]:
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_fields_of)
+_FAST_ENCODER = msgspec.json.Encoder()

@@ -7,6 +7,7 @@ to a CI run that is already about 21). tests/test_notebook_lab.py draws the widg
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -270,7 +271,9 @@ def test_record_writes_a_trace_that_replay_draws(tiny_engine_factory, tmp_path):
 
 def test_to_json_writes_what_asdict_wrote(recorded, tiny_engine_factory):
     """StepEvent.to_json skips asdict's deep copy (the widget's feed and the server serialise every step): the
-    same JSON, byte for byte, on events with arrivals, chunks, preemptions, speculative drafts and log-probs."""
+    same JSON value on events with arrivals, chunks, preemptions, speculative drafts and log-probs, as compact
+    (msgspec writes floats in their shortest form and leaves text UTF-8); a lone surrogate (a client's JSON can
+    send one) still gets through."""
     from dataclasses import asdict
 
     _info, events = recorded
@@ -281,4 +284,8 @@ def test_to_json_writes_what_asdict_wrote(recorded, tiny_engine_factory):
     engine.generate([[5, 6, 7, 8] * 6], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))
     assert any(s.draft_token_ids for ev in more for s in ev.scheduled) and any(ev.new_logprobs for ev in more)
     for ev in events + more:
-        assert ev.to_json() == json.dumps({"type": "step", **asdict(ev)}, separators=(",", ":"))
+        written, before = ev.to_json(), json.dumps({"type": "step", **asdict(ev)}, separators=(",", ":"))
+        assert json.loads(written) == json.loads(before)
+        assert "\n" not in written                              # one line of a JSON-lines trace
+    odd = dataclasses.replace(events[-1], new_text={"r0": "\ud800 lone"})
+    assert json.loads(odd.to_json())["new_text"] == {"r0": "\ud800 lone"}
