@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from minipaged import Engine
+from minipaged.bench.streams import children
 from minipaged.events import StepEvent
 from minipaged.outputs import RequestDelta
 from minipaged.request import SamplingParams
@@ -49,11 +50,6 @@ def test_the_wire_gives_back_the_engines_own_types(tiny_model, tmp_path):
     assert got == [("step", deltas, event) for deltas, event in steps]
     assert isinstance(got[-1][2], StepEvent) and isinstance(got[-1][1][0], RequestDelta)
     assert got[-1][1][0].output.outputs[0].logprobs == steps[-1][0][0].output.outputs[0].logprobs
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-            for c in (task / "children").read_text().split()]
 
 
 def core_of(server_pid: int) -> int:

@@ -280,10 +280,14 @@ class AsyncEngine:
         self.stats = stats
 
     def _on_failed(self, message: str) -> None:       # a step raised; the core aborted its requests
+        self._fail_streams(ServerError(500, message))
+
+    def _fail_streams(self, error: ServerError) -> None:
+        """End every stream in flight with ``error``, for a core that has already let go of their requests."""
         for request_id in list(self._streams):
             stream = self._forget(request_id)
             if stream is not None:
-                stream.queue.put_nowait(ServerError(500, message))
+                stream.queue.put_nowait(error)
 
     def _on_alive(self) -> None:
         pass
@@ -293,10 +297,7 @@ class AsyncEngine:
         server stops (it cannot serve without its core)."""
         self.dead = why
         logger.error("%s; failing the requests in flight and stopping the server", why)
-        for request_id in list(self._streams):
-            stream = self._forget(request_id)
-            if stream is not None:
-                stream.queue.put_nowait(ServerError(500, f"{why} while this request was served."))
+        self._fail_streams(ServerError(500, f"{why} while this request was served."))
         self.hub.close_all()
         self.on_core_exit(why)
 
