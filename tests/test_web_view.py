@@ -74,7 +74,7 @@ def test_a_live_page_draws_a_request_in_its_colour_and_agrees_with_health(server
             got_id: list[str] = []
             enough = threading.Event()
             sender = threading.Thread(target=stream_completions_until,
-                                      args=(server, "blocks fill up " * 6, 400, got_id, enough))
+                                      args=(server, "blocks fill up " * 6, 400, got_id, enough, 100))
             sender.start()
             seen: dict = {"checks": 0}
             png = b""
@@ -88,11 +88,12 @@ def test_a_live_page_draws_a_request_in_its_colour_and_agrees_with_health(server
                     state = await evaluate(page, f"""(() => {{ const m = window.minipaged, s = m.state, ev = s.lastEvent;
                         return {{used: m.usedBlocks(), engine_used: ev.num_total_blocks - ev.num_free_blocks,
                                  holds: s.requests.has('{rid}') ? s.requests.get('{rid}').blocks.length : 0,
+                                 scheduled: (ev.scheduled || []).some((x) => x.request_id === '{rid}'),
                                  colour: m.colour('{rid}'), step: s.step}}; }})()""")
                     assert state["used"] == state["engine_used"], state
                     seen["checks"] += 1
-                    if state["holds"] < 4:
-                        continue
+                    if state["holds"] < 4 or not state["scheduled"]:
+                        continue       # (the id may be the last request's, finished: its blocks stay cached)
                     png = await screenshot(page)
                     rgb = decode_png(png)
                     in_map = count_colour(region(rgb, await evaluate(page, RECT.format("map"))), state["colour"])
