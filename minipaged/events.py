@@ -16,7 +16,7 @@ clients (``watch --attach``, ``export-html``) read events without the engine.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 import msgspec
@@ -300,10 +300,11 @@ class StepEvent:
         json still writes what UTF-8 cannot carry (a lone surrogate, which a client's JSON can send in a
         prompt). A float JSON has no number for (inf, nan) is null here, where json wrote ``-Infinity``, which a
         browser's JSON.parse refuses (an event carries only the sampled tokens' log-probabilities: finite)."""
+        message = {"type": "step", **_fields_of(self)}
         try:
-            return _FAST_ENCODER.encode({"type": "step", **_fields_of(self)}).decode()
+            return _FAST_ENCODER.encode(message).decode()
         except (msgspec.EncodeError, UnicodeEncodeError):
-            return _ENCODER.encode({"type": "step", **_fields_of(self)})
+            return _ENCODER.encode(message)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "StepEvent":

@@ -12,7 +12,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from minipaged.events import EngineInfo, StepEvent
+from minipaged.events import StepEvent
 from minipaged.lessons.core import CheckpointTracker, Lesson, ScenarioFeed, get_lesson
 
 def _display(obj: Any) -> None:
@@ -101,22 +101,11 @@ class LessonNotebook:
     def _run_fleet(self, variant: str) -> Any:
         """A fleet lesson: replicas behind sglang-router, run to the end; each replica's run drawn afterwards
         (a slider per replica), its checkpoints ticked from each replica's events."""
-        from .widget import EngineWidget
-        from .feed import ReplayFeed
-
         fleet = self.lesson.scenario.run_headless(self.model, variant)
-        shown = []
-        for i, run in enumerate(fleet.replicas):
-            tracker = self.lesson.tracker(run.info)
-            tracker.variant = variant                     # the router's policy: the replicas cannot tell it
-            for event in run.events:
-                self._feed(tracker, variant, event)
-            if self.widgets:
-                widget = EngineWidget(keep=max(1, len(run.events)))
-                widget.source = ReplayFeed(widget.send, run.info, [ev.to_json() for ev in run.events])
-                _display(_html(f"<b>replica {i}</b>: {len(run.events)} steps"))
-                _display(widget)
-                shown.append(widget)
+        # (the router's policy is the variant: the replicas cannot tell it)
+        shown = [self._tick_and_replay(run, variant, f"<b>replica {i}</b>: {len(run.events)} steps")
+                 for i, run in enumerate(fleet.replicas)]
+        shown = [widget for widget in shown if widget is not None]
         self.runs[variant] = sum(len(r.events) for r in fleet.replicas)
         self._say_ticks(variant)
         return shown
@@ -125,21 +114,29 @@ class LessonNotebook:
         """A served lesson's server run (lesson 12: ``minipaged serve`` and its streaming clients), run to the end,
         then drawn from the server's own events; its checkpoints ticked from them."""
         run = self.lesson.scenario.run_headless(self.model, variant)
-        tracker = self.lesson.tracker(run.info)
-        tracker.variant = variant                         # how it was served: the engine's header cannot tell
-        for event in run.events:
-            self._feed(tracker, variant, event)
-        widget = None
-        if self.widgets:
-            from .feed import ReplayFeed
-            from .widget import EngineWidget
-            widget = EngineWidget(keep=max(1, len(run.events)))
-            widget.source = ReplayFeed(widget.send, run.info, [ev.to_json() for ev in run.events])
-            _display(_html(f"<b>{variant}</b>: {run.generated_tokens} tokens in {run.wall_s:.2f} s, "
-                           f"{len(run.events)} steps"))
-            _display(widget)
+        # (how it was served is the variant: the engine's header cannot tell)
+        widget = self._tick_and_replay(run, variant, f"<b>{variant}</b>: {run.generated_tokens} tokens in "
+                                       f"{run.wall_s:.2f} s, {len(run.events)} steps")
         self.runs[variant] = len(run.events)
         self._say_ticks(variant)
+        return widget
+
+    def _tick_and_replay(self, run: Any, variant: str, caption: str) -> Any:
+        """A run that ended elsewhere (a replica, a server): its checkpoints ticked from its events, the tracker
+        told the variant (the events' engine cannot tell it), then the run drawn with a slider under
+        ``caption``. Returns the widget, or None without widgets."""
+        tracker = self.lesson.tracker(run.info)
+        tracker.variant = variant
+        for event in run.events:
+            self._feed(tracker, variant, event)
+        if not self.widgets:
+            return None
+        from .feed import ReplayFeed
+        from .widget import EngineWidget
+        widget = EngineWidget(keep=max(1, len(run.events)))
+        widget.source = ReplayFeed(widget.send, run.info, [ev.to_json() for ev in run.events])
+        _display(_html(caption))
+        _display(widget)
         return widget
 
     def _feed(self, tracker: CheckpointTracker, variant: str, event: StepEvent) -> None:
