@@ -154,7 +154,7 @@ def send_streams(scenario: ServedScenario, url: str, model: str) -> int:
     import httpx
     from transformers import AutoTokenizer
 
-    from minipaged.bench.streams import one_client
+    from minipaged.bench.streams import one_client, run_to_the_end
 
     from .fleet import model_path
 
@@ -165,4 +165,4 @@ def send_streams(scenario: ServedScenario, url: str, model: str) -> int:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(scenario.requests))) as http:
             return await asyncio.gather(*[one_client(http, url.rstrip("/"), served, spec.token_ids(tokenizer),
                                                      spec.max_tokens) for spec in scenario.requests])
-    return sum(r.tokens for r in asyncio.run(all_at_once()))
+    return sum(r.tokens for r in run_to_the_end(all_at_once()))

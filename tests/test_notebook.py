@@ -1,13 +1,14 @@
 """minipaged.notebook: the widget's feed (rate bound, coalescing, late views), its ES module (the page's own fold
 and drawing modules, not a copy), the thin client without torch, and the lessons as notebooks.
 
-CI executes two lessons' notebooks (1 and 3) with nbclient and a real ipykernel on the tiny model and checks
-every checkpoint ticks; all 12 are generated and validated with nbformat (executing them all would add minutes
-to a CI run that is already about 21). tests/test_notebook_lab.py draws the widget in JupyterLab.
+CI generates every lesson's notebook, validates it with nbformat, and executes all of them with nbclient in one
+real ipykernel on a tiny model, checking every checkpoint ticks. tests/test_notebook_lab.py draws the widget in
+JupyterLab.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -223,33 +224,86 @@ def test_every_lesson_becomes_a_valid_notebook_from_its_own_data(tmp_path):
         assert nb.metadata["minipaged"]["checkpoints"] == len(lesson.checkpoints)
 
 
-@pytest.mark.parametrize("number", [1, 3])
-def test_a_lesson_notebook_runs_headless_and_ticks_every_checkpoint(number, tmp_path, tmp_path_factory, monkeypatch):
+# The first cell of each notebook in the shared kernel: the names the notebook before it defined are gone.
+FORGET = ("for _name in [n for n in globals() if not n.startswith('_') and n not in ('In', 'Out', 'get_ipython', "
+          "'exit', 'quit')]:\n    del globals()[_name]")
+
+
+@pytest.fixture(scope="module")
+def executed_notebooks(tmp_path_factory):
+    """Every lesson's notebook as ``minipaged lessons --notebook`` makes it, executed headless by nbclient in a real
+    ipykernel, with the model line edited as a teacher edits it (the lesson model: SmolLM2's shape, tiny weights,
+    so lesson 7's split runs). One kernel runs them one after another, each notebook opened by a cell that deletes
+    every name the one before defined (only imported modules stay loaded): one start-up of Python, torch and
+    transformers for all twelve instead of twelve. (Not ``%reset -f``: it also deletes ``__main__.__spec__``, and
+    lesson 7's worker processes then cannot start.) The fleet lesson (11) needs sglang-router, which CI installs.
+
+    Returns {lesson number: (lesson, the executed notebook)}; the notebooks are also written to the tmp dir."""
     import nbformat
     from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell
 
-    from minipaged.lessons.core import build_lesson_model, get_lesson
+    from minipaged.lessons.core import build_lesson_model, list_lessons
+    from minipaged.lessons.fleet import FleetScenario
     from minipaged.notebook.notebooks import MODEL_LINE, lesson_notebook
 
-    model = tmp_path_factory.getbasetemp() / "notebook-lesson-model"
-    if not (model / "config.json").exists():
-        build_lesson_model(str(model))
-    lesson = get_lesson(number)
-    nb = lesson_notebook(lesson)
-    setup = next(c for c in nb.cells if c.cell_type == "code" and MODEL_LINE in c.source)
-    setup.source = setup.source.replace(MODEL_LINE, f"MODEL = {str(model)!r}")   # as a teacher edits the line
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.output_type == "error"]
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    n = len(lesson.checkpoints)
-    assert f"checkpoints ticked: {n}/{n}" in text, text
-    widgets = [o for o in outputs if o.output_type == "display_data"
-               and "application/vnd.jupyter.widget-view+json" in o.get("data", {})
-               and "EngineWidget" in o["data"].get("text/plain", "")]
-    assert len(widgets) == len(nb.metadata["minipaged"]["variants"])       # one live view per run
-    nbformat.write(nb, str(tmp_path / f"lesson{number}.ipynb"))
+    folder = tmp_path_factory.mktemp("lesson-notebooks")
+    model = build_lesson_model(str(folder / "model"))
+    has_router = importlib.util.find_spec("sglang_router") is not None
+    lessons = [lesson for lesson in list_lessons() if has_router or not isinstance(lesson.scenario, FleetScenario)]
+    executed, first = {}, None
+    os.environ["HF_HUB_OFFLINE"] = "1"                  # the kernel inherits it (conftest sets it for the suite)
+    try:
+        for lesson in lessons:
+            nb = lesson_notebook(lesson)
+            setup = next(c for c in nb.cells if c.cell_type == "code" and MODEL_LINE in c.source)
+            setup.source = setup.source.replace(MODEL_LINE, f"MODEL = {model!r}")
+            nb.cells.insert(0, new_code_cell(FORGET))
+            client = NotebookClient(nb, timeout=180, kernel_name="python3",
+                                    resources={"metadata": {"path": str(folder)}})
+            if first is None:
+                first = client
+            else:                                       # the same kernel and its client
+                client.km, client.kc = first.km, first.kc
+            client.execute(cleanup_kc=False)
+            nbformat.write(nb, str(folder / f"{lesson.slug}.ipynb"))
+            executed[lesson.number] = (lesson, nb)
+    finally:
+        if first is not None and first.km is not None:
+            first._cleanup_kernel()                     # the kernel process stops here, pass or fail
+    return executed
+
+
+def test_every_lesson_notebook_runs_headless_and_ticks_every_checkpoint(executed_notebooks):
+    from minipaged.lessons.core import list_lessons
+
+    wanted = {lesson.number for lesson in list_lessons()}
+    if importlib.util.find_spec("sglang_router") is None:
+        wanted -= {11}                                  # (the fleet lesson: pip install -e '.[fleet]')
+    assert set(executed_notebooks) == wanted
+    for number, (lesson, nb) in executed_notebooks.items():
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+        assert not [o for o in outputs if o.output_type == "error"], number
+        text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+        n = len(lesson.checkpoints)
+        assert f"checkpoints ticked: {n}/{n}" in text, (number, text)
+        widgets = [o for o in outputs if o.output_type == "display_data"
+                   and "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                   and "EngineWidget" in o["data"].get("text/plain", "")]
+        assert len(widgets) >= len(nb.metadata["minipaged"]["variants"]), number   # a live view (or more) per run
+
+
+def test_a_notebook_forgets_the_names_of_the_one_before(executed_notebooks):
+    """The shared kernel does not let one notebook lean on another's names: each begins by deleting them, so a
+    notebook that used a name it never defined would fail here as it would alone (``lesson`` is defined by every
+    notebook: a notebook that skipped its set-up cell would find none)."""
+    for _lesson, nb in executed_notebooks.values():
+        assert nb.cells[0].source == FORGET and nb.cells[0].get("outputs", []) == []
+    from IPython.core.interactiveshell import InteractiveShell        # what the cell does, in a shell of our own
+    shell = InteractiveShell.instance()
+    shell.run_cell("lesson = 'from the notebook before'")
+    shell.run_cell(FORGET)
+    assert shell.run_cell("lesson").error_in_exec is not None
 
 
 def test_record_writes_a_trace_that_replay_draws(tiny_engine_factory, tmp_path):

@@ -11,12 +11,13 @@ spent on the same tokens.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 def cpu_seconds(pid: int) -> float:
@@ -152,9 +153,21 @@ async def through_server(url: str, model: str, prompts: list[list[int]], max_tok
     return ServedRound(seconds, list(results), cpu, core_cpu, clients_cpu, warm.request_id)
 
 
+def run_to_the_end(coroutine: Any) -> Any:
+    """``asyncio.run(coroutine)``, also where this thread already runs an event loop (a Jupyter kernel does, and
+    ``asyncio.run`` refuses to start a second one there): the coroutine then runs on a loop of its own in a
+    thread, and this call waits for it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minipaged-streams") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def stream_all(url: str, model: str, prompts: list[list[int]], max_tokens: int, pid: int) -> ServedRound:
-    return asyncio.run(through_server(url, model, prompts, max_tokens, pid))
+    return run_to_the_end(through_server(url, model, prompts, max_tokens, pid))
 
 
 __all__ = ["cpu_seconds", "children", "pid_of_server", "StreamResult", "completion_request", "unchunk", "one_client", "ServedRound",
-           "through_server", "stream_all"]
+           "through_server", "run_to_the_end", "stream_all"]
