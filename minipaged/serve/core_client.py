@@ -100,6 +100,9 @@ class ProcessCore:
         write_arguments(self.folder, model, options, kv_events, os.getpid())
         self.process = subprocess.Popen([sys.executable, "-m", "minipaged.serve.core_process", self.folder])
         try:
+            # The tokenizer's library (transformers, which imports torch: seconds) is imported now, while the core
+            # process loads the model on the other core, not after it is ready: the server answers that much sooner.
+            from transformers import AutoTokenizer  # noqa: F401
             self.served = self._wait_until_ready(progress or (lambda _m: None))
         except BaseException:
             self.close(timeout_s=2.0)
