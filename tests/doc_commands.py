@@ -408,7 +408,10 @@ def run_watch_command(command: Command, folder: Path, monkeypatch, pilot=None) -
         pilot = functools.partial(first_steps, steps=0 if command.text in STEPS_NOT_WAITED else FIRST_STEPS)
     before = our_threads()
     with apps_driven_headless(monkeypatch, pilot):
-        code, output = run_main(command.argv, folder)
+        try:
+            code, output = run_main(command.argv, folder)
+        except AssertionError as exc:                  # the pilot's: which command, and where it is quoted
+            raise AssertionError(f"{command}: {exc}") from None
     expected_end(command, code, output)
     for thread in our_threads() - before:
         thread.join(THREAD_JOIN_S)
