@@ -35,9 +35,10 @@ SUBSTITUTIONS = """
   from the quoted text, the test's own given), the machines of docs/serving.md (192.168.1.20, gpu1, gpu2) -> the
   test's server (fleet --worker-urls gpu1 gpu2: that server spelt 127.0.0.1 and localhost);
 * --threads 1 for every `serve` (one thread per process: the suite's rule for servers);
-* `bench serve`: --num-prompts -> 1 (per rate) and --output-len -> at most 8, given or added (the guides' 6 to 10 requests
-  of up to 768 tokens per rate, or the default 64, are minutes of SmolLM2 on two cores: the README's took 96 s);
-  tests/test_bench_serve.py runs bench serve's workloads at their sizes on a tiny model.
+* `bench serve`: --num-prompts -> 1 (per rate) and --output-len -> at most 8, given or added (the guides' 6 to
+  10 requests of up to 768 tokens per rate, or the default 64, are minutes of SmolLM2 on two cores: the README's
+  took 96 s); tests/test_bench_serve.py runs bench serve's workloads at their sizes on a tiny model;
+* bench serve's --dataset FILE.jsonl, which bench/peer.py and bench/tuning.py write: 8 prompts in its format.
 """
 FREE_CHOICE = {"N": "1", "FILE": "run.jsonl", "KEY": "doc-key", "M": "smollm2", "URL": "{server}"}
 SERVER_URLS = ("http://127.0.0.1:8000", "http://192.168.1.20:8000", "http://gpu1:8000", "http://gpu2:8000")
@@ -54,7 +55,7 @@ SERVE_SKIP = ("another SmolLM2 server: 25 s here (`minipaged serve` and the READ
 # Commands this machine cannot run, by their text as typed (after the shell tail is cut): why.
 SKIPS = {
     "minipaged watch --model tinyllama":
-        "TinyLlama comes from the Hugging Face hub, which this machine cannot reach (tests/test_options.py checks "
+        "TinyLlama comes from the Hugging Face hub, which this machine cannot reach (tests/test_api.py checks "
         "the error a user without it gets)",
     # Minutes of CPU on this 2-core machine (measured under load: 90 s and 317 s; watch --no-tui runs the whole
     # default workload, 47 s); tests/test_bench.py runs the same command code on a tiny model.

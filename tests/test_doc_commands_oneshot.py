@@ -19,6 +19,8 @@ from doc_commands import (ALL, expected_end, of_kind, one_load_per_model, parsed
 NEEDS_A_TRACE = ("plot", "export-html")
 
 
+pytestmark = pytest.mark.slow         # they load the embedded SmolLM2 (once per process)
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch, one_load_per_model(monkeypatch):

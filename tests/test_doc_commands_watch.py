@@ -1,5 +1,5 @@
 """Every other ``minipaged watch ...`` the README, docs and labs quote (workloads, --record/--replay, --compare,
-the student's policy, the labs) opens its app in this process, loads its engine, runs its first steps and quits
+the student's policy, the labs) opens its app in this process, loads its engine, runs its first step and quits
 on q with exit 0 and no thread left; then the commands that read the README's recorded run (plot, export-html)
 finish. tests/doc_commands.py: how the app is driven, what is substituted and skipped. The embedded SmolLM2 is
 loaded once for them all."""
@@ -12,6 +12,8 @@ from doc_commands import (ALL, expected_end, lab_folder, of_kind, one_load_per_m
 
 RECORD = ["watch", "--record", "run.jsonl"]
 
+
+pytestmark = pytest.mark.slow         # they load the embedded SmolLM2 (once per process)
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
