@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from . import docs, report
 from .servers import free_port, metric_totals, minipaged_serve_command, running
 
-SERVED_NAME = "bench"
+SERVED_NAME = "smollm2"     # what `minipaged serve --model smollm2`, the command the docs show, serves
 COUNTERS = {        # what the client cannot see, from minipaged's /metrics (vLLM's names)
     "preemptions": "minipaged:num_preemptions_total",
     "prefill_tokens_computed": "minipaged:prompt_tokens_total",
@@ -138,7 +138,7 @@ def bars(path: Path, title: str, labels: list[str], panels: list[tuple[str, list
 
 def command_line(bench_args: list[str]) -> str:
     words = [f"'{w}'" if w.startswith("{") else w for w in bench_args]
-    return "minipaged bench serve --base-url http://127.0.0.1:8000 --model bench " + " ".join(words)
+    return f"minipaged bench serve --base-url http://127.0.0.1:8000 --model {SERVED_NAME} " + " ".join(words)
 
 
 def write_prompts(ctx: Context, name: str, prompts: list[str]) -> str:
