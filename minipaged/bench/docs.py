@@ -450,15 +450,17 @@ def rendered_performance_doc(results: dict[str, Any], tuning_values: dict[str, A
 
 def peer_derived(record: dict[str, Any]) -> dict[str, Any]:
     """From bench/peer_llamacpp.py's record: each alone target's lowest and highest ratio over the rounds, and
-    the fp32 server's ms per token alone with its tokens handed over at the hand-off point and after each step."""
+    the ms per token alone of minipaged int8 against llama.cpp Q8_0 (the decode alone, without the prefill)."""
     rounds = record.get("ratios_each_round") or [record["ratios"]]
     spread = {key: {"low": min(r[key] for r in rounds), "high": max(r[key] for r in rounds)}
               for key in ("alone_fp32_vs_f32", "alone_int8_vs_q8_0") if all(key in r for r in rounds)}
     results = record["results"]
-    after_step = results.get("minipaged-fp32-hand-off-after-step")
+    int8, q8 = results["minipaged-int8"]["alone"], results["llama.cpp-Q8_0"]["alone"]
     return {"rounds": len(rounds), "spread": spread,
             "fp32_tpot_ms": results["minipaged-fp32"]["alone"]["median_tpot_ms"],
-            "after_step_tpot_ms": after_step["alone"]["median_tpot_ms"] if after_step else None}
+            "int8_tpot_ms": int8["median_tpot_ms"], "q8_0_tpot_ms": q8["median_tpot_ms"],
+            "int8_decode_vs_q8_0": q8["median_tpot_ms"] / int8["median_tpot_ms"],
+            "int8_ttft_ms": int8["median_ttft_s"] * 1000, "q8_0_ttft_ms": q8["median_ttft_s"] * 1000}
 
 
 def rendered_quantization_doc(results: dict[str, Any]) -> str:
