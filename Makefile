@@ -32,11 +32,12 @@ setup: $(VENV)/.installed
 watch: $(VENV)/.installed
 	$(VENV)/bin/minipaged watch
 
-# Two phases (tests/conftest.py, TOGETHER): the files that only compute, two at a time; then the rest (servers,
-# browsers, terminals, timings) one test at a time. Both always run; either failing fails the target.
+# Two phases (tests/conftest.py, TOGETHER and ALONGSIDE): the files that only compute, two at a time; then the rest
+# (servers, browsers, terminals, timings) one test at a time, beside a lane of long computations on the other core.
+# Both always run; either failing fails the target.
 test: $(VENV)/.gpu-extra
 	$(PY) -m pytest -q -m together -n 2 --dist loadfile --durations=10; first=$$?; \
-	$(PY) -m pytest -q -m "not together" --durations=20; second=$$?; \
+	$(PY) -m pytest -q -m "not together" -n 2 --dist loadgroup --durations=20; second=$$?; \
 	exit $$(( first || second ))
 
 bench: $(VENV)/.installed

@@ -19,14 +19,19 @@ from minipaged.model.testing import build_tiny_llama  # noqa: E402
 
 
 # ``make test`` runs the suite in two phases (a CI run on two cores took 23 minutes one test at a time):
-#   1. the files below, two at a time (pytest-xdist, ``-n 2 --dist loadfile``: a file's fixtures stay in one
+#   1. the files in TOGETHER, two at a time (pytest-xdist, ``-n 2 --dist loadfile``: a file's fixtures stay in one
 #      worker). They compute and compare (engine against transformers, kernels against their references,
-#      scheduler cases, hypothesis) and nothing else: no process, server, browser or terminal is started and no
-#      time is asserted, so a neighbour on the other core changes how long they take, never what they find.
-#   2. every other file, one test at a time: servers, browsers, tmux, torchrun, notebooks, bounds on time, the
-#      quitting races. Two of those at once on two cores would make a loaded laptop's timeouts fire.
-# A new file runs in phase 2 unless it is added here; tests/test_suite_phases.py checks that nothing listed
-# starts a process.
+#      scheduler cases, hypothesis, the guides' commands in Textual's headless driver) and nothing else: no
+#      process, server, browser or terminal is started and no time is measured, so a neighbour on the other core
+#      changes how long they take, never what they find.
+#   2. every other file, in two lanes (``-n 2 --dist loadgroup``): the serial lane runs servers, browsers, tmux,
+#      torchrun, notebooks, bounds on time and the quitting races one test at a time, as before (two of those at
+#      once on two cores would make a loaded laptop's timeouts fire); the alongside lane (ALONGSIDE, and tests
+#      marked ``alongside``) runs, at the same time on the other core, work of the first phase's kind that is too
+#      long for it: SmolLM2's lessons (minutes on one core) and the Textual apps. The serial lane's processes
+#      mostly leave the second core idle; to them the alongside lane is a busy neighbour, as on a loaded laptop.
+# A new file runs in the serial lane unless it is added to a set here; tests/test_suite_phases.py checks that
+# nothing in TOGETHER or ALONGSIDE starts a process or measures a time.
 TOGETHER = frozenset("""
     test_anatomy test_api test_architecture_claims test_backend_conformance test_bench test_block_manager
     test_cpu_calibration test_cpu_layer_ops test_decode_layers test_detokenizer test_doc_commands_lessons
@@ -38,10 +43,20 @@ TOGETHER = frozenset("""
 """.split())
 
 
+ALONGSIDE = frozenset("""
+    test_compare test_compare_app test_cuda_graphs test_decode_step_race test_lessons_pilot test_logits
+    test_threads test_tui_pilot test_tui_snapshots
+""".split())
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.stem in TOGETHER:
             item.add_marker(pytest.mark.together)
+        elif item.path.stem in ALONGSIDE or item.get_closest_marker("alongside"):
+            item.add_marker(pytest.mark.xdist_group("alongside"))
+        else:
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 @pytest.fixture(autouse=True, scope="session")

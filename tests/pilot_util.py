@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
+
+PAUSE_S = 0.02
 
 
 def run_async(test):
@@ -15,7 +16,11 @@ def run_async(test):
 
 
 async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "timed out waiting for the app"
-        await pilot.pause(0.02)
+    """Wait for what the app shows. ``timeout`` is a hang guard counted in short pauses (timeout / 0.02 of them;
+    on a busy machine each lasts longer), not read from a clock: a test waiting here measures no time, so it may
+    run beside another (tests/conftest.py)."""
+    for _ in range(int(timeout / PAUSE_S)):
+        if condition():
+            return
+        await pilot.pause(PAUSE_S)
+    assert condition(), "timed out waiting for the app"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import sys
 import types
@@ -584,10 +585,12 @@ def smollm2_values(number: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.alongside
 def test_smollm2_gives_the_same_numbers():
-    """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says. The lessons run two
-    at a time, each in a process of its own with the scenario's one thread: the same values as one after another
-    (none depends on time), in half the wall time (it was this suite's slowest test, 217 s on two cores)."""
+    """What a learner sees in ``minipaged watch --lesson N`` (SmolLM2) is what the text says. The lessons run in
+    worker processes with the scenario's one thread, two at a time when run alone (the same values as one after
+    another: none depends on time, in half the wall time), one at a time in ``make test``'s alongside lane, which
+    has one core to itself (tests/conftest.py)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -596,7 +599,8 @@ def test_smollm2_gives_the_same_numbers():
     # The served lesson is the tiny model's (a cheap forward pass): its numbers are the workload's and the greedy
     # tokens', checked on the tiny model; SmolLM2 servers cost minutes. The fleet lesson starts servers itself.
     alone = [lesson.number for lesson in lessons if not is_served(lesson) and not is_fleet(lesson)]
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+    workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2          # (under xdist: the alongside lane)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for number, values in zip(alone, pool.map(smollm2_values, alone)):
             assert values == stored[str(number)], number
     for lesson in lessons:

@@ -6,8 +6,6 @@ folder, which loads in well under a second (importing torch is the slow part).
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
 from pathlib import Path
 
 import pytest
@@ -18,27 +16,13 @@ from minipaged.tui.driver import LiveRun
 from minipaged.tui.help import HelpScreen
 from minipaged.tui.widgets.block_map import BlockMap
 from minipaged.workloads import Workload
+from pilot_util import run_async, wait_for
 
 TRACE = Path(__file__).parent / "data" / "watch_trace.jsonl"
 
 
-def run_async(test):
-    """Run an async test with asyncio.run (no pytest async plugin needed); fixtures still work."""
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return wrapper
-
-
 def replay_app(**kw) -> WatchApp:
     return WatchApp(replay=read_trace(str(TRACE)), paused=True, **kw)
-
-
-async def wait_for(pilot, condition, timeout: float = 60.0) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "timed out waiting for the app"
-        await pilot.pause(0.02)
 
 
 def map_picture(app: WatchApp) -> list[list[tuple[str, str]]]:
