@@ -49,6 +49,7 @@ ALONGSIDE = frozenset("""
 """.split())
 
 
+@pytest.hookimpl(tryfirst=True)          # before xdist's own hook reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.stem in TOGETHER:

@@ -6,9 +6,9 @@ and the other watchers carry on.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -233,6 +233,15 @@ def test_watch_replay_web_serves_the_page_without_torch(tmp_path):
         page = httpx.get(f"http://127.0.0.1:{port}/").text
         assert 'id="trace"' in page and '"type":"engine"' in page.replace(" ", "") and "applyEvent" in page
         assert httpx.get(f"http://127.0.0.1:{port}/etc/passwd").status_code == 404
+        # Ctrl-C stops it even while a browser holds a connection open and sends nothing (a preconnect does):
+        # the server used to wait for that connection's thread, and so never exited
+        idle = socket.create_connection(("127.0.0.1", port))
+        try:
+            time.sleep(0.3)                                # (its thread is waiting for a request line)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            idle.close()
     finally:
         stop_process(proc)
 
@@ -286,7 +295,7 @@ def test_a_watcher_that_stops_reading_is_dropped_and_nobody_else_waits(tiny_mode
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         stalled.connect(("127.0.0.1", port))
-        stalled.sendall(f"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        stalled.sendall(b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         # A reading watcher, gzipped: it must see every step, in order.
         steps: list[int] = []
         reading = threading.Event()
