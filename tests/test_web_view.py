@@ -233,8 +233,7 @@ def test_watch_replay_web_serves_the_page_without_torch(tmp_path):
         page = httpx.get(f"http://127.0.0.1:{port}/").text
         assert 'id="trace"' in page and '"type":"engine"' in page.replace(" ", "") and "applyEvent" in page
         assert httpx.get(f"http://127.0.0.1:{port}/etc/passwd").status_code == 404
-        # Ctrl-C stops it even while a browser holds a connection open and sends nothing (a preconnect does):
-        # the server used to wait for that connection's thread, and so never exited
+        # Ctrl-C stops it, also while a browser holds a connection open and sends nothing (a preconnect does)
         idle = socket.create_connection(("127.0.0.1", port))
         try:
             time.sleep(0.3)                                # (its thread is waiting for a request line)
@@ -242,6 +241,29 @@ def test_watch_replay_web_serves_the_page_without_torch(tmp_path):
             assert proc.wait(timeout=20) == 0
         finally:
             idle.close()
+    finally:
+        stop_process(proc)
+
+
+def test_watch_replay_web_stops_on_ctrl_c_even_started_with_sigint_ignored(tmp_path):
+    """A process started with SIGINT ignored (it is inherited: a test runner's worker, a launcher) never sees
+    Python's KeyboardInterrupt; the replay page's server waits for the signal through a handler of its own."""
+    trace = Path(__file__).parent / "data" / "watch_trace.jsonl"
+    port = free_port()
+    log = tmp_path / "replay.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "minipaged", "watch", "--replay", str(trace), "--web",
+                                 "--web-port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for_answer(proc, f"http://127.0.0.1:{port}/", "watch --replay --web", str(log), timeout_s=30)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        proc = subprocess.Popen([sys.executable, "-m", "minipaged", "watch", "--replay", str(trace), "--web",
+                                 "--web-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_answer(proc, f"http://127.0.0.1:{port}/", "watch --replay --web", str(log), timeout_s=30)
+        proc.send_signal(signal.SIGTERM)                   # a SIGTERM ends it as cleanly
+        assert proc.wait(timeout=20) == 0
     finally:
         stop_process(proc)
 

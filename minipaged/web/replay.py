@@ -6,7 +6,9 @@ server, for a room whose browsers should all open one address. No torch, no Fast
 """
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional
@@ -65,12 +67,21 @@ def serve_replay(trace_path: str, host: str, port: int) -> int:
         print(f"minipaged watch: cannot listen on {host}:{port} ({exc}); choose another with --web-port.",
               file=sys.stderr)
         return 2
+    # The server runs in a thread and this one waits for Ctrl-C or SIGTERM through handlers of its own: it stops
+    # whenever either arrives, also where it was started with SIGINT ignored (a Ctrl-C that Python's own
+    # KeyboardInterrupt would never see) or where the signal lands outside serve_forever's try.
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda _signum, _frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    serving = threading.Thread(target=server.serve_forever, name="minipaged-replay-page", daemon=True)
+    serving.start()
     print(f"minipaged watch: replaying {trace_path} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(0.5):
+            pass
     finally:
+        server.shutdown()
         server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
