@@ -320,15 +320,16 @@ def test_lesson9_int8_shrinks_the_weights_and_changes_no_scheduling(results):
 
 @pytest.mark.skipif(not HAS_ROUTER, reason=NO_ROUTER)
 def test_lesson11_cache_aware_keeps_each_tenant_on_one_replica_and_hits_more(results):
-    """Through the real router, the same requests on fresh replicas: cache_aware's fleet hit rate (and each of
-    its replicas') beats round_robin's, because it sends each tenant to one replica and round_robin to all."""
+    """Through the real router, the same requests on fresh replicas: cache_aware's fleet hit rate beats
+    round_robin's, because it sends each tenant to one replica and round_robin to all. (Not each replica's: the
+    first four requests arrive together, so which tenants share a replica, and whether two or three of them do,
+    follows from the order the router sees them in, as the lesson says; on a loaded machine a replica given
+    three tenants' prefixes thrashes its pool, and its own rate can fall below round_robin's.)"""
     from minipaged.lessons import lesson11_fleet_routing as lesson11
 
     v, runs = results[11].values, results[11].runs
     rr, ca = runs["round_robin"], runs["cache_aware"]
     assert v["cache_aware_hit_rate"] > v["round_robin_hit_rate"]        # (by how much moves with load)
-    assert min(v["cache_aware_r0_hit_rate"], v["cache_aware_r1_hit_rate"]) > \
-        max(v["round_robin_r0_hit_rate"], v["round_robin_r1_hit_rate"])
     assert v["prefill_saved"] > 0 and v["cache_aware_prefill"] < v["round_robin_prefill"]
     # where the requests went, as the replicas' own events say
     tenants = lambda fleet, i: {lesson11.SCENARIO.request(rid).tenant for rid in fleet.served(i)}
