@@ -34,8 +34,8 @@ from minipaged.model.testing import build_tiny_llama  # noqa: E402
 # nothing in TOGETHER or ALONGSIDE starts a process or measures a time.
 TOGETHER = frozenset("""
     test_anatomy test_api test_architecture_claims test_backend_conformance test_bench test_block_manager
-    test_cpu_calibration test_cpu_layer_ops test_decode_layers test_detokenizer test_doc_commands_lessons
-    test_doc_commands_oneshot test_doc_commands_watch test_engine_anatomy
+    test_cpu_calibration test_cpu_layer_ops test_decode_layers test_detokenizer
+    test_doc_commands_oneshot test_engine_anatomy
     test_event_hub test_fair_share test_import_graph test_input_batch test_labs test_lesson10
     test_lesson_code_refs test_long_prefill test_memory test_metrics test_model_vs_transformers
     test_policies test_quantization test_scheduling test_serve_abort_work test_smollm2 test_spec_decode
@@ -44,8 +44,8 @@ TOGETHER = frozenset("""
 
 
 ALONGSIDE = frozenset("""
-    test_compare test_compare_app test_cuda_graphs test_decode_step_race test_lessons_pilot test_logits
-    test_threads test_tui_pilot test_tui_snapshots
+    test_compare test_compare_app test_cuda_graphs test_decode_step_race test_doc_commands_lessons
+    test_doc_commands_watch test_lessons_pilot test_logits test_threads test_tui_pilot test_tui_snapshots
 """.split())
 
 
