@@ -15,6 +15,15 @@ import httpx
 from minipaged.bench.servers import (START_TIMEOUT_S, free_port, minipaged_serve_command, running,  # noqa: F401
                                      stop_process, wait_for_answer)
 
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie nobody has reaped yet counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 # What every server the tests start runs with: one thread, and every compiled CPU op (the suite's default in
 # process too: conftest.py), so that a server's tokens match an engine's built in the test.
 SUITE_FLAGS = ("--threads", "1", "--cpu-ops", "compiled")

@@ -24,7 +24,7 @@ import pytest
 
 from doc_commands import ALL, Command, failure, first_steps, of_kind, run_main, run_watch_command, student_folder
 from minipaged.bench.streams import children
-from serve_util import free_port
+from serve_util import free_port, gone
 
 pytestmark = pytest.mark.slow
 START_S = 150.0                 # a SmolLM2 server on a busy 2-core machine: imports, load, its core process
@@ -90,14 +90,6 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def started(command: Command, folder: Path, server_url: str = ""):
     """Start the command; yield once it is ready; then Ctrl-C (SIGINT to it alone, as a terminal's Ctrl-C reaches
@@ -132,7 +124,7 @@ def started(command: Command, folder: Path, server_url: str = ""):
             raise AssertionError(server.fail(f"did not stop within {STOP_S:.0f} s of Ctrl-C (SIGINT)"))
         assert code in (0, 130), server.fail(f"exited with {code} on Ctrl-C")
         end = time.monotonic() + 5
-        while (left := [p for p in seen if alive(p)]) and time.monotonic() < end:
+        while (left := [p for p in seen if not gone(p)]) and time.monotonic() < end:
             time.sleep(0.1)
         assert not left, server.fail(f"left processes running after Ctrl-C: {left}")
     finally:

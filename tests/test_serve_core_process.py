@@ -21,7 +21,7 @@ from minipaged.events import StepEvent
 from minipaged.outputs import RequestDelta
 from minipaged.request import SamplingParams
 from minipaged.serve.core_process import Wire
-from tests.serve_util import SUITE_FLAGS, free_port, minipaged_serve_command, server_process
+from tests.serve_util import SUITE_FLAGS, free_port, gone, minipaged_serve_command, server_process
 
 CORE_MODULE = "minipaged.serve.core_process"
 
@@ -56,14 +56,6 @@ def core_of(server_pid: int) -> int:
     cores = [c for c in children(server_pid) if CORE_MODULE in Path(f"/proc/{c}/cmdline").read_text()]
     assert len(cores) == 1, f"the server's children: {children(server_pid)}"
     return cores[0]
-
-
-def gone(pid: int) -> bool:
-    """The process has ended (a zombie nobody has reaped yet counts: it runs nothing)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def listening_inodes() -> set[str]:
