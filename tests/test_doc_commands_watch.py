@@ -5,12 +5,15 @@ finish. tests/doc_commands.py: how the app is driven, what is substituted and sk
 loaded once for them all."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from doc_commands import (ALL, expected_end, lab_folder, of_kind, one_load_per_model, run_main, run_watch_command,
-                          student_folder)
+from doc_commands import (ALL, expected_end, first_steps, lab_folder, of_kind, one_load_per_model, run_main,
+                          run_watch_command, student_folder)
 
 RECORD = ["watch", "--record", "run.jsonl"]
+RECORDED_STEPS = 3       # steps the recording app is watched through before q (it may record more: never fewer)
 
 
 pytestmark = pytest.mark.slow         # they load the embedded SmolLM2 (once per process)
@@ -25,10 +28,12 @@ def folders(tmp_path_factory):
 def recorded_trace(folders):
     """The README's ``minipaged watch --record run.jsonl``: the trace that replay, plot and export-html read."""
     (command,) = [c for c in ALL if c.argv == RECORD]
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        run_watch_command(command, folders[0], monkeypatch)
+    with pytest.MonkeyPatch.context() as monkeypatch:        # several steps, for replay and plot to go through
+        run_watch_command(command, folders[0], monkeypatch, functools.partial(first_steps, steps=RECORDED_STEPS))
     trace = folders[0] / "run.jsonl"
-    assert len(trace.read_text().splitlines()) > 2, f"{command} wrote no steps to run.jsonl"
+    lines = trace.read_text().splitlines()                   # the engine's header, then a line per step
+    assert len(lines) >= 1 + RECORDED_STEPS, f"{command} wrote {len(lines) - 1} steps to run.jsonl, not the " \
+        f"{RECORDED_STEPS} the app showed"
     return trace
 
 

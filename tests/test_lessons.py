@@ -337,7 +337,10 @@ def test_lesson11_cache_aware_keeps_each_tenant_on_one_replica_and_hits_more(res
     assert tenants(rr, 0) == tenants(rr, 1) == set(lesson11.TENANTS)
     # a repeat can arrive while its tenant's first request is still in flight (not cached yet): hence not all
     assert v["repeats"] >= v["cache_aware_whole_hits"] > v["round_robin_whole_hits"]
-    assert v["round_robin_evicted"] > v["cache_aware_evicted"]
+    # round_robin's pools must evict (every replica is sent all four tenants). Not compared with cache_aware's:
+    # a replica that cache_aware gives three tenants (3-1 rather than 2-2, as above) evicts more than either
+    # round_robin replica, and the lesson claims no such comparison.
+    assert v["round_robin_evicted"] > 0
     for fleet in (rr, ca):                      # every request ran once, on one replica, with all its tokens
         assert sorted(fleet.routed) == sorted(r.request_id for r in lesson11.SCENARIO.requests)
         served = [sid for run in fleet.replicas for sid, toks in run.outputs.items() if len(toks) == lesson11.MAX_TOKENS]
