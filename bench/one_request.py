@@ -65,27 +65,32 @@ print(json.dumps({"tok_s": best, "tokens": len(out.token_ids)}))
 """
 
 
-# A reference tree's `minipaged serve`, its own code imported as CHILD imports it. The working tree runs the plain
-# command: its engine core starts as `python -m minipaged.serve.core_process`, which imports the installed
-# package, and the installed package is the working tree.
-SERVE = r"""
+# A reference tree's `minipaged serve`: every Python process it starts imports that tree's code as CHILD does,
+# its engine core's process (`python -m minipaged.serve.core_process`, since 159a45b) included. A
+# folder holding this sitecustomize goes first on PYTHONPATH, so the interpreter runs it at start-up in each of
+# them; without it the core process imported the installed package, the working tree, and a reference's
+# "serve" figure measured the working tree's engine. The working tree runs the plain command.
+SITECUSTOMIZE = """
 import sys
-tree = sys.argv[1]
+tree = {tree!r}
 sys.path.insert(0, tree)
 import minipaged
 minipaged.__path__.append(tree)
 assert minipaged.__file__.startswith(tree), minipaged.__file__
-from minipaged.cli import main
-sys.exit(main(sys.argv[2:]))
 """
+
+
 def serve_tree(tree: Path, threads: int, max_tokens: int, repeats: int, log_path: Path) -> dict[str, Any]:
     """The tree's server, warmed up with a short request, then ``repeats`` requests one at a time; the best."""
     port = free_port()
     flags = ["--threads", str(threads), "--served-model-name", SERVED_NAME]
-    command = minipaged_serve_command("smollm2", port, flags)
+    command, env = minipaged_serve_command("smollm2", port, flags), None
     if tree != ROOT:
-        command = [sys.executable, "-c", SERVE, str(tree), *command[3:]]
-    with running(command, port, what=f"serve on {tree}", log_path=str(log_path), timeout_s=300) as url:
+        startup = log_path.parent / f"{log_path.stem}-startup"
+        startup.mkdir(exist_ok=True)
+        (startup / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tree=str(tree)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(startup), os.environ.get("PYTHONPATH")]))}
+    with running(command, port, what=f"serve on {tree}", log_path=str(log_path), env=env, timeout_s=300) as url:
         stream_one(url, 8)
         runs = [stream_one(url, max_tokens) for _ in range(repeats)]
     best = max(runs, key=lambda r: r["tok_s"])
