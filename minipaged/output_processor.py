@@ -179,7 +179,8 @@ class OutputProcessor:
             change.token_ids.append(token)
             if i < len(token_logprobs):
                 position = self.position_logprobs(token_logprobs[i])
-                state.logprobs.append(position)
+                if req.params.output_kind == "cumulative":     # (a "delta" caller has them from the deltas)
+                    state.logprobs.append(position)
                 change.logprobs.append(position)
             old_len = len(state.text)
             state.text += state.detokenizer.add_tokens([token])
@@ -298,14 +299,20 @@ class OutputProcessor:
     @staticmethod
     def _build_output(parent: str, samples: list[RequestState]) -> RequestOutput:
         first = samples[0].request
+        if first.params.output_kind == "delta":           # the deltas carried the tokens: how each sample ended
+            outputs = [CompletionOutput(s.request.sample_index, "", [], s.finish_reason, s.stop_reason,
+                                        error=s.request.error, num_tokens=len(s.token_ids)) for s in samples]
+        else:
+            outputs = [CompletionOutput(s.request.sample_index, s.text, list(s.token_ids),
+                                        s.finish_reason, s.stop_reason, list(s.token_times),
+                                        s.logprobs[:len(s.token_ids)]
+                                        if s.request.params.logprobs is not None else None, s.request.error,
+                                        len(s.token_ids))
+                       for s in samples]
         return RequestOutput(
-            request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
-            outputs=[CompletionOutput(s.request.sample_index, s.text, list(s.token_ids),
-                                      s.finish_reason, s.stop_reason, list(s.token_times),
-                                      s.logprobs[:len(s.token_ids)]
-                                      if s.request.params.logprobs is not None else None, s.request.error)
-                     for s in samples],
-            prompt_logprobs=samples[0].prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids), outputs=outputs,
+            prompt_logprobs=samples[0].prompt_logprobs
+            if first.params.prompt_logprobs is not None and first.params.output_kind == "cumulative" else None,
             num_cached_tokens=max(max(s.request.num_cached_tokens for s in samples), 0),  # later samples hit
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, samples[0].first_token_time,
                                    max(s.finished_time or 0.0 for s in samples),

@@ -69,6 +69,8 @@ class CompletionOutput:
     token_times: list[float] = field(default_factory=list)
     logprobs: Optional[list[PositionLogprobs]] = None     # one per token, when SamplingParams.logprobs is set
     error: Optional[str] = None           # why an "abort" happened, when serving it failed (a server answers it)
+    # Tokens generated: len(token_ids), also where a "delta" output kind leaves token_ids empty (request.py)
+    num_tokens: int = 0
 
     @property
     def itls(self) -> list[float]:

@@ -133,6 +133,9 @@ class StructuredOutputsParams:
                                   "structured_outputs")
 
 
+OUTPUT_KINDS = ("cumulative", "delta")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop (vLLM's names).
@@ -168,6 +171,11 @@ class SamplingParams:
     # The output text (vLLM's names): special tokens left out of it, and the stop string cut off it, by default.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What the request's final RequestOutput repeats (vLLM's RequestOutputKind): "cumulative", every token, its
+    # text, times and log-probabilities (what `generate` returns); "delta", none of them, only how each sample
+    # ended and its counts, for a caller that read them all in the step deltas (a stream: `serve` asks it for
+    # streamed requests, so that the core does not send a long answer twice, nor keep its log-probabilities).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):        # None is vLLM's default for both
@@ -224,6 +232,9 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be None or an integer, got {self.seed!r}.", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings.", "stop")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                                      f"{self.output_kind!r}.", "output_kind")
         check_token_ids("stop_token_ids", self.stop_token_ids)
         self._validate_logits_fields()
 

@@ -622,4 +622,4 @@ async def disconnected(request: Request) -> None:
 def outputs_usage(outputs: list[Any], echo_only: bool = False) -> dict[str, int]:
     """Usage over every prompt of a request; echo with max_tokens=0 generated nothing the caller sees."""
     return p.usage(sum(len(o.prompt_token_ids) for o in outputs),
-                   0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs))
+                   0 if echo_only else sum(c.num_tokens for o in outputs for c in o.outputs))

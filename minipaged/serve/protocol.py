@@ -255,7 +255,8 @@ class SamplingFields(BaseModel):
                               top_k=0 if self.top_k is None else self.top_k, seed=self.seed, max_tokens=max_tokens,
                               stop=self.stop or (), ignore_eos=self.ignore_eos, priority=self.priority,
                               skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.no_stop_trim, **self.logits_params())
+                              include_stop_str_in_output=self.no_stop_trim,
+                              output_kind="delta" if self.stream else "cumulative", **self.logits_params())
 
     def logits_params(self) -> dict[str, Any]:
         """The SamplingParams fields of the logits stage and log-probabilities."""
