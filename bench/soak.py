@@ -525,8 +525,8 @@ def markdown(record: dict[str, Any]) -> str:
     growth = record["rss_end_mb"] - record["rss_start_mb"]
     free = "all" if record["all_blocks_free"] else "NOT all"
     return (f"{record['model']}, {record['students']} students + {record['watchers']} watchers + a victim stream "
-            f"throughout (load average {record['load_average_at_start']:.1f} at the start, 2 cores shared with other "
-            f"work); targets (issue 48): pause <= 1 s, /health <= 1 s, RSS growth <= 200 MB, every block "
+            f"throughout (load average {record['load_average_at_start']:.1f} at the start, on {os.cpu_count()} cores "
+            f"that the clients share with the server); targets (issue 48): pause <= 1 s, /health <= 1 s, RSS growth <= 200 MB, every block "
             f"free.\n\n{table}\n\nStudents' answers over the run: "
             f"{record['student_codes']}.\n\n"
             f"Server RSS {record['rss_start_mb']:.0f} -> {record['rss_end_mb']:.0f} MB over the run "

@@ -48,8 +48,9 @@ class ServerLimits:
     max_stream_backlog: int = limit(1 << 17, "the most generated tokens (each log-probability entry counts one "
                                              "more) one stream's reader may leave unread; past it the request is "
                                              "aborted with an error (the engine never waits for a reader)")
-    # The output's log-probabilities are kept in the core for the whole request and sent again in its last
-    # delta: n=128 x 300 tokens with logprobs=20 (806,400 entries) grew the server by ~660 MB at its peak.
+    # A request that is not streamed gets its output's log-probabilities in one answer, kept in the core until
+    # its end (a stream's go out step by step: output_kind="delta"): n=128 x 300 tokens with logprobs=20 (806,400
+    # entries) grew the server by ~660 MB at its peak, when streams' were kept and sent again as well.
     max_output_logprobs: int = limit(1 << 17, "the most output log-probability entries one request may ask for: "
                                               "n x max_tokens x (logprobs + 1) (with top_logprobs on chat)")
     max_prompt_logprobs: int = limit(16_384, "the most prompt log-probability entries one prompt may ask for: "
