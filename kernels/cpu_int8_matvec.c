@@ -33,8 +33,8 @@
  * by side, as cpu_matvec.c reads them), where they were once neighbours read with a prefetch ahead. Measured on an
  * AVX2 machine (AMD EPYC, Zen 2, no AVX-512 or VNNI; one thread, SmolLM2's int8 layers and LM head on huge pages,
  * medians of 11 runs taking turns): 1 token row 9.72 -> 9.54 ms (here the loop is bound by its arithmetic, not
- * by memory), 2 rows 19.3 -> 18.9, 3 rows 32.6 -> 24.9; with a prefetch for each stream no faster. The sums are
- * the same, bit for bit.
+ * by memory), 2 rows 19.3 -> 18.9; 3 rows 32.6 -> 24.9, where a tile is one row and the gain is the prefetch's
+ * removal (a prefetch for each stream was no faster at any row count). The sums are the same, bit for bit.
  *
  * Overflow: each int32 lane sums at most CHUNK_COLS / 8 products of |q| <= 128 and |plane| <= 32768 (2^30 at
  * most), then the lane sums move to a double; rows wider than CHUNK_COLS are summed chunk by chunk.

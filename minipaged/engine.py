@@ -127,6 +127,10 @@ class Engine:
         param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise InvalidRequestError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts.")
+        if any(sp is not None and sp.output_kind != "cumulative" for sp in param_list):
+            raise InvalidRequestError("generate returns whole outputs: leave output_kind 'cumulative' ('delta' is for "
+                                      "callers of step() that read the step deltas, as serve's streams do).",
+                                      "output_kind")
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, param_list)]   # all or none are queued
         for prompt in checked:
             self.logits.compile(prompt.params)

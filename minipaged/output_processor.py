@@ -251,8 +251,8 @@ class OutputProcessor:
         self._num_running[parent] -= first_finish       # a count, not a walk over the samples: aborting
         if self._num_running[parent] == 0:              # n samples stays O(n), not O(n^2)
             samples = [self._states[rid] for rid in self._children[parent]]
-            if deliver:
-                self._finished[parent] = self._build_output(parent, samples)
+            if deliver:                                 # (its first delta carries the prompt's log-probabilities)
+                self._finished[parent] = self._build_output(parent, samples, parent not in self._delivered)
             else:                                       # nobody waits for it: its id may be used again
                 self._delivered.discard(parent)
             for s in samples:
@@ -297,7 +297,9 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ results
     @staticmethod
-    def _build_output(parent: str, samples: list[RequestState]) -> RequestOutput:
+    def _build_output(parent: str, samples: list[RequestState], first_delta: bool) -> RequestOutput:
+        """The request's RequestOutput; a "delta" one keeps its prompt's log-probabilities only where it ends in
+        its first delta (``first_delta``), which carries them from the output (``drain``)."""
         first = samples[0].request
         if first.params.output_kind == "delta":           # the deltas carried the tokens: how each sample ended
             outputs = [CompletionOutput(s.request.sample_index, "", [], s.finish_reason, s.stop_reason,
@@ -312,7 +314,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids), outputs=outputs,
             prompt_logprobs=samples[0].prompt_logprobs
-            if first.params.prompt_logprobs is not None and first.params.output_kind == "cumulative" else None,
+            if first.params.prompt_logprobs is not None and (first.params.output_kind == "cumulative" or first_delta)
+            else None,
             num_cached_tokens=max(max(s.request.num_cached_tokens for s in samples), 0),  # later samples hit
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, samples[0].first_token_time,
                                    max(s.finished_time or 0.0 for s in samples),

@@ -48,9 +48,20 @@ def test_a_delta_request_gets_the_same_deltas_and_a_final_output_without_them(ti
     assert ending.prompt_logprobs is None and ending.prompt_token_ids == prompt
 
 
-def test_output_kind_is_checked_and_serve_asks_delta_for_streams_only():
+def test_a_delta_request_that_ends_in_its_first_delta_still_gets_its_prompt_logprobs(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    asked = dict(n=2, temperature=0.8, seed=1, max_tokens=1, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    prompt = [5, 9, 13, 2, 7, 11, 3]
+    _, cumulative_prompt, _ = run(engine, prompt, SamplingParams(**asked))
+    _, delta_prompt, _ = run(engine, prompt, SamplingParams(**asked, output_kind="delta"))
+    assert delta_prompt == cumulative_prompt and len(delta_prompt) == len(prompt)
+
+
+def test_output_kind_is_checked_and_serve_asks_delta_for_streams_only(tiny_engine_factory):
     with pytest.raises(InvalidRequestError, match="output_kind must be one of cumulative, delta, got 'final'"):
         SamplingParams(output_kind="final")
+    with pytest.raises(InvalidRequestError, match="generate returns whole outputs: leave output_kind 'cumulative'"):
+        tiny_engine_factory().generate([[1, 2, 3]], SamplingParams(output_kind="delta"))
     from minipaged.serve.protocol import ChatCompletionRequest, CompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]

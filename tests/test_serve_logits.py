@@ -183,8 +183,9 @@ def test_bad_values_are_openai_400s_while_a_stream_goes_on(server, client, model
     wait_until_idle(server)
 
 
-def test_streamed_echo_and_logprobs_match_the_whole_response(client, model_name):
-    args = dict(model=model_name, prompt=["first prompt", "second one"], echo=True, logprobs=3, max_tokens=4,
+@pytest.mark.parametrize("max_tokens", [4, 1, 0])   # 1 and 0 (echo alone): the request ends in its first delta
+def test_streamed_echo_and_logprobs_match_the_whole_response(client, model_name, max_tokens):
+    args = dict(model=model_name, prompt=["first prompt", "second one"], echo=True, logprobs=3, max_tokens=max_tokens,
                 temperature=0, extra_body={**IDS, "ignore_eos": True})
     whole = {c.index: c for c in client.completions.create(**args).choices}
     tokens: dict[int, list] = {}
@@ -199,8 +200,8 @@ def test_streamed_echo_and_logprobs_match_the_whole_response(client, model_name)
     assert sorted(whole) == sorted(text) == [0, 1]
     for index, choice in whole.items():
         assert text[index] == choice.text and tokens[index] == choice.logprobs.tokens
-        assert values[index][0] is None and values[index][1:] == pytest.approx(choice.logprobs.token_logprobs[1:],
-                                                                               abs=1e-4)
+        assert values[index][0] is None and None not in values[index][1:]       # the prompt's positions too
+        assert values[index][1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def test_prompt_logprobs_and_n_samples_with_a_grammar(client, model_name):
