@@ -37,7 +37,7 @@ TOGETHER = frozenset("""
     test_cpu_calibration test_cpu_layer_ops test_decode_layers test_detokenizer
     test_doc_commands_oneshot test_engine_anatomy
     test_event_hub test_fair_share test_import_graph test_input_batch test_labs test_lesson10
-    test_lesson_code_refs test_long_prefill test_memory test_metrics test_model_vs_transformers
+    test_lesson_code_refs test_long_prefill test_memory test_metrics test_model_vs_transformers test_output_kind
     test_policies test_quantization test_scheduling test_serve_abort_work test_smollm2 test_spec_decode
     test_suite_phases test_triton_engine test_triton_layer_ops test_tui_state test_workload_presets
 """.split())
