@@ -238,3 +238,23 @@ def test_decode_floor_profile_counts_every_compiled_matmul_as_a_matmul(tiny_mode
         assert profile["ms"]["matmul"] > 0, (batch, profile["table"])
         names = profile["table"]
         assert ("tiled" in names) == (batch == 9), names
+
+
+def test_one_request_table_shows_the_paths_the_run_measured():
+    """bench/one_request.py --paths serve (or in-process) alone: its table has that path's columns, not a KeyError
+    for the other's."""
+    from minipaged.bench.docs import one_request_table
+
+    def tree(commit: str, **paths: float) -> dict:
+        out: dict = {"commit": commit}
+        for path, best in paths.items():
+            entry = {"best": best, "median": best, "best_over_working_tree": best / 40.0}
+            out.update(entry) if path == "in_process" else out.setdefault(path, entry)
+        return out
+
+    serve_only = one_request_table({"trees": {"working tree": tree("working tree", serve=40.0),
+                                              "abc1234": tree("abc1234 old", serve=30.0)}})
+    assert "serve best tok/s" in serve_only and "in-process" not in serve_only and "| 30.00 |" in serve_only
+    both = one_request_table({"trees": {"working tree": {**tree("working tree", in_process=41.0, serve=40.0),
+                                                         "serve_over_in_process": 40.0 / 41.0}}})
+    assert "in-process best tok/s" in both and "serve / in-process" in both and "| 0.98 |" in both

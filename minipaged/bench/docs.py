@@ -350,16 +350,24 @@ def one_request_table(r: dict[str, Any]) -> str:
     and, where the run measured it, through ``serve`` (with serve's best over the same tree's in-process best:
     what the server's process boundary, tokenising and streaming cost one request)."""
     serve = any("serve" in t for t in r["trees"].values())
-    headers = ["tree", "commit", "in-process best tok/s", "median", "best / working tree's"]
+    in_process = any("best" in t for t in r["trees"].values())        # (a --paths serve run has none)
+    headers = ["tree", "commit"]
+    if in_process:
+        headers += ["in-process best tok/s", "median", "best / working tree's"]
     if serve:
-        headers += ["serve best tok/s", "median", "best / working tree's", "serve / in-process"]
+        headers += ["serve best tok/s", "median", "best / working tree's"]
+    if serve and in_process:
+        headers += ["serve / in-process"]
     rows = []
     for name, t in r["trees"].items():
-        row = [name, t["commit"], t["best"], t["median"], t["best_over_working_tree"]]
+        row = [name, t["commit"]]
+        if in_process:
+            row += [t.get("best", "–"), t.get("median", "–"), t.get("best_over_working_tree", "–")]
+        s = t.get("serve", {})
         if serve:
-            s = t.get("serve", {})
-            row += [s.get("best", "–"), s.get("median", "–"), s.get("best_over_working_tree", "–"),
-                    t.get("serve_over_in_process", "–")]
+            row += [s.get("best", "–"), s.get("median", "–"), s.get("best_over_working_tree", "–")]
+        if serve and in_process:
+            row += [t.get("serve_over_in_process", "–")]
         rows.append(row)
     load = (f"\n\nThe machine's load average (1 minute) before each run: {r['load_average'][0]:.1f} to "
             f"{r['load_average'][1]:.1f} on {r['cores']} cores." if "load_average" in r else "")
