@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from minipaged.bench.docs import one_request_table
 from minipaged.bench.one_request import PROMPT, SERVED_NAME, stream_one
@@ -39,15 +39,13 @@ from minipaged.bench.servers import free_port, minipaged_serve_command, running
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Run in a fresh interpreter for one tree: import that tree's minipaged (its top-level folders mapped in as
-# pyproject's package-dir maps them), load SmolLM2, then time `repeats` generations and print the best.
+# Run in a fresh interpreter for one tree (a reference tree's code imported through SITECUSTOMIZE, below), load
+# SmolLM2, then time `repeats` generations and print the best.
 CHILD = r"""
 import json, sys, time
 tree, prompt = sys.argv[1], sys.argv[5]
 threads, max_tokens, repeats = (int(a) for a in sys.argv[2:5])
-sys.path.insert(0, tree)
 import minipaged
-minipaged.__path__.append(tree)           # minipaged.kernels -> tree/kernels, .tui -> tree/tui, .lessons -> ...
 assert minipaged.__file__.startswith(tree), minipaged.__file__
 from minipaged import Engine, SamplingParams
 engine = Engine("smollm2", num_threads=threads)
@@ -65,31 +63,39 @@ print(json.dumps({"tok_s": best, "tokens": len(out.token_ids)}))
 """
 
 
-# A reference tree's `minipaged serve`: every Python process it starts imports that tree's code as CHILD does,
-# its engine core's process (`python -m minipaged.serve.core_process`, since 159a45b) included. A
+# A reference tree's code, in every Python process a run on it starts: the in-process run's interpreter, its
+# `minipaged serve` and that server's engine core (`python -m minipaged.serve.core_process`, since 159a45b). A
 # folder holding this sitecustomize goes first on PYTHONPATH, so the interpreter runs it at start-up in each of
-# them; without it the core process imported the installed package, the working tree, and a reference's
-# "serve" figure measured the working tree's engine. The working tree runs the plain command.
+# them: the tree's minipaged, its top-level folders mapped in as pyproject's package-dir maps them. (Without it
+# the core process imported the installed package, the working tree, and a reference's "serve" figure measured
+# the working tree's engine.) The working tree runs as installed.
 SITECUSTOMIZE = """
 import sys
 tree = {tree!r}
 sys.path.insert(0, tree)
 import minipaged
-minipaged.__path__.append(tree)
+minipaged.__path__.append(tree)           # minipaged.kernels -> tree/kernels, .tui -> tree/tui, .lessons -> ...
 assert minipaged.__file__.startswith(tree), minipaged.__file__
 """
+
+
+def tree_env(tree: Path, folder: Path) -> Optional[dict[str, str]]:
+    """The environment that makes every process started with it import ``tree``'s code (None: the working
+    tree, as installed); its sitecustomize is written into a folder of ``folder``."""
+    if tree == ROOT:
+        return None
+    startup = folder / f"startup-{tree.name}"
+    startup.mkdir(exist_ok=True)
+    (startup / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tree=str(tree)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(startup), os.environ.get("PYTHONPATH")]))}
 
 
 def serve_tree(tree: Path, threads: int, max_tokens: int, repeats: int, log_path: Path) -> dict[str, Any]:
     """The tree's server, warmed up with a short request, then ``repeats`` requests one at a time; the best."""
     port = free_port()
     flags = ["--threads", str(threads), "--served-model-name", SERVED_NAME]
-    command, env = minipaged_serve_command("smollm2", port, flags), None
-    if tree != ROOT:
-        startup = log_path.parent / f"{log_path.stem}-startup"
-        startup.mkdir(exist_ok=True)
-        (startup / "sitecustomize.py").write_text(SITECUSTOMIZE.format(tree=str(tree)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(startup), os.environ.get("PYTHONPATH")]))}
+    command = minipaged_serve_command("smollm2", port, flags)
+    env = tree_env(tree, log_path.parent)
     with running(command, port, what=f"serve on {tree}", log_path=str(log_path), env=env, timeout_s=300) as url:
         stream_one(url, 8)
         runs = [stream_one(url, max_tokens) for _ in range(repeats)]
@@ -98,9 +104,9 @@ def serve_tree(tree: Path, threads: int, max_tokens: int, repeats: int, log_path
             "text": best["text"]}
 
 
-def run_tree(tree: Path, threads: int, max_tokens: int, repeats: int) -> dict[str, Any]:
+def run_tree(tree: Path, threads: int, max_tokens: int, repeats: int, folder: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(threads), str(max_tokens), str(repeats),
-                           PROMPT], capture_output=True, text=True, timeout=900)
+                           PROMPT], capture_output=True, text=True, timeout=900, env=tree_env(tree, folder))
     if done.returncode != 0:
         raise SystemExit(f"the run on {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -144,7 +150,7 @@ def main() -> None:
                     for path_name in args.paths:
                         loads.append(os.getloadavg()[0])
                         if path_name == "in-process":
-                            result = run_tree(trees[name], args.threads, args.max_tokens, args.repeats)
+                            result = run_tree(trees[name], args.threads, args.max_tokens, args.repeats, Path(tmp))
                         else:
                             result = serve_tree(trees[name], args.threads, args.max_tokens, args.repeats,
                                                 Path(tmp) / f"serve-{r}-{name.replace(' ', '_')}.log")
