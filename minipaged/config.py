@@ -88,8 +88,9 @@ class EngineConfig:
     fair_share: Optional[bool] = field(default=None, metadata={
         "help": "share the engine between clients (SamplingParams.client) before requests: admission takes turns "
                 "between clients, a preemption takes from the client holding the most KV blocks, and while two "
-                "or more clients have requests one step's prefills together (cached context counted) get at most "
-                "--long-prefill-token-threshold tokens",
+                "or more clients have requests one step does at most --long-prefill-token-threshold tokens of work "
+                "(cached context counted): every client's first decode, other decodes in turns between clients up "
+                "to half of it, prefills in the rest",
         "shown_default": "on under serve, off in the library"})
     policy: Policy = field(default="continuous", metadata={"help": "static batching is a teaching baseline"})
     preemption_mode: PreemptionMode = field(default="recompute", metadata={"help": "what a preempted request loses"})

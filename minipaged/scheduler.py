@@ -17,7 +17,8 @@ Policies
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
 Fair share by client (``fair_share``; ``minipaged.policies.client_share``): admission takes turns between clients,
-the victim is the heaviest client's, the step's prefills together are bounded while two or more have requests.
+the victim is the heaviest client's, and while two or more have requests a step's work is bounded: every
+client's first decode, the other decodes in turns between clients, the prefills in what is left.
 
 Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
 ``max_long_partial_prefills``, ``max_num_partial_prefills``)
@@ -270,16 +271,19 @@ class Scheduler:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
         fair = self._fair                              # the lightest clients first: the heaviest can be preempted
+        rows = fair.decode_rows([r for r in self.running if not r.is_prefill]) if fair else None
         for req in fair.running_order(self.running, self.kv.blocks_of) if fair else \
                 sorted(self.running, key=lambda r: r.is_prefill):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
                 continue
+            if rows is not None and not req.is_prefill and id(req) not in rows:
+                continue                                   # its client's rows this step are spent (fair share)
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
-            if num_known > 1 and self._share:          # a prefill: within the step's share of prefill (fair share)
+            if num_known > 1 and self._share:          # a prefill: within the step's allowance (fair share)
                 num_new = self._share.within(num_new, req.num_computed_tokens)
                 if num_new < 1:
                     continue
@@ -449,7 +453,7 @@ class Scheduler:
                     break                                  # whole prompts only: wait for a later step
                 num_new = budget
             if self._share and (num_new := self._share.within(num_new, num_cached)) < 1:
-                break                                      # the step's share of prefill is spent (fair share)
+                break                                      # the step's allowance is spent (fair share)
             if (is_long and num_long >= self.config.max_long_partial_prefills) or \
                     (num_new < num_uncached and max_partial is not None and num_partial >= max_partial):
                 self._take_waiting(req)                    # shorter ones behind it go first

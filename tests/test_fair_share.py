@@ -19,7 +19,7 @@ from minipaged.config import EngineConfig
 from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.policies import FCFS, LRUFreeBlockQueue, Newest
 from minipaged.policies.client_share import ClientShare
-from minipaged.request import Request
+from minipaged.request import Request, RequestStatus
 from minipaged.scheduler import Scheduler
 from minipaged.swap import CpuBlockPool
 from tests.conftest import step_until_done
@@ -112,6 +112,40 @@ def test_chunks_over_a_cached_prefix_pay_for_their_context():
         assert cost <= THRESHOLD
     assert max(costs) > THRESHOLD // 2, "the allowance was used, not left idle"
     assert any(r.num_cached_tokens >= 592 for r in followers), "the followers hit the cached prefix"
+
+
+def test_many_samples_decode_in_turns_beside_the_victim():
+    """n=64 samples of one client beside a victim's one stream: a step decodes the victim's row, the greedy
+    client's rows up to half the allowance, prefills in the rest; the step's work stays within the allowance.
+    The greedy samples with the fewest tokens decode first, and all of them finish. Without fair share every
+    sample decodes every step (the step the victim waits for grows with n)."""
+    def run(fair: bool) -> tuple[Bench, Request, list[Request], list[int]]:
+        bench = Bench(fair=fair)
+        victim, = bench.add("victim", tokens(0, 20), max_tokens=60)
+        bench.step()
+        greedy = bench.add("greedy", tokens(8, 40), n=64, max_tokens=12)
+        rows = []
+        while not all(r.is_finished for r in greedy + [victim]):
+            waiting_rows = {id(r): len(r.output_token_ids) for r in greedy
+                            if r.status is RequestStatus.RUNNING and not r.is_prefill}
+            bench.step()
+            decoded = [waiting_rows.pop(id(r)) for r, _s, _n in bench.steps[-1] if id(r) in waiting_rows]
+            if not victim.is_finished:                   # contended: two clients have requests
+                rows.append(len(decoded))
+            if fair and decoded and waiting_rows:       # the rows that waited had at least as many tokens
+                assert max(decoded) <= min(waiting_rows.values()) + 1
+        return bench, victim, greedy, rows
+
+    bench, victim, greedy, rows = run(fair=True)
+    for step in bench.decoding_steps(victim):
+        assert any(r is victim for r, _s, _n in step), "the victim's decode got a token every step"
+        work = sum(n * (CONTEXT_PER_TOKEN + start) / CONTEXT_PER_TOKEN for _r, start, n in step)
+        assert work <= THRESHOLD + 3, "the step's work stays within the allowance (and the victim's own row)"
+    assert max(rows) <= THRESHOLD // 2 and max(rows) >= THRESHOLD // 4, "half the allowance, used"
+    assert all(len(r.output_token_ids) == 12 for r in greedy)
+    assert bench.kv.num_free_blocks == bench.kv.num_blocks
+    _bench, _victim, _greedy, plain_rows = run(fair=False)
+    assert max(plain_rows) >= 60
 
 
 @pytest.mark.parametrize("samples", [True, False], ids=["n=8-samples", "3-requests"])

@@ -13,19 +13,26 @@ client) gets its turn first, and only then its requests share it:
     holding more than its fair share (the pool divided by the clients with requests) never preempts another
     client's requests: it preempts its own, or waits. The running requests of the lightest clients are
     scheduled first, so the heaviest client's requests are still there to be preempted when others need room.
-  * **A step's prefill is bounded across requests.** While two or more clients have requests, one step's
-    prefill chunks together get at most ``long_prefill_token_threshold`` tokens (the per-prompt cap becomes the
-    step's), after every running decode got its token. A chunk over a cached context costs more than its own
-    tokens (each of its queries attends to the whole context), so the allowance charges each token
-    ``1 + context / attention_context_per_token`` (``attention_context_per_token``: how many context positions
-    one query attends to for the cost of its own linear layers, from the model's shape).
+  * **A step's work is bounded, and shared by client.** While two or more clients have requests, one step
+    does at most ``long_prefill_token_threshold`` tokens of work (the per-prompt cap becomes the step's):
+    every client's first running decode gets its row, whatever the rest; then the clients' other decodes take
+    turns, one row per client a turn, up to half of the allowance; the step's prefill chunks get what is left
+    (at least one token). So one client's n=128 samples decode a few rows a step beside thirty students' one
+    each, not 128: the step, which is every student's pause between two tokens, stays short. A client's own
+    decodes take turns too (the fewest output tokens first), so its samples advance together.
+  * **Context is counted.** A token over a cached context costs more than its own pass through the layers
+    (its query attends to the whole context), so the allowance charges each token, a prefill's or a
+    decode's, ``1 + context / attention_context_per_token`` (``attention_context_per_token``: how many
+    context positions one query attends to for the cost of its own linear layers, from the model's shape).
 
-One client alone (the library, a benchmark) meets none of this: the scheduler takes its plain paths.
+One client alone (the library, a benchmark) meets none of this: the scheduler takes its plain paths. Nor does
+an accelerator, where the threshold is 0: a step of 2,048 tokens takes milliseconds there.
 Not yet shared: admission never preempts (vLLM's rule), so a newcomer waits for free blocks, and a client over
 its fair share still grows its running requests into free blocks while others wait for them.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -63,7 +70,7 @@ class ClientShare:
 
     def begin_step(self, queues: Iterable[Iterable[Request]], threshold: int) -> StepShare:
         """This step's view: the clients with requests in ``queues``; ``threshold`` (0: none) bounds the step's
-        prefill while two or more of them have requests."""
+        work while two or more of them have requests."""
         clients = {client_of(r) for queue in queues for r in queue}
         for gone in self.last_turn.keys() - clients:
             del self.last_turn[gone]
@@ -76,33 +83,63 @@ class StepShare:
 
     owner: ClientShare
     clients: set[str]
-    prefill_left: Optional[int]       # tokens (context-weighted) the step's prefills may still take; None: no cap
+    allowance_left: Optional[int]     # tokens (context-weighted) the step may still do; None: no cap
     any_prefill: bool = False         # a prefill chunk was granted this step
 
     @property
     def contended(self) -> bool:
         return len(self.clients) > 1
 
-    # ------------------------------------------------------------------ the step's prefill
-    def prefill_cost(self, num_tokens: int, context: int) -> int:
-        """What ``num_tokens`` of prefill after ``context`` computed tokens take from the step's allowance."""
+    # ------------------------------------------------------------------ the step's work
+    def cost(self, num_tokens: int, context: int) -> float:
+        """What ``num_tokens`` after ``context`` computed tokens take from the step's allowance."""
         per = self.owner.context_per_token
-        return -(-num_tokens * (per + context) // per) if per else num_tokens
+        return num_tokens * (per + context) / per if per else float(num_tokens)
+
+    def decode_rows(self, decodes: Sequence[Request]) -> set[int]:
+        """Which of the step's running decodes (``id``s of ``decodes``) get their row: all of them without a cap;
+        under one, every client's first, then one more per client a turn while their cost stays within half of
+        the allowance. The rest of the allowance is the step's prefills'. Within a client the decodes with the
+        fewest output tokens go first, so that its samples take turns."""
+        if self.allowance_left is None:
+            return {id(r) for r in decodes}
+        queues: dict[str, deque[Request]] = {}
+        for req in sorted(decodes, key=lambda r: (len(r.output_token_ids), r.arrival_index)):
+            queues.setdefault(client_of(req), deque()).append(req)
+        granted: set[int] = set()
+        first_rows = [queue.popleft() for queue in queues.values()]    # never waits behind another client
+        spent = sum(self.cost(1 + len(r.spec_token_ids), r.num_computed_tokens) for r in first_rows)
+        granted.update(id(r) for r in first_rows)
+        turn = deque(client for client, queue in queues.items() if queue)
+        spare = self.allowance_left / 2 - spent
+        while turn:
+            client = turn.popleft()
+            req = queues[client][0]
+            row = self.cost(1 + len(req.spec_token_ids), req.num_computed_tokens)
+            if row > spare:
+                continue                                  # this client's turns are over for this step
+            spare -= row
+            spent += row
+            granted.add(id(queues[client].popleft()))
+            if queues[client]:
+                turn.append(client)
+        self.allowance_left = max(0, self.allowance_left - math.ceil(spent))
+        return granted
 
     def within(self, wanted: int, context: int) -> int:
         """How many of ``wanted`` prefill tokens after ``context`` fit what is left of the step's allowance (at
         least one for the step's first prefill, so that a long context never stalls)."""
-        if self.prefill_left is None:
+        if self.allowance_left is None:
             return wanted
         per = self.owner.context_per_token
-        fits = self.prefill_left * per // (per + context) if per else self.prefill_left
+        fits = self.allowance_left * per // (per + context) if per else self.allowance_left
         return min(wanted, max(fits, 0 if self.any_prefill else 1))
 
     def charge(self, num_tokens: int, context: int) -> None:
         """A prefill chunk of ``num_tokens`` after ``context`` was granted."""
         self.any_prefill = True
-        if self.prefill_left is not None:
-            self.prefill_left = max(0, self.prefill_left - self.prefill_cost(num_tokens, context))
+        if self.allowance_left is not None:
+            self.allowance_left = max(0, self.allowance_left - math.ceil(self.cost(num_tokens, context)))
 
     # ------------------------------------------------------------------ blocks held
     @staticmethod
