@@ -7,6 +7,8 @@ and without fair share by client (``--fair-share``, minipaged/policies/client_sh
     120 new tokens after it: each new token attends to the whole prefix, which the token budget does not see.
   * ``samples``: the greedy client asks n=16 samples of a 256-token prompt in a pool too small for them to the
     end, just before the victim arrives; without fair share the newest request, the victim's, is preempted.
+  * ``many-samples``: the greedy client asks n=128 samples of a 1,000-token prompt, 16 tokens each: without fair
+    share every step decodes all 128 beside the victim's one row, so each of the victim's tokens waits for them.
 
 The victim (another client) is decoding when the flood arrives. For each case and setting this records the
 victim's longest pause between two tokens, the greedy client's completion, the engine's total and its steps,
@@ -28,7 +30,7 @@ from minipaged import Engine, SamplingParams
 from minipaged.bench.report import markdown_table, save
 
 VICTIM_PROMPT = "Say hello to the class in one short sentence."
-CASES = ("burst", "cached-prefix", "samples")
+CASES = ("burst", "cached-prefix", "samples", "many-samples")
 
 
 def token_ids(seed: int, num_tokens: int, vocab_size: int) -> list[int]:
@@ -57,6 +59,9 @@ def flood(case: str, args: argparse.Namespace, vocab: int) -> Flood:
     if case == "samples":                   # the victim arrives after it: vLLM's victim, the newest, is the victim
         return Flood([token_ids(3, args.samples_prompt_tokens, vocab)], n=args.samples, before_victim=True,
                      num_blocks=args.samples_blocks, max_tokens=args.samples_max_tokens)
+    if case == "many-samples":
+        return Flood([token_ids(4, args.many_prompt_tokens, vocab)], n=args.many_samples,
+                     max_tokens=args.many_max_tokens)
     prefix = token_ids(1, args.prefix_tokens, vocab)
     return Flood([prefix + token_ids(200 + i, args.new_tokens, vocab) for i in range(args.prefix_requests)],
                  prefix=prefix, max_tokens=args.greedy_max_tokens)
@@ -123,6 +128,9 @@ def main() -> None:
     ap.add_argument("--samples-max-tokens", type=int, default=64, help="samples: tokens each sample generates")
     ap.add_argument("--samples-blocks", type=int, default=56,
                     help="samples: the KV pool, in blocks (too small for its samples to the end)")
+    ap.add_argument("--many-samples", type=int, default=128, help="many-samples: n of the greedy client's request")
+    ap.add_argument("--many-prompt-tokens", type=int, default=1000, help="many-samples: its prompt's tokens")
+    ap.add_argument("--many-max-tokens", type=int, default=16, help="many-samples: tokens each sample generates")
     ap.add_argument("--greedy-max-tokens", type=int, default=4, help="burst, cached-prefix: each request's tokens")
     ap.add_argument("--victim-max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)

@@ -13,7 +13,7 @@ health poll) is "this machine", with no share to keep to. The victim and the hea
 their own, so that the GIL of the students' and the adversary's process (a 50 MB stream being parsed) is not
 counted as the server's pause; all the clients still share the machine's cores with the server. The rows are
 scaled so that the whole run takes a few minutes on a 2-core machine (each row also stops at ``ROW_LIMIT_S``,
-closing its connections); ``SCALING`` says how each differs from the issue's.
+or its own ``ROW_LIMITS_S``, closing its connections); ``SCALING`` says how each differs from the issue's.
 
     python bench/soak.py [--model smollm2 | --tiny] [--rows "slowloris;..." --save-as NAME]
 
@@ -44,6 +44,8 @@ from minipaged.config import LONG_PREFILL_CPU
 
 STUDENTS, WATCHERS = 30, 3
 ROW_LIMIT_S = 45.0                  # an adversary still at it after this closes its connections
+# Rows whose adversary is served, more slowly, beside the class (fair share) and needs longer to get its answer.
+ROW_LIMITS_S = {"n=128 long prompt": 120.0}
 SETTLE_S = 2.0                      # before and after each row: the pauses and RSS of its aftermath count too
 ADVERSARY, VICTIM = "127.0.0.200", "127.0.0.100"
 TARGETS = {"victim_pause_s": 1.0, "health_s": 1.0, "rss_growth_mb": 200.0}
@@ -53,7 +55,7 @@ SCALING = {
     "16 long prefills": "16 prompts of the long-prefill threshold (128 token ids) at once, 16 tokens each",
     "cached prefix": "a prefix of min(3,000, context - 300) tokens cached, then 12 requests of it + 120 new tokens",
     "n=128 long prompt": "n = min(128, --max-n) samples of a 1,000-token prompt (1,500 x 128 is past the client's "
-                         "131,072 prompt-token quota: a 400), 16 tokens each",
+                         "131,072 prompt-token quota: a 400), 16 tokens each; the row ends at 120 s, not 45",
     "logprobs, paused then resumed": "n = 128 x 300 tokens with logprobs=20 (the issue: 1,200), paused 8 s, resumed",
     "logprobs at the bound, paused then resumed": "the largest that --max-output-logprobs (131,072 entries) lets "
                                                   "through: n = 128 x 48 tokens with logprobs=20, paused 8 s, resumed",
@@ -133,6 +135,36 @@ class Codes:
 
     def summary(self) -> str:
         return summary(self.counts)
+
+
+class FirstTokens:
+    """When each student's chat was sent and how long its first token took (thread-safe): a row's slowest,
+    chats still waiting at the row's end counted as waiting until then, tells whether new students were served."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done: list[tuple[float, float]] = []       # (sent, seconds to the first token)
+        self.pending: dict[int, float] = {}             # a chat's key -> when it was sent
+
+    def sent(self, key: int) -> None:
+        with self.lock:
+            self.pending[key] = time.monotonic()
+
+    def answered(self, key: int) -> None:
+        with self.lock:
+            if (sent := self.pending.pop(key, None)) is not None:
+                self.done.append((sent, time.monotonic() - sent))
+
+    def gone(self, key: int) -> None:
+        with self.lock:
+            self.pending.pop(key, None)
+
+    def slowest(self, since: float, until: float) -> float:
+        """The slowest first token of the chats sent between ``since`` and ``until`` (or waiting then)."""
+        with self.lock:
+            waits = [wait for sent, wait in self.done if since <= sent <= until]
+            waits += [until - sent for sent in self.pending.values() if sent <= until]
+        return max(waits, default=float("nan"))
 
 
 def summary(counts: Counter[str]) -> str:
@@ -225,9 +257,11 @@ class Observer:
 class Student(threading.Thread):
     """A student: short streaming chats with pauses between, sometimes a page prompt, sometimes an abort."""
 
-    def __init__(self, url: str, address: str, stop: threading.Event, codes: Codes, seed: int) -> None:
+    def __init__(self, url: str, address: str, stop: threading.Event, codes: Codes, first_tokens: FirstTokens,
+                 seed: int) -> None:
         super().__init__(daemon=True)
         self.url, self.address, self.stop, self.codes, self.rng = url, address, stop, codes, random.Random(seed)
+        self.first_tokens = first_tokens
 
     def run(self) -> None:
         with client(self.address) as http:
@@ -246,17 +280,24 @@ class Student(threading.Thread):
     def chat(self, http: httpx.Client, abort_after: Optional[int]) -> None:
         body = {"messages": [{"role": "user", "content": f"Explain idea {self.rng.randrange(1000)} briefly."}],
                 "max_tokens": self.rng.randint(16, 48), "stream": True}
-        with http.stream("POST", self.url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                self.codes.add(response)
-                return
-            chunks = 0
-            for line in response.iter_lines():
-                chunks += line.startswith("data: {")
-                if abort_after is not None and chunks >= abort_after:
-                    self.codes.add(label="aborted (closed)")      # leaving the block closes the connection
+        key = id(body)
+        self.first_tokens.sent(key)
+        try:
+            with http.stream("POST", self.url + "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    self.codes.add(response)
                     return
-            self.codes.add(response)
+                chunks = 0
+                for line in response.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == 1:
+                        self.first_tokens.answered(key)
+                    if abort_after is not None and chunks >= abort_after:
+                        self.codes.add(label="aborted (closed)")      # leaving the block closes the connection
+                        return
+                self.codes.add(response)
+        finally:
+            self.first_tokens.gone(key)
 
 
 def watcher(url: str, address: str, stop: threading.Event) -> None:
@@ -276,9 +317,9 @@ def watcher(url: str, address: str, stop: threading.Event) -> None:
 class Row:
     """What one row's adversary needs: the URL, its deadline, its codes, the context length."""
 
-    def __init__(self, url: str, max_model_len: int, max_n: int) -> None:
+    def __init__(self, url: str, max_model_len: int, max_n: int, limit_s: float = ROW_LIMIT_S) -> None:
         self.url, self.max_model_len, self.max_n = url, max_model_len, max_n
-        self.codes, self.deadline, self.notes = Codes(), time.monotonic() + ROW_LIMIT_S, ""
+        self.codes, self.deadline, self.notes = Codes(), time.monotonic() + limit_s, ""
 
     def left(self) -> float:
         return max(0.1, self.deadline - time.monotonic())
@@ -469,9 +510,10 @@ def wait_idle(url: str, timeout_s: float) -> dict[str, Any]:
 def soak(url: str, pid: int, folder: str, rows_wanted: list[str]) -> dict[str, Any]:
     info = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     max_model_len = int(info["max_model_len"])
-    stop, codes = threading.Event(), Codes()
+    stop, codes, first_tokens = threading.Event(), Codes(), FirstTokens()
     observer = Observer(url, min(2000, max_model_len - 16), folder)
-    threads: list[threading.Thread] = [Student(url, f"127.0.0.{10 + i}", stop, codes, seed=i) for i in range(STUDENTS)]
+    threads: list[threading.Thread] = [Student(url, f"127.0.0.{10 + i}", stop, codes, first_tokens, seed=i)
+                                   for i in range(STUDENTS)]
     threads += [threading.Thread(target=watcher, args=(url, f"127.0.0.{50 + i}", stop), daemon=True)
                 for i in range(WATCHERS)]
     rss_start, load = rss_mb(pid), os.getloadavg()[0]
@@ -484,7 +526,7 @@ def soak(url: str, pid: int, folder: str, rows_wanted: list[str]) -> dict[str, A
     for name in rows_wanted:
         adversary = ROWS[name]
         time.sleep(SETTLE_S)
-        row = Row(url, max_model_len, 128)
+        row = Row(url, max_model_len, 128, ROW_LIMITS_S.get(name, ROW_LIMIT_S))
         rss_before, students_before, start = rss_mb(pid), Counter(codes.counts), time.monotonic()
         adversary(row)
         end = time.monotonic()
@@ -494,6 +536,7 @@ def soak(url: str, pid: int, folder: str, rows_wanted: list[str]) -> dict[str, A
         rows.append({"row": name, "scaling": SCALING.get(name, ""), "seconds": round(end - start, 1),
                      "victim_longest_pause_s": round(observer.longest_pause(start, until), 3),
                      "health_slowest_s": round(observer.slowest_health(start, until), 3),
+                     "students_slowest_first_token_s": round(first_tokens.slowest(start, until), 3),
                      "adversary_codes": row.codes.summary(), "notes": row.notes,
                      "student_codes": summary(Counter(codes.counts) - students_before),
                      "rss_before_mb": round(rss_before, 1), "rss_at_end_mb": round(rss_peak, 1),
@@ -508,17 +551,20 @@ def soak(url: str, pid: int, folder: str, rows_wanted: list[str]) -> dict[str, A
             "load_average_at_start": load,
             "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_mb(pid), 1), "health_at_end": end_health,
             "all_blocks_free": end_health["blocks_free"] == end_health["blocks_total"], "row_limit_s": ROW_LIMIT_S,
+            "row_limits_s": {name: ROW_LIMITS_S[name] for name in rows_wanted if name in ROW_LIMITS_S},
             "targets": TARGETS, "rows_run": rows_wanted}
 
 
 def markdown(record: dict[str, Any]) -> str:
+    nan = float("nan")
     def verdict(value: float, target: float) -> str:
         return f"{value:.2f}" + ("" if value <= target else " (over)")
     table = markdown_table(
         ["what the adversary did", "for (s)", "victim's longest pause (s)", "/health's slowest answer (s)",
-         "adversary's answers", "students' answers", "server RSS before -> after (MB)"],
+         "students' slowest first token (s)", "adversary's answers", "students' answers",
+         "server RSS before -> after (MB)"],
         [[r["row"], r["seconds"], verdict(r["victim_longest_pause_s"], TARGETS["victim_pause_s"]),
-          verdict(r["health_slowest_s"], TARGETS["health_s"]),
+          verdict(r["health_slowest_s"], TARGETS["health_s"]), f"{r.get('students_slowest_first_token_s', nan):.2f}",
           r["adversary_codes"] + (f"; {r['notes']}" if r["notes"] else ""), r["student_codes"],
           f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f}"] for r in record["rows"]])
     h = record["health_at_end"]

@@ -120,12 +120,13 @@ class KVCacheManager:
         return new_blocks + revived
 
     def allocate_slots(self, req: Request, num_new_tokens: int, start: Optional[int] = None,
-                       cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0) -> bool:
+                       cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0,
+                       num_reserved: int = 0) -> bool:
         """Make room for tokens ``start : start + num_new_tokens`` of the request; False if the pool is short.
 
         ``cached_blocks`` are prefix-cache hits taken at admission (prefix-aware admission: only the blocks
         beyond them are counted as needed). ``num_lookahead_tokens`` more slots are made for a draft model's
-        guesses (speculative decoding). All or nothing: on False nothing has changed.
+        guesses (speculative decoding), ``num_reserved`` blocks left free. All or nothing: on False nothing changed.
         """
         start = req.num_computed_tokens if start is None else start
         rid = req.request_id
@@ -137,7 +138,7 @@ class KVCacheManager:
                 self._register_full_blocks(req, min(start + num_new_tokens, req.num_tokens))
             return True
         if self.num_blocks_to_allocate(req, num_new_tokens, start, cached_blocks,
-                                       num_lookahead_tokens) > self.pool.num_free_blocks:
+                                       num_lookahead_tokens) > self.pool.num_free_blocks - num_reserved:
             return False
         table = self.req_blocks.setdefault(rid, [])
         for block_id in cached_blocks:

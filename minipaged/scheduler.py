@@ -16,9 +16,8 @@ Policies
     (``minipaged.policies``): ``--scheduling-policy`` (fcfs, priority ...) and ``--preemption-victim`` (newest
     ...). A policy that raises fails the request it was deciding about; the others are served.
 
-Fair share by client (``fair_share``; ``minipaged.policies.client_share``): admission takes turns between clients,
-the victim is the heaviest client's, and while two or more have requests a step's work is bounded: every
-client's first decode, the other decodes in turns between clients, the prefills in what is left.
+Fair share by client (``fair_share``): ``minipaged.policies.client_share`` shares admission, preemption, the
+pool and a step's work between clients first, then requests (its docstring tells how).
 
 Long prompts share the step (chunked prefill; vLLM's ``long_prefill_token_threshold``,
 ``max_long_partial_prefills``, ``max_num_partial_prefills``)
@@ -114,11 +113,8 @@ class ScheduledChunk:
 
     @property
     def kind(self) -> str:
-        """'decode' for one token past the prompt (plus any drafts), else 'prefill' (a prompt, a chunk, or a
-        recompute)."""
-        if self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens:
-            return "decode"
-        return "prefill"
+        """'decode' for one token past the prompt (plus any drafts), else 'prefill' (a prompt, a chunk, a recompute)."""
+        return "decode" if self.num_known_tokens == 1 and self.start >= self.request.num_prompt_tokens else "prefill"
 
 
 @dataclass
@@ -218,13 +214,13 @@ class Scheduler:
     def _allocate(self, req: Request, num_new: int, start: Optional[int] = None,
                   cached_blocks: Sequence[int] = ()) -> bool:
         """Slots for the scheduled tokens, plus a draft model's lookahead slots where the request can use them
-        (never past max_model_len or its last possible token)."""
-        start = req.num_computed_tokens if start is None else start
-        if not self.num_lookahead_tokens:
-            return self.kv.allocate_slots(req, num_new, start, cached_blocks)
-        last_possible = min(self.config.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
-        lookahead = max(0, min(self.num_lookahead_tokens, last_possible - (start + num_new)))
-        return self.kv.allocate_slots(req, num_new, start, cached_blocks, num_lookahead_tokens=lookahead)
+        (never past max_model_len or its last token); a client over its fair share leaves newcomers' blocks."""
+        start, lookahead = req.num_computed_tokens if start is None else start, 0
+        if self.num_lookahead_tokens:
+            last_possible = min(self.config.max_model_len, req.num_prompt_tokens + req.params.max_tokens)
+            lookahead = max(0, min(self.num_lookahead_tokens, last_possible - (start + num_new)))
+        return self.kv.allocate_slots(req, num_new, start, cached_blocks, num_lookahead_tokens=lookahead,
+                                      num_reserved=self._fair.reserved_against(req) if self._fair else 0)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -234,6 +230,12 @@ class Scheduler:
         if self.client_share is not None:
             self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), (
                 self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0)
+            if (fair := self._fair) and self.config.policy == "continuous":      # a newcomer takes its share back
+                for newcomer, candidates in fair.share_back(self.waiting, self.running, self.kv, self.order.first,
+                                                            self._chunk_cap):
+                    if (victim := self._choose_victim(set(), newcomer, out, candidates)) is None:
+                        break
+                    self._preempt(victim, out)
         if self.config.policy == "static":
             # The batch is running + swapped; it takes no newcomer until all of it has finished.
             budget = self._schedule_running(out, budget)
@@ -243,10 +245,12 @@ class Scheduler:
                     self._admit_waiting(out, budget)
         elif self.config.enable_chunked_prefill:
             budget = self._schedule_running(out, budget)
-            if not out.preempted:                          # memory is short this step: admit nobody
+            if not out.preempted:                          # memory is short this step: admit nobody ...
                 budget = self._swap_in(out, budget)
                 if not self.swapped:                       # swapped requests come back before newcomers
                     self._admit_waiting(out, budget)
+            elif fair := self._fair:                       # ... but a client under its share (fair share)
+                self._admit_waiting(out, budget, fair.under_share(self.running, self.kv.blocks_of, self.kv.num_blocks))
         else:
             # Prefill-first: new prompts get the step to themselves; decodes wait for a step without them.
             if not self.swapped:
@@ -270,16 +274,13 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first, then running prefills (chunks of long prompts, recomputes); stable sort keeps FCFS.
         scheduled_ids = {c.request.request_id for c in out.chunks}
-        fair = self._fair                              # the lightest clients first: the heaviest can be preempted
-        rows = fair.decode_rows([r for r in self.running if not r.is_prefill]) if fair else None
+        fair = self._fair                 # the lightest clients first (the heaviest can be preempted), decodes in turns
         for req in fair.running_order(self.running, self.kv.blocks_of) if fair else \
                 sorted(self.running, key=lambda r: r.is_prefill):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled_ids:
                 continue
-            if rows is not None and not req.is_prefill and id(req) not in rows:
-                continue                                   # its client's rows this step are spent (fair share)
             # A decode's drafts ride along as extra tokens, as many as the budget leaves room for.
             num_known = req.num_tokens - req.num_computed_tokens
             num_new = min(self._chunk_cap(num_known) + len(req.spec_token_ids), budget)
@@ -310,12 +311,14 @@ class Scheduler:
         """The step's fair share while two or more clients have requests (alone, one is scheduled as without)."""
         return self._share if self._share is not None and self._share.contended else None
 
-    def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput) -> Optional[Request]:
-        """The victim policy's choice among running requests not already scheduled in this step (``needs_room``
-        is one of them). If the policy raises or answers something else, ``needs_room`` fails instead."""
-        candidates = [r for r in self.running if r.request_id not in scheduled_ids]
-        if fair := self._fair:                         # from the client holding the most blocks
-            candidates = fair.victims(candidates, needs_room, self.running, self.kv.blocks_of, self.kv.num_blocks)
+    def _choose_victim(self, scheduled_ids: set[str], needs_room: Request, out: SchedulerOutput,
+                       candidates: Optional[list[Request]] = None) -> Optional[Request]:
+        """The victim policy's choice among ``candidates`` or else the running requests not yet scheduled this step
+        (``needs_room`` among them). If the policy raises or answers something else, ``needs_room`` fails."""
+        if candidates is None:
+            candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+            if fair := self._fair:                     # from the client holding the most blocks
+                candidates = fair.victims(candidates, needs_room, self.running, self.kv.blocks_of, self.kv.num_blocks)
         try:
             victim = self.victim_policy.choose(candidates, lambda r: len(self.kv.blocks_of(r.request_id)))
             if victim not in candidates:
@@ -414,10 +417,10 @@ class Scheduler:
                 parents.add(req.parent_id)
         return num_long, num_partial, parents
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit new requests in the scheduling policy's order (FCFS: arrival) while the budget, max_num_seqs and
-        the pool allow. A request that would pass a limit on long or partial prefills, or whose sibling is still
-        prefilling their prompt, waits without holding up those behind it (it keeps its place)."""
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, clients: Optional[set[str]] = None) -> int:
+        """Admit new requests (``clients``' only, if given) in the scheduling policy's order while the budget,
+        max_num_seqs and the pool allow. A request that would pass a limit on long or partial prefills, or whose
+        sibling is still prefilling their prompt, waits without holding up those behind it (keeping its place)."""
         chunked = self.config.enable_chunked_prefill
         num_long, num_partial, prefilling_parents = self._partial_prefills(out)
         max_partial = self.config.max_num_partial_prefills if self._shares_steps else None
@@ -428,9 +431,9 @@ class Scheduler:
             try:
                 if (fair := self._fair) is None:
                     req = self.order.first(self.waiting)
-                else:                                      # (every waiting request has its turn in ``turns``)
-                    req = next(turns := turns or fair.turns(self.waiting, self.order.first), None) or \
-                        self.order.first(self.waiting)
+                elif (req := next(turns := turns or fair.turns(self.waiting, self.order.first, clients), None)) \
+                        is None:
+                    break                                  # every waiting request had its turn
                 if req not in self.waiting:
                     raise ValueError(f"it chose {req!r}, which is not waiting")
             except Exception as e:

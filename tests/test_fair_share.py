@@ -173,6 +173,49 @@ def test_a_client_outgrowing_the_pool_preempts_its_own_requests_not_the_victim(s
     assert plain_victim.num_preemptions > 0, "without fair share the newest request, the victim's, is taken"
 
 
+def test_a_newcomer_takes_its_share_of_a_full_pool_back():
+    """n=8 samples of one client fill the pool; another client's request arrives then. With fair share it preempts
+    a greedy sample and starts at once (its client holds nothing, the greedy one all); without, admission never
+    preempts (vLLM's rule) and it waits until the greedy samples have finished. Every block is free at the end."""
+    def wait_for_newcomer(fair: bool) -> tuple[int, int]:
+        bench = Bench(fair=fair, num_blocks=32)
+        greedy = bench.add("greedy", tokens(4, 64), n=8, max_tokens=120)
+        while bench.kv.num_free_blocks > 0:
+            bench.step()
+        newcomer, = bench.add("newcomer", tokens(5, 20), max_tokens=4)
+        arrived = len(bench.steps)
+        bench.run_while(newcomer)
+        started = next(i for i, step in enumerate(bench.steps) if any(r is newcomer for r, _s, _n in step))
+        while bench.scheduler.has_unfinished():
+            bench.step()
+        assert bench.kv.num_free_blocks == bench.kv.num_blocks
+        assert all(len(r.output_token_ids) == 120 for r in greedy)
+        return started - arrived, sum(r.num_preemptions for r in greedy)
+
+    waited, preempted = wait_for_newcomer(fair=True)
+    assert waited == 0 and preempted > 0
+    plain_waited, _ = wait_for_newcomer(fair=False)
+    assert plain_waited > 20
+
+
+def test_the_block_kept_for_a_newcomer_is_not_taken_by_the_client_over_its_share():
+    """A pool of 10 blocks; the greedy client's one request holds 9 and its next token needs the 10th, in the step
+    a newcomer (another client, holding nothing) arrives needing one. The block is kept for the newcomer: the
+    greedy request, over its share, preempts itself, and the newcomer is admitted in that same step."""
+    bench = Bench(fair=True, num_blocks=10)
+    greedy, = bench.add("greedy", tokens(9, 9 * BLOCK), max_tokens=8)
+    while greedy.num_computed_tokens < 9 * BLOCK:
+        bench.step()
+    assert bench.kv.num_free_blocks == 1
+    newcomer, = bench.add("newcomer", tokens(10, 10), max_tokens=4)
+    bench.step()
+    assert [r for r, _s, _n in bench.steps[-1]] == [newcomer]
+    assert greedy.num_preemptions == 1
+    while bench.scheduler.has_unfinished():
+        bench.step()
+    assert len(greedy.output_token_ids) == 8 and bench.kv.num_free_blocks == bench.kv.num_blocks
+
+
 def test_admission_takes_turns_between_clients():
     """16 samples of one client ahead of another client's one request, 4 sequences at a time: the second
     client's request is admitted at the first free slot, not after the 16 samples (FCFS within a client)."""

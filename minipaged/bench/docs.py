@@ -247,15 +247,20 @@ def soak_table(r: dict[str, Any]) -> str:
     def seconds_figure(seconds: float) -> str:          # a row refused at once lasts a tenth of a second
         return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2f} s"
 
+    def first_token(x: dict[str, Any]) -> str:          # (runs before it was recorded have none)
+        value = x.get("students_slowest_first_token_s")
+        return "-" if value is None or value != value else f"{value:.2f} s"
+
     def rss(x: dict[str, Any]) -> str:
         text = f"{x['rss_before_mb']:.0f} -> {x['rss_after_mb']:.0f}"
         return text if x["rss_after_mb"] - x["rss_before_mb"] <= targets["rss_growth_mb"] else f"**{text}**"
     rows = [[x["row"], seconds_figure(x['seconds']), against(x["victim_longest_pause_s"], targets["victim_pause_s"]),
-             against(x["health_slowest_s"], targets["health_s"]),
+             against(x["health_slowest_s"], targets["health_s"]), first_token(x),
              x["adversary_codes"] + (f"; {x['notes']}" if x["notes"] else ""), x.get("student_codes", "-"), rss(x)]
             for x in r["rows"]]
     return markdown_table(["what the adversary did", "for", "victim's longest pause", "/health's slowest answer",
-                           "adversary's answers", "students' answers", "server RSS MB before -> after"], rows)
+                           "students' slowest first token", "adversary's answers", "students' answers",
+                           "server RSS MB before -> after"], rows)
 
 
 def preemption_table(r: dict[str, Any]) -> str:

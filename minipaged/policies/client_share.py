@@ -13,11 +13,16 @@ client) gets its turn first, and only then its requests share it:
     holding more than its fair share (the pool divided by the clients with requests) never preempts another
     client's requests: it preempts its own, or waits. The running requests of the lightest clients are
     scheduled first, so the heaviest client's requests are still there to be preempted when others need room.
+  * **A newcomer takes its share back.** vLLM's admission never preempts: a request that does not fit waits
+    for blocks. Here, before a step schedules anything, the next waiting request of each client under its
+    fair share gets room kept for its first chunk: the client holding the most beyond its share has requests
+    preempted until the free blocks cover it, and no client over its share takes the kept blocks in that
+    step. A student who arrives while another client's samples fill the pool starts now, not when they end.
   * **A step's work is bounded, and shared by client.** While two or more clients have requests, one step
     does at most ``long_prefill_token_threshold`` tokens of work (the per-prompt cap becomes the step's):
     every client's first running decode gets its row, whatever the rest; then the clients' other decodes take
     turns, one row per client a turn, up to half of the allowance; the step's prefill chunks get what is left
-    (at least one token). So one client's n=128 samples decode a few rows a step beside thirty students' one
+    (at least one token). So one client's n=128 samples decode a few dozen rows a step beside thirty students' one
     each, not 128: the step, which is every student's pause between two tokens, stays short. A client's own
     decodes take turns too (the fewest output tokens first), so its samples advance together.
   * **Context is counted.** A token over a cached context costs more than its own pass through the layers
@@ -27,17 +32,20 @@ client) gets its turn first, and only then its requests share it:
 
 One client alone (the library, a benchmark) meets none of this: the scheduler takes its plain paths. Nor does
 an accelerator, where the threshold is 0: a step of 2,048 tokens takes milliseconds there.
-Not yet shared: admission never preempts (vLLM's rule), so a newcomer waits for free blocks, and a client over
-its fair share still grows its running requests into free blocks while others wait for them.
+A client over its fair share still grows into free blocks while no one else needs them: they come back when a
+newcomer does.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..request import Request
+
+if TYPE_CHECKING:
+    from ..kv_cache_manager import KVCacheManager
 
 ANONYMOUS = ""                        # the client of requests that name none
 
@@ -85,6 +93,8 @@ class StepShare:
     clients: set[str]
     allowance_left: Optional[int]     # tokens (context-weighted) the step may still do; None: no cap
     any_prefill: bool = False         # a prefill chunk was granted this step
+    reserved: int = 0                 # free blocks kept for newcomers of clients under their share ...
+    over_share: set[str] = field(default_factory=set)     # ... that these clients (over theirs) may not take
 
     @property
     def contended(self) -> bool:
@@ -151,10 +161,13 @@ class StepShare:
         return {client: len(blocks) for client, blocks in held.items()}
 
     def running_order(self, running: Sequence[Request], blocks_of: Callable[[str], Sequence[int]]) -> list[Request]:
-        """Decodes before prefills; within each, the clients holding fewest blocks first (then the running
-        order), so that the heaviest client's requests are scheduled last and can still be preempted."""
+        """The running requests this step may schedule: the decodes that get a row (``decode_rows``), then the
+        prefills; within each, the clients holding fewest blocks first (then the running order), so that the
+        heaviest client's requests are scheduled last and can still be preempted."""
         held = self.holdings(running, blocks_of)
-        return sorted(running, key=lambda r: (r.is_prefill, held.get(client_of(r), 0)))
+        rows = self.decode_rows([r for r in running if not r.is_prefill])
+        return sorted((r for r in running if r.is_prefill or id(r) in rows),
+                      key=lambda r: (r.is_prefill, held.get(client_of(r), 0)))
 
     def victims(self, candidates: Sequence[Request], needs_room: Request, running: Iterable[Request],
                 blocks_of: Callable[[str], Sequence[int]], num_blocks: int) -> list[Request]:
@@ -162,22 +175,72 @@ class StepShare:
         than its fair share (the pool over the clients), else the heaviest client's (the newest among equals)."""
         held = self.holdings(running, blocks_of)
         own = client_of(needs_room)
-        by_client: dict[str, list[Request]] = {}
-        for req in candidates:
-            by_client.setdefault(client_of(req), []).append(req)
+        by_client = self.by_client(candidates)
         if held.get(own, 0) > num_blocks / len(self.clients) and own in by_client:
             return by_client[own]
         heaviest = max(by_client, key=lambda c: (held.get(c, 0), max(r.arrival_index for r in by_client[c])))
         return by_client[heaviest]
 
+    def under_share(self, running: Iterable[Request], blocks_of: Callable[[str], Sequence[int]],
+                    num_blocks: int) -> set[str]:
+        """The clients holding less than their fair share of the pool (the others are noted as over it): in a
+        step short of memory only their requests are admitted, and room is kept for them."""
+        held = self.holdings(running, blocks_of)
+        share = num_blocks / len(self.clients)
+        self.over_share = {client for client, n in held.items() if n > share}
+        return {client for client in self.clients if held.get(client, 0) < share}
+
+    def share_back(self, waiting: Sequence[Request], running: list[Request], kv: KVCacheManager,
+                   first: Callable[[Sequence[Request]], Request], chunk_cap: Callable[[int], int]
+                   ) -> Iterator[tuple[Request, list[Request]]]:
+        """Before a step schedules anything: room is kept (``reserved``) for the next waiting request of each
+        client under its fair share of the pool, for its first chunk as if nothing of it were cached. While the
+        free blocks fall short, yields a newcomer and the running requests of the client holding the most beyond
+        its share: the caller preempts one of them (out of ``running``) each time. (vLLM's admission never
+        preempts: a newcomer waits for blocks.)"""
+        if not waiting:
+            return
+        under = self.under_share(running, kv.blocks_of, kv.num_blocks)
+        try:
+            newcomers = [first(reqs) for client, reqs in self.by_client(waiting).items() if client in under]
+        except Exception:
+            return                                         # admission fails the requests the order cannot take
+        self.reserved = sum(kv.blocks_needed(min(r.num_tokens, chunk_cap(r.num_tokens))) for r in newcomers)
+        while newcomers and kv.num_free_blocks < self.reserved and \
+                (candidates := self.heaviest_over_share(running, kv.blocks_of, kv.num_blocks)):
+            yield newcomers[0], candidates
+
+    def heaviest_over_share(self, running: Sequence[Request], blocks_of: Callable[[str], Sequence[int]],
+                            num_blocks: int) -> list[Request]:
+        """The running requests of the client holding the most beyond its fair share (none if no client does)."""
+        held = self.holdings(running, blocks_of)
+        over = [c for c, n in held.items() if n > num_blocks / len(self.clients)]
+        if not over:
+            return []
+        heaviest = max(over, key=lambda c: held[c])
+        return [r for r in running if client_of(r) == heaviest]
+
+    def reserved_against(self, request: Request) -> int:
+        """Free blocks ``request`` may not take: those kept for newcomers, when its client is over its share."""
+        return self.reserved if client_of(request) in self.over_share else 0
+
+    @staticmethod
+    def by_client(requests: Iterable[Request]) -> dict[str, list[Request]]:
+        grouped: dict[str, list[Request]] = {}
+        for req in requests:
+            grouped.setdefault(client_of(req), []).append(req)
+        return grouped
+
     # ------------------------------------------------------------------ admission
-    def turns(self, waiting: Iterable[Request], first: Callable[[Sequence[Request]], Request]) -> Iterator[Request]:
-        """The waiting requests in turn: the client admitted longest ago (never: first, in queue order) gives
-        its first request in the policy's order (``first``), then the next client; a client whose request was
-        offered goes to the back of the turn."""
+    def turns(self, waiting: Iterable[Request], first: Callable[[Sequence[Request]], Request],
+              clients: Optional[set[str]] = None) -> Iterator[Request]:
+        """The waiting requests in turn (those of ``clients`` only, when given): the client admitted longest ago
+        (never: first, in queue order) gives its first request in the policy's order (``first``), then the next
+        client; a client whose request was offered goes to the back of the turn."""
         queues: dict[str, deque[Request]] = {}
         for req in waiting:
-            queues.setdefault(client_of(req), deque()).append(req)
+            if clients is None or client_of(req) in clients:
+                queues.setdefault(client_of(req), deque()).append(req)
         turn = deque(sorted(queues, key=lambda c: self.owner.last_turn.get(c, -1)))
         while turn:
             client = turn.popleft()
