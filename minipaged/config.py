@@ -87,7 +87,8 @@ class EngineConfig:
     # ``minipaged serve`` (whose requests carry their client in SamplingParams.client).
     fair_share: Optional[bool] = field(default=None, metadata={
         "help": "share the engine between clients (SamplingParams.client) before requests: admission takes turns "
-                "between clients, a preemption takes from the client holding the most KV blocks, and while two "
+                "between clients, a preemption takes from the client holding the most KV blocks, a newcomer under its "
+                "share takes blocks back from the client most over its share, and while two "
                 "or more clients have requests one step does at most --long-prefill-token-threshold tokens of work "
                 "(cached context counted): every client's first decode, other decodes in turns between clients up "
                 "to half of it, prefills in the rest",

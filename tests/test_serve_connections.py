@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from minipaged.serve.connections import MIN_ROOM, fit_connections, room_for
+from minipaged.serve.connections import (MIN_ROOM, STREAM_SEND_BUFFER, ConnectionLimitProtocol, fit_connections,
+                                         room_for)
 from minipaged.serve.event_hub import StreamLimits, Watcher
 from minipaged.serve.protocol import ServerError
 from serve_util import running_server
@@ -59,6 +60,31 @@ def test_fit_connections_leaves_room_for_the_engines_files():
     small = fit_connections(1024, 1024)                  # a common soft limit that could not be raised
     assert 1 <= small < 1024 and small + room_for(small) <= 1024 - 100
     assert room_for(20) == MIN_ROOM
+
+
+def test_an_event_streams_kernel_send_buffer_is_fixed_and_other_requests_keep_the_systems():
+    """A watcher that never reads would otherwise make Linux grow its connection's send buffer toward 4 MB (240 idle
+    streams took 488 MB of kernel memory): the protocol fixes it when a /v1/events request starts, and only then."""
+    class Transport:
+        def __init__(self) -> None:
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+        def get_extra_info(self, name: str) -> object:
+            return self.sock if name == "socket" else None
+
+    def send_buffer_after_request(path: str) -> tuple[int, int]:
+        protocol = ConnectionLimitProtocol.__new__(ConnectionLimitProtocol)
+        protocol.transport, protocol.scope, protocol._app = Transport(), {"path": path}, "the app"
+        sock = protocol.transport.sock
+        with sock:
+            before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            assert protocol.app == "the app"
+            return before, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+    before, after = send_buffer_after_request("/v1/events")
+    assert after in (STREAM_SEND_BUFFER, 2 * STREAM_SEND_BUFFER) and after != before   # (Linux reports it doubled)
+    before, after = send_buffer_after_request("/v1/completions")
+    assert after == before
 
 
 def test_stream_limits_count_per_client_and_in_all():
