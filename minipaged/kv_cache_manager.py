@@ -120,14 +120,12 @@ class KVCacheManager:
         return new_blocks + revived
 
     def allocate_slots(self, req: Request, num_new_tokens: int, start: Optional[int] = None,
-                       cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0,
-                       num_reserved: int = 0) -> bool:
+                       cached_blocks: Sequence[int] = (), num_lookahead_tokens: int = 0, num_reserved: int = 0) -> bool:
         """Make room for tokens ``start : start + num_new_tokens`` of the request; False if the pool is short.
 
         ``cached_blocks`` are prefix-cache hits taken at admission (prefix-aware admission: only the blocks
         beyond them are counted as needed). ``num_lookahead_tokens`` more slots are made for a draft model's
-        guesses (speculative decoding), ``num_reserved`` blocks left free. All or nothing: on False nothing changed.
-        """
+        guesses (speculative decoding), ``num_reserved`` blocks left free. All or nothing: False changes nothing."""
         start = req.num_computed_tokens if start is None else start
         rid = req.request_id
         table = self.req_blocks.get(rid)
@@ -212,13 +210,12 @@ class KVCacheManager:
         self.pool.log.append(SwappedOut(req.request_id, tuple(mapping)))
         return mapping
 
-    def can_swap_in(self, req: Request, cpu_pool: CpuBlockPool) -> bool:
-        """Room for the swapped blocks and for the next token's slot (a new block only if the last is full).
-
-        Never more than the request needs, so a request that once held the whole pool can come back.
+    def can_swap_in(self, req: Request, cpu_pool: CpuBlockPool, num_reserved: int = 0) -> bool:
+        """Room for the swapped blocks and for the next token's slot (a new block only if the last is full), with
+        ``num_reserved`` blocks left free. Never more than the request needs: one that held the whole pool comes back.
         """
         need = max(len(cpu_pool.blocks_of(req.request_id)), self.blocks_needed(req.num_computed_tokens + 1))
-        return need <= self.pool.num_free_blocks
+        return need <= self.pool.num_free_blocks - num_reserved
 
     def swap_in(self, req: Request, cpu_pool: CpuBlockPool) -> list[tuple[int, int]]:
         cpu_blocks = cpu_pool.release(req.request_id)

@@ -231,10 +231,9 @@ class Scheduler:
             self._share = self.client_share.begin_step((self.running, self.waiting, self.swapped), (
                 self.config.long_prefill_token_threshold or 0) if self._shares_steps else 0)
             if (fair := self._fair) and self.config.policy == "continuous":      # a newcomer takes its share back
-                for newcomer, candidates in fair.share_back(self.waiting, self.running, self.kv, self.order.first,
-                                                            self._chunk_cap):
-                    if (victim := self._choose_victim(set(), newcomer, out, candidates)) is None:
-                        break
+                for heaviest in fair.share_back(self.waiting, self.running, self.kv, self.order.first, self._chunk_cap):
+                    if (victim := self._choose_victim(set(), heaviest[0], out, heaviest)) is None:
+                        break                              # the policy raised: one of them failed instead
                     self._preempt(victim, out)
         if self.config.policy == "static":
             # The batch is running + swapped; it takes no newcomer until all of it has finished.
@@ -250,7 +249,7 @@ class Scheduler:
                 if not self.swapped:                       # swapped requests come back before newcomers
                     self._admit_waiting(out, budget)
             elif fair := self._fair:                       # ... but a client under its share (fair share)
-                self._admit_waiting(out, budget, fair.under_share(self.running, self.kv.blocks_of, self.kv.num_blocks))
+                self._admit_waiting(out, budget, fair.kept_for)
         else:
             # Prefill-first: new prompts get the step to themselves; decodes wait for a step without them.
             if not self.swapped:
@@ -371,7 +370,7 @@ class Scheduler:
         """Bring swapped requests back (oldest first) before admitting anything new."""
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            if not self.kv.can_swap_in(req, self.cpu_pool):
+            if not self.kv.can_swap_in(req, self.cpu_pool, self._fair.reserved_against(req) if self._fair else 0):
                 break
             self.swapped.pop(0)
             out.swap_in.extend(self.kv.swap_in(req, self.cpu_pool))
@@ -463,7 +462,11 @@ class Scheduler:
                 skipped.append(req)
                 continue
             if not self._allocate(req, num_new, start=num_cached, cached_blocks=cached_blocks):
-                break                                      # nobody jumps the queue the policy set
+                if not (self._fair and self._fair.reserved_against(req)):
+                    break                                  # nobody jumps the queue the policy set ...
+                self._take_waiting(req)                    # ... but the room kept for another client's newcomer
+                skipped.append(req)
+                continue
             self._take_waiting(req)
             if self._share:
                 self._share.admitted(req, num_new, num_cached)

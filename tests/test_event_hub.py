@@ -108,3 +108,30 @@ def test_a_quiet_stream_gets_heartbeats_and_a_closing_one_a_goodbye():
     text = gzip.decompress(asyncio.run(run())).decode()
     assert text.startswith('data: {"type":"engine"}\n\n: heartbeat\n\n') and text.count(": heartbeat") >= 2
     assert text.endswith('event: goodbye\ndata: {"reason": "the server is shutting down"}\n\n')
+
+
+def test_watchers_joining_in_one_step_share_one_snapshot_and_the_next_step_makes_a_new_one(tiny_model_untied,
+                                                                                          monkeypatch):
+    """A class that opens its pages at once (or 125 connections that never read) costs one serialisation of the
+    engine's state a step, on the loop that answers everyone, not one a watcher: the same bytes are queued for
+    each (a watcher without others' text gets its own copy, made once too); after a step a new one is made."""
+    from minipaged import Engine, SamplingParams
+    from minipaged.serve import async_engine as module
+
+    engine = Engine(tiny_model_untied, block_size=4, num_blocks=64)
+    events = []
+    engine.subscribe(events.append)
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2))
+    engine.step()
+    served = module.AsyncEngine(engine)
+    made = []
+    monkeypatch.setattr(module, "snapshot_event", lambda view, real=module.snapshot_event: made.append(1) or real(view))
+    first, second, hidden = Watcher(), Watcher(), Watcher(sees_text=False)
+    for watcher in (first, second, hidden):
+        served.watch(watcher)
+    assert len(made) == 2 and first.queue[1][0] is second.queue[1][0] and hidden.queue[1][0] is not first.queue[1][0]
+    served._on_step([], events[-1])
+    later = Watcher()
+    served.watch(later)
+    assert len(made) == 3 and later.queue[1][0] is not first.queue[1][0]
+    engine.close()

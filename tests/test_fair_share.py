@@ -216,6 +216,42 @@ def test_the_block_kept_for_a_newcomer_is_not_taken_by_the_client_over_its_share
     assert len(greedy.output_token_ids) == 8 and bench.kv.num_free_blocks == bench.kv.num_blocks
 
 
+def test_two_clients_near_their_shares_do_not_take_blocks_from_each_other_in_turn():
+    """A 10-block pool, a share of 5 each: A holds 6, B 4, none free, and B sends a 2-block request. Taking A's
+    request for it would put B over its share and A's request would take it back the next step, and so on (a
+    review found 9 preemptions in 10 steps): B's request waits for free blocks instead, and nobody is preempted."""
+    bench = Bench(fair=True, num_blocks=10)
+    a1, = bench.add("A", tokens(1, 50), max_tokens=12)
+    a2, = bench.add("A", tokens(2, 18), max_tokens=12)
+    b1, = bench.add("B", tokens(3, 50), max_tokens=12)
+    while not all(r.num_computed_tokens >= r.num_prompt_tokens for r in (a1, a2, b1)):
+        bench.step()
+    assert bench.kv.num_free_blocks == 0
+    b2, = bench.add("B", tokens(4, 18), max_tokens=12)
+    while bench.scheduler.has_unfinished():
+        bench.step()
+    assert sum(r.num_preemptions for r in (a1, a2, b1, b2)) == 0
+    assert bench.kv.num_free_blocks == bench.kv.num_blocks
+
+
+def test_a_request_over_its_share_that_does_not_fit_lets_the_newcomer_behind_it_in():
+    """A holds 12 of 19 blocks (over its share), B 4, 3 are free, and both send a 2-block request, A's first in
+    the turns. A's may not take the 2 blocks kept for B's; it waits, and B's is admitted in the same step."""
+    bench = Bench(fair=True, num_blocks=19)
+    bench.add("A", tokens(1, 145), max_tokens=200)
+    bench.add("A", tokens(2, 17), max_tokens=200)
+    for _ in range(5):
+        bench.step()
+    b1, = bench.add("B", tokens(3, 60), max_tokens=200)
+    while b1.num_computed_tokens < 60:
+        bench.step()
+    assert bench.kv.num_free_blocks == 3
+    a_new, = bench.add("A", tokens(4, 32), max_tokens=200)
+    b_new, = bench.add("B", tokens(5, 32), max_tokens=4)
+    bench.step()
+    assert any(r is b_new for r, _s, _n in bench.steps[-1]) and not any(r is a_new for r, _s, _n in bench.steps[-1])
+
+
 def test_admission_takes_turns_between_clients():
     """16 samples of one client ahead of another client's one request, 4 sequences at a time: the second
     client's request is admitted at the first free slot, not after the 16 samples (FCFS within a client)."""

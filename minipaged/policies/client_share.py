@@ -93,8 +93,9 @@ class StepShare:
     clients: set[str]
     allowance_left: Optional[int]     # tokens (context-weighted) the step may still do; None: no cap
     any_prefill: bool = False         # a prefill chunk was granted this step
-    reserved: int = 0                 # free blocks kept for newcomers of clients under their share ...
-    over_share: set[str] = field(default_factory=set)     # ... that these clients (over theirs) may not take
+    reserved: int = 0                 # free blocks kept for newcomers of the clients in kept_for ...
+    kept_for: set[str] = field(default_factory=set)
+    over_share: set[str] = field(default_factory=set)     # ... that these clients (over their share) may not take
 
     @property
     def contended(self) -> bool:
@@ -181,34 +182,29 @@ class StepShare:
         heaviest = max(by_client, key=lambda c: (held.get(c, 0), max(r.arrival_index for r in by_client[c])))
         return by_client[heaviest]
 
-    def under_share(self, running: Iterable[Request], blocks_of: Callable[[str], Sequence[int]],
-                    num_blocks: int) -> set[str]:
-        """The clients holding less than their fair share of the pool (the others are noted as over it): in a
-        step short of memory only their requests are admitted, and room is kept for them."""
-        held = self.holdings(running, blocks_of)
-        share = num_blocks / len(self.clients)
-        self.over_share = {client for client, n in held.items() if n > share}
-        return {client for client in self.clients if held.get(client, 0) < share}
-
     def share_back(self, waiting: Sequence[Request], running: list[Request], kv: KVCacheManager,
                    first: Callable[[Sequence[Request]], Request], chunk_cap: Callable[[int], int]
-                   ) -> Iterator[tuple[Request, list[Request]]]:
+                   ) -> Iterator[list[Request]]:
         """Before a step schedules anything: room is kept (``reserved``) for the next waiting request of each
-        client under its fair share of the pool, for its first chunk as if nothing of it were cached. While the
-        free blocks fall short, yields a newcomer and the running requests of the client holding the most beyond
-        its share: the caller preempts one of them (out of ``running``) each time. (vLLM's admission never
-        preempts: a newcomer waits for blocks.)"""
-        if not waiting:
-            return
-        under = self.under_share(running, kv.blocks_of, kv.num_blocks)
+        client that stays within its fair share of the pool with it (its first chunk, counted as if nothing of
+        it were cached; a client that would pass its share waits, or two clients near their shares would take
+        blocks from each other in turn). While the free blocks fall short, yields the running requests of the
+        client holding the most beyond its share: the caller preempts one of them (out of ``running``) each
+        time. (vLLM's admission never preempts: a newcomer waits for blocks.)"""
+        held = self.holdings(running, kv.blocks_of)
+        share = kv.num_blocks / len(self.clients)
+        self.over_share = {client for client, n in held.items() if n > share}
         try:
-            newcomers = [first(reqs) for client, reqs in self.by_client(waiting).items() if client in under]
+            for client, reqs in self.by_client(waiting).items():
+                need = kv.blocks_needed(min((req := first(reqs)).num_tokens, chunk_cap(req.num_tokens)))
+                if held.get(client, 0) + need <= share:
+                    self.kept_for.add(client)
+                    self.reserved += need
         except Exception:
             return                                         # admission fails the requests the order cannot take
-        self.reserved = sum(kv.blocks_needed(min(r.num_tokens, chunk_cap(r.num_tokens))) for r in newcomers)
-        while newcomers and kv.num_free_blocks < self.reserved and \
+        while self.reserved > kv.num_free_blocks and \
                 (candidates := self.heaviest_over_share(running, kv.blocks_of, kv.num_blocks)):
-            yield newcomers[0], candidates
+            yield candidates
 
     def heaviest_over_share(self, running: Sequence[Request], blocks_of: Callable[[str], Sequence[int]],
                             num_blocks: int) -> list[Request]:

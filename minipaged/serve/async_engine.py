@@ -33,7 +33,7 @@ from ..outputs import RequestDelta
 from ..request import SamplingParams
 from .core_client import ServedModel, ThreadCore
 from .core_loop import Message
-from .event_hub import EventHub, Watcher
+from .event_hub import Chunk, EventHub, Watcher
 from .fair_share import CLIENT, ClientQuotas
 from .protocol import ServerError
 from .teacher import step_payloads
@@ -82,6 +82,7 @@ class AsyncEngine:
         self.hide_text = False                           # --hide-others-text: a copy of each event without text
         self.hub = EventHub()
         self._view = EngineView(self.served.info)        # what a late watcher must be told
+        self._snapshots: dict[bool, list[Chunk]] = {}    # its first messages, by hidden text, until the next step
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.num_in_flight = 0                           # generate() calls not ended yet
         self.draining: Optional[str] = None              # set on shutdown: why new requests are refused
@@ -214,11 +215,15 @@ class AsyncEngine:
 
     def watch(self, watcher: Watcher) -> None:
         """Register ``watcher``: it gets the engine header, a snapshot of the current state, then every
-        StepEvent (call ``unwatch`` when its connection ends)."""
-        full, without_text = step_payloads(snapshot_event(self._view), not watcher.sees_text)
-        first = [json.dumps({"type": "engine", **asdict(self.served.info)}, separators=(",", ":")),
-                 full if without_text is None else without_text]
-        self.hub.add(watcher, first)
+        StepEvent (call ``unwatch`` when its connection ends). The snapshot is made once a step for all the
+        watchers that join in it: a class that opens its pages at once (or 125 connections that never read)
+        costs one serialisation of the engine's state, not one each, on the loop that answers everyone."""
+        hide = not watcher.sees_text
+        if hide not in self._snapshots:
+            full, without_text = step_payloads(snapshot_event(self._view), hide)
+            header = json.dumps({"type": "engine", **asdict(self.served.info)}, separators=(",", ":"))
+            self._snapshots[hide] = [Chunk.data(header), Chunk.data(full if without_text is None else without_text)]
+        self.hub.add(watcher, self._snapshots[hide])
 
     def unwatch(self, watcher: Watcher) -> None:
         self.hub.remove(watcher)
@@ -249,6 +254,7 @@ class AsyncEngine:
         for callback in self._loop_subscribers:
             callback(event)
         self._view.apply(event)
+        self._snapshots.clear()                       # the state moved on
         for f in event.finished:                      # a long-running server must not remember every request
             self._view.requests.pop(f.request_id, None)
         if self.hub.watchers:                         # once, whatever the number of watchers

@@ -30,9 +30,10 @@ Five parts, each against one way of holding the server:
   at a time do not keep the socket either.
 - An event stream's kernel send buffer is fixed at ``STREAM_SEND_BUFFER`` bytes. Left to itself, Linux grows a
   socket's send buffer toward ``net.ipv4.tcp_wmem``'s maximum (4 MB by default) for a peer that does not read:
-  240 idle ``/v1/events`` connections took 488 MB of the kernel's memory, and writing it kept the event loop
-  from ``/health`` for 2 s. With the buffer fixed, a watcher that stops reading costs that much of the kernel's
-  memory, and its backlog reaches the event hub's limit (it is dropped) sooner.
+  125 idle ``/v1/events`` connections took 487 MB of the kernel's memory (50 MB with the buffer fixed), and
+  writing it kept the event loop from ``/health`` for over a second. With the buffer fixed, a watcher that stops
+  reading costs that much of the kernel's memory, and its backlog reaches the event hub's limit (it is dropped)
+  sooner.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import json
 import logging
 import zlib
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from starlette.responses import Response
 
@@ -155,10 +155,11 @@ class EventHub:
     def __init__(self) -> None:
         self.watchers: list[Watcher] = []
 
-    def add(self, watcher: Watcher, first: list[str]) -> None:
-        """Register ``watcher``, queueing ``first`` (the engine header and the snapshot) before any step."""
+    def add(self, watcher: Watcher, first: Sequence[Union[str, Chunk]]) -> None:
+        """Register ``watcher``, queueing ``first`` (the engine header and the snapshot; framed already where
+        watchers joining in the same step share them) before any step."""
         for payload in first:
-            watcher.offer(Chunk.data(payload))
+            watcher.offer(payload if isinstance(payload, Chunk) else Chunk.data(payload))
         self.watchers.append(watcher)
 
     def publish(self, payload: str, without_text: Optional[str] = None) -> None:
