@@ -14,10 +14,13 @@ client) gets its turn first, and only then its requests share it:
     client's requests: it preempts its own, or waits. The running requests of the lightest clients are
     scheduled first, so the heaviest client's requests are still there to be preempted when others need room.
   * **A newcomer takes its share back.** vLLM's admission never preempts: a request that does not fit waits
-    for blocks. Here, before a step schedules anything, the next waiting request of each client under its
-    fair share gets room kept for its first chunk: the client holding the most beyond its share has requests
-    preempted until the free blocks cover it, and no client over its share takes the kept blocks in that
-    step. A student who arrives while another client's samples fill the pool starts now, not when they end.
+    for blocks. Here, before a step schedules anything, the next waiting request of each client that stays
+    within its fair share with it gets room kept for its first chunk: the client holding the most beyond its
+    share has requests preempted until the free blocks cover it, and no client over its share takes the kept
+    blocks in that step (its waiting requests are passed over, the others' admitted). A student who arrives
+    while another client's samples fill the pool starts now, not when they end. Not covered: a request that
+    was swapped out (``--preemption-mode swap``) waits for blocks as before, and a long prompt's later chunks
+    get no kept room (a chunk that finds no block preempts a request as any running request does).
   * **A step's work is bounded, and shared by client.** While two or more clients have requests, one step
     does at most ``long_prefill_token_threshold`` tokens of work (the per-prompt cap becomes the step's):
     every client's first running decode gets its row, whatever the rest; then the clients' other decodes take
