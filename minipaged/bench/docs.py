@@ -415,7 +415,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "long_prefill": long_prefill_table, "fair_share": fair_share_table, "core_isolation_tiny": core_isolation_table,
     "soak_tiny": soak_table, "soak": soak_table,
     **{f"soak_{case}": soak_table for case in ("slowloris_before", "slowloris_after", "logprobs_before",
-                                               "logprobs_after", "logprobs_bound", "watchers_before", "watchers_after")},
+                                               "logprobs_after", "logprobs_bound",
+                                               "watchers_before", "watchers_after")},
     "spec_verify_cost": spec_verify_cost_table, "one_request": one_request_table,
     "one_request_profile": one_request_profile_table}
 SOURCES = {"decode_profile": "decode_floor"}          # a table built from another script's JSON

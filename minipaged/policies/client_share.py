@@ -194,6 +194,8 @@ class StepShare:
         blocks from each other in turn). While the free blocks fall short, yields the running requests of the
         client holding the most beyond its share: the caller preempts one of them (out of ``running``) each
         time. (vLLM's admission never preempts: a newcomer waits for blocks.)"""
+        if not waiting:
+            return
         held = self.holdings(running, kv.blocks_of)
         share = kv.num_blocks / len(self.clients)
         self.over_share = {client for client, n in held.items() if n > share}
