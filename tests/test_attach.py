@@ -129,10 +129,13 @@ def test_q_quits_at_once_and_the_key_bar_shows_beside_the_prompt_box(server):
         async with app.run_test(size=(160, 45)) as pilot:
             await wait_for(pilot, lambda: app.state is not None, timeout=30)
             box, footer = app.query_one("#prompt", Input), app.query_one(Footer)
+
+            def shown() -> list[FooterKey]:
+                return [key for key in footer.query(FooterKey) if key.region.height]
+            await wait_for(pilot, lambda: any(k.description == "Quit" and k.key_display == "q" for k in shown()),
+                           timeout=30)                    # (the key bar is laid out after the first picture)
             assert app.focused is not box
             assert footer.region.height and not footer.region.overlaps(box.region)
-            shown = [key for key in footer.query(FooterKey) if key.region.height]
-            assert any(key.description == "Quit" and key.key_display == "q" for key in shown), shown
             await pilot.press("slash", "q")
             assert app.focused is box and box.value == "q"        # in the box a q is a letter
             await pilot.press("escape")
@@ -141,6 +144,32 @@ def test_q_quits_at_once_and_the_key_bar_shows_beside_the_prompt_box(server):
         assert app.return_code == 0 and app.answers == []
 
     asyncio.run(run())
+
+
+def test_an_attach_app_that_ends_without_q_lets_its_process_end(server):
+    """An app that ends any other way than q (here: a failing check inside it, as a test or an error in a panel
+    would) must not leave its engine worker waiting on the server: the process waited until the server went
+    away (a CI run hung 20 minutes on one failed check)."""
+    from minipaged.tui.attach import AttachApp, AttachRun
+    from pilot_util import wait_for
+
+    async def run() -> None:
+        app = AttachApp(AttachRun(server), max_tokens=4)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await wait_for(pilot, lambda: app.state is not None, timeout=30)
+            raise LookupError("a check inside the app failed")
+
+    ended, raised = threading.Event(), []
+
+    def go() -> None:
+        try:
+            asyncio.run(run())
+        except LookupError as exc:
+            raised.append(exc)
+        ended.set()
+    threading.Thread(target=go, daemon=True).start()
+    assert ended.wait(60), "asyncio.run still waits for the app's engine worker"
+    assert raised
 
 
 def test_classroom_serves_the_attach_tui_to_two_browsers_at_once(server, tiny_model, tmp_path):

@@ -306,5 +306,10 @@ class AttachApp(WatchApp):
         self.attach.interrupt()
         await super().action_quit()
 
+    def on_unmount(self) -> None:
+        """However the app ends (q, an error in a panel, a test that leaves), the engine worker's ``step`` stops
+        waiting for the server: otherwise the process waits on that thread until the server goes away."""
+        self.attach.interrupt()
+
 
 __all__ = ["AttachRun", "AttachApp", "ServerLost", "parse_record", "sse_events"]
